@@ -1,0 +1,174 @@
+"""HTTP request/response bodies (pydantic; used only at the HTTP boundary).
+
+Manager API (``/v1``) is what clients and engines talk to; the engine API is
+what the manager talks to on a separate engine process.  Field-level limits
+here are coarse guards; semantic validation (templates, sampling, transforms,
+context lengths) happens in the layers that own those concepts so that the
+in-process path gets exactly the same checks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Criteria = Literal["LATENCY", "THROUGHPUT"]
+VarState = Literal["pending", "ready", "failed"]
+CallState = Literal["waiting", "ready", "running", "done", "failed"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorInfo(BaseModel):
+    code: str
+    message: str
+    detail: dict[str, Any] = Field(default_factory=dict)
+
+
+# ----------------------------------------------------------------- sessions
+class SessionCreated(BaseModel):
+    session_id: str
+    token: str = Field(description="Secret; present it as 'Authorization: Bearer <token>' on every request.")
+
+
+# ---------------------------------------------------------------- variables
+class CreateVariable(_Strict):
+    name: str | None = Field(default=None, max_length=200)
+    value: str | None = None
+
+
+class SetVariable(_Strict):
+    value: str
+
+
+class VariableInfo(BaseModel):
+    var_id: str
+    name: str | None = None
+    state: VarState
+    value: str | None = None
+    error: ErrorInfo | None = None
+    producer: str | None = None
+    consumers: list[str] = Field(default_factory=list)
+
+
+# -------------------------------------------------------------------- calls
+class PlaceholderBinding(_Strict):
+    """Binds one template placeholder.
+
+    Inputs take exactly one of ``var_id`` (a variable of this session) or
+    ``value`` (a constant).  Outputs may name an existing unproduced variable
+    in ``var_id`` (otherwise one is created) and carry ``sampling``,
+    ``transform`` and an optional performance ``criteria``.
+    """
+
+    name: str = Field(max_length=200)
+    direction: Literal["input", "output"] | None = None
+    var_id: str | None = None
+    value: str | None = None
+    sampling: dict[str, Any] | None = None
+    transform: Any = None
+    criteria: Criteria | None = None
+
+
+class SubmitCall(_Strict):
+    template: str
+    placeholders: list[PlaceholderBinding] = Field(default_factory=list, max_length=1024)
+    name: str | None = Field(default=None, max_length=200, description="Function name, for introspection.")
+    model: str | None = Field(default=None, description="Model to run on; any engine's model if omitted.")
+    chat: bool = Field(default=False, description="Wrap the prompt in the model's chat format.")
+
+
+class CallSubmitted(BaseModel):
+    call_id: str
+    outputs: dict[str, str] = Field(description="Output placeholder name -> variable id.")
+
+
+class CallInfo(BaseModel):
+    call_id: str
+    name: str | None
+    state: CallState
+    inputs: dict[str, str]
+    outputs: dict[str, str]
+    engine_id: str | None = None
+    error: ErrorInfo | None = None
+    prompt_tokens: int | None = None
+    generated_tokens: int | None = None
+    submitted_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+
+
+# ------------------------------------------------------------------ engines
+class EngineStats(BaseModel):
+    """A snapshot of an engine's load.  ``token_load`` counts KV tokens of
+    running work; ``token_capacity`` is the engine's batching knob."""
+
+    num_contexts: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    token_load: int = 0
+    token_capacity: int = 0
+    kv_tokens_used: int = 0
+    kv_tokens_total: int = 0
+    fills: int = 0
+    filled_tokens: int = 0
+    generates: int = 0
+    generated_tokens: int = 0
+
+
+class EngineDescription(_Strict):
+    """What an engine tells the manager about itself when it registers."""
+
+    url: str = Field(max_length=2000)
+    model: str = Field(max_length=500)
+    max_seq_len: int = Field(gt=0)
+    name: str | None = Field(default=None, max_length=200)
+
+
+class EngineRegistered(BaseModel):
+    engine_id: str
+    heartbeat_interval_s: float
+
+
+class Heartbeat(_Strict):
+    stats: EngineStats = Field(default_factory=EngineStats)
+
+
+class EngineInfo(BaseModel):
+    engine_id: str
+    name: str | None
+    model: str
+    max_seq_len: int
+    url: str | None
+    alive: bool
+    stats: EngineStats
+
+
+# ----------------------------------------------------- engine process API
+class FillRequest(_Strict):
+    tokens: list[int] = Field(max_length=1_000_000)
+    context_id: int
+    parent_context_id: int | None = None
+
+
+class GenerateRequest(_Strict):
+    sampling: dict[str, Any] = Field(default_factory=dict)
+    context_id: int
+    parent_context_id: int | None = None
+
+
+class FreeContextRequest(_Strict):
+    context_id: int
+
+
+class GenerateChunk(BaseModel):
+    """One line of a generate stream.  The last line has ``done`` set."""
+
+    token_ids: list[int] = Field(default_factory=list)
+    text: str = ""
+    done: bool = False
+    finish_reason: Literal["stop", "length", "cancelled"] | None = None
+    error: ErrorInfo | None = None

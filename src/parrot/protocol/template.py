@@ -1,0 +1,156 @@
+"""Prompt templates with semantic-variable placeholders.
+
+Syntax: constant text with placeholders in double braces.  A placeholder is
+``{{input:name}}``, ``{{output:name}}`` or the bare ``{{name}}`` whose
+direction comes from elsewhere (a decorated function's annotations, or the
+binding sent with a call).  Single braces are ordinary text, so JSON examples
+in a prompt need no escaping.
+
+Invariants of a parsed :class:`Template`: pieces alternate freely between
+non-empty text and placeholders; every ``{{`` is closed by ``}}`` before the
+next ``{{``; names are Python identifiers; an output name occurs exactly once
+and is never also an input.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from parrot.protocol.errors import InvalidTemplate
+
+Direction = Literal["input", "output"]
+DIRECTIONS: tuple[Direction, ...] = ("input", "output")
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+MAX_TEMPLATE_CHARS = 1_000_000
+
+
+@dataclass(frozen=True)
+class Text:
+    text: str
+
+
+@dataclass(frozen=True)
+class Placeholder:
+    name: str
+    direction: Direction | None  # None: bare {{name}}, resolved by the caller
+
+
+Piece = Text | Placeholder
+
+
+@dataclass(frozen=True)
+class Template:
+    source: str
+    pieces: tuple[Piece, ...]
+
+    @property
+    def placeholders(self) -> tuple[Placeholder, ...]:
+        return tuple(p for p in self.pieces if isinstance(p, Placeholder))
+
+    @property
+    def names(self) -> list[str]:
+        """Placeholder names in order of first appearance."""
+        return list(dict.fromkeys(p.name for p in self.placeholders))
+
+    def direction_of(self, name: str) -> Direction | None:
+        for p in self.placeholders:
+            if p.name == name and p.direction is not None:
+                return p.direction
+        return None
+
+    def with_directions(self, directions: dict[str, Direction]) -> Template:
+        """Resolve bare placeholders; explicit ones must agree with ``directions``."""
+        pieces: list[Piece] = []
+        for p in self.pieces:
+            if isinstance(p, Placeholder):
+                want = directions.get(p.name)
+                if want is None:
+                    want = p.direction
+                if want is None:
+                    raise InvalidTemplate(f"placeholder {{{{{p.name}}}}} is neither input nor output")
+                if p.direction is not None and p.direction != want:
+                    raise InvalidTemplate(
+                        f"placeholder {p.name!r} is marked {p.direction} in the template but bound as {want}"
+                    )
+                p = Placeholder(p.name, want)
+            pieces.append(p)
+        resolved = Template(self.source, tuple(pieces))
+        _check_outputs(resolved)
+        return resolved
+
+    def to_inline(self) -> str:
+        """The template in the fully explicit inline form (``{{input:x}}``)."""
+        out = []
+        for p in self.pieces:
+            if isinstance(p, Text):
+                out.append(p.text)
+            elif p.direction is None:
+                out.append("{{" + p.name + "}}")
+            else:
+                out.append("{{" + p.direction + ":" + p.name + "}}")
+        return "".join(out)
+
+
+def parse_template(source: str) -> Template:
+    """Parse ``source``; raises :class:`InvalidTemplate` naming the problem and its offset."""
+    if not isinstance(source, str):
+        raise InvalidTemplate("template must be a string")
+    if len(source) > MAX_TEMPLATE_CHARS:
+        raise InvalidTemplate(f"template longer than {MAX_TEMPLATE_CHARS} characters")
+    pieces: list[Piece] = []
+    pos = 0
+    while True:
+        start = source.find("{{", pos)
+        stray = source.find("}}", pos)
+        if stray != -1 and (start == -1 or stray < start):
+            raise InvalidTemplate(f"unbalanced braces: '}}}}' at offset {stray} closes nothing")
+        if start == -1:
+            if pos < len(source):
+                pieces.append(Text(source[pos:]))
+            break
+        if start > pos:
+            pieces.append(Text(source[pos:start]))
+        end = source.find("}}", start + 2)
+        reopen = source.find("{{", start + 2)
+        if end == -1 or (reopen != -1 and reopen < end):
+            raise InvalidTemplate(f"unbalanced braces: '{{{{' at offset {start} is never closed")
+        pieces.append(_parse_placeholder(source[start + 2 : end].strip(), start))
+        pos = end + 2
+    template = Template(source, tuple(pieces))
+    _check_outputs(template)
+    return template
+
+
+def _parse_placeholder(body: str, offset: int) -> Placeholder:
+    direction: Direction | None = None
+    name = body
+    if ":" in body:
+        prefix, name = (s.strip() for s in body.split(":", 1))
+        if prefix not in DIRECTIONS:
+            raise InvalidTemplate(
+                f"placeholder at offset {offset}: direction must be 'input' or 'output', got {prefix!r}"
+            )
+        direction = prefix  # type: ignore[assignment]
+    if not name:
+        raise InvalidTemplate(f"placeholder at offset {offset} has an empty name")
+    if not _NAME.match(name):
+        raise InvalidTemplate(f"placeholder at offset {offset}: {name!r} is not a valid name")
+    return Placeholder(name, direction)
+
+
+def _check_outputs(template: Template) -> None:
+    seen_out: set[str] = set()
+    inputs: set[str] = set()
+    for p in template.placeholders:
+        if p.direction == "output":
+            if p.name in seen_out:
+                raise InvalidTemplate(f"output placeholder {p.name!r} appears more than once")
+            seen_out.add(p.name)
+        elif p.direction == "input":
+            inputs.add(p.name)
+    both = seen_out & inputs
+    if both:
+        raise InvalidTemplate(f"placeholder(s) {sorted(both)} used as both input and output")
