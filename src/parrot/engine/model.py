@@ -1,0 +1,559 @@
+"""A LLaMA-family decoder in plain PyTorch (fp32, CPU-friendly).
+
+Covers LLaMA 2/3, SmolLM2, Mistral and Qwen2-style q/k/v bias: token
+embedding -> N x [RMSNorm -> grouped-query attention with RoPE -> residual ->
+RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> LM head (optionally tied to
+the embedding).  RoPE uses Hugging Face's "rotate_half" (neox) layout: the
+first and second halves of each head's dimensions form the rotated pairs.
+
+The model owns no KV cache.  Every step feeds the *new* tokens of all
+sequences of a batch concatenated into one varlen batch of ``T`` tokens, each
+with its absolute position, and attention is delegated to an injected
+:class:`AttentionBackend` that stores K/V and attends to each sequence's past.
+:class:`ContiguousKVAttention` (with :class:`ContiguousKVCache`) is the simple
+reference backend.
+
+Parameter names are Hugging Face's (``model.layers.0.self_attn.q_proj.weight``
+...), so ``state_dict()`` of a :class:`LlamaModel` is a valid HF checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from parrot.protocol.tokenizer import TINY_VOCAB_SIZE
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+SUPPORTED_ROPE_SCALING = ("linear", "llama3")
+
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and hyper-parameters of a decoder.
+
+    Invariants (checked on construction): all sizes positive;
+    ``num_heads % num_kv_heads == 0``; ``head_dim`` even; ``rope_scaling`` is
+    ``None`` or a dict whose ``"rope_type"`` is ``"linear"`` (needs ``factor``)
+    or ``"llama3"`` (needs ``factor``, ``low_freq_factor``,
+    ``high_freq_factor``, ``original_max_position_embeddings``).
+    ``attention_bias`` means bias on q/k/v projections (Qwen2 style), never on o_proj.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_seq_len: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_seq_len",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive number, got {value!r}")
+        object.__setattr__(self, "rope_scaling", _normalise_rope_scaling(self.rope_scaling))
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def tiny(cls) -> ModelConfig:
+        """The tiny random test model, sized for the byte-level tiny tokenizer."""
+        return cls(
+            vocab_size=TINY_VOCAB_SIZE,
+            hidden_size=64,
+            intermediate_size=128,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            rms_norm_eps=1e-5,
+            rope_theta=10000.0,
+            max_seq_len=2048,
+        )
+
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping[str, Any]) -> ModelConfig:
+        """From a Hugging Face ``config.json`` dict (Llama / Mistral / Qwen2)."""
+        if not isinstance(cfg, Mapping):
+            raise ValueError("from_hf_config takes the config.json dict")
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        model_type = SUPPORTED_ARCHITECTURES[arch] if arch else cfg.get("model_type")
+        if model_type not in SUPPORTED_ARCHITECTURES.values():
+            raise ValueError(
+                f"unsupported architecture {archs or model_type!r}; "
+                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r} (only 'silu')")
+        if model_type != "qwen2" and cfg.get("attention_bias"):
+            raise ValueError("attention_bias on a Llama/Mistral model (biased o_proj) is not supported")
+        if cfg.get("mlp_bias"):
+            raise ValueError("mlp_bias is not supported")
+
+        def need(key: str) -> Any:
+            if key not in cfg:
+                raise ValueError(f"config.json lacks {key!r}")
+            return cfg[key]
+
+        hidden = need("hidden_size")
+        heads = need("num_attention_heads")
+        rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), Mapping) else None
+        rope_theta = (rope or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling = rope if rope is not None else cfg.get("rope_scaling")
+        max_len = cfg.get("max_position_embeddings", 2048)
+        window = cfg.get("sliding_window")
+        if window and (model_type == "mistral" or cfg.get("use_sliding_window")):
+            max_len = min(max_len, window)  # within the window, full attention is exact
+        head_dim = cfg.get("head_dim") or (hidden // heads if isinstance(hidden, int) and heads else 0)
+        return cls(
+            vocab_size=need("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=need("intermediate_size"),
+            num_layers=need("num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=dict(scaling) if scaling else None,
+            max_seq_len=max_len,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=model_type == "qwen2",
+        )
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """A ``config.json`` dict; ``from_hf_config(c.to_hf_config()) == c``."""
+        qwen = self.attention_bias
+        cfg: dict[str, Any] = {
+            "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
+            "model_type": "qwen2" if qwen else "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
+            "max_position_embeddings": self.max_seq_len,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "torch_dtype": "float32",
+        }
+        cfg.update({"use_sliding_window": False} if qwen else {"attention_bias": False, "mlp_bias": False})
+        return cfg
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        data = {f.name: getattr(self, f.name) for f in fields(self)} | changes
+        return ModelConfig(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _normalise_rope_scaling(scaling: Any) -> dict[str, Any] | None:
+    if scaling is None:
+        return None
+    if not isinstance(scaling, Mapping):
+        raise ValueError(f"rope_scaling must be a dict or None, got {scaling!r}")
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind not in SUPPORTED_ROPE_SCALING:
+        raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: {SUPPORTED_ROPE_SCALING}")
+    keys = ("factor",) + (
+        ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        if kind == "llama3"
+        else ()
+    )
+    out: dict[str, Any] = {"rope_type": kind}
+    for key in keys:
+        value = scaling.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"rope_scaling {kind!r} needs a positive {key!r}, got {value!r}")
+        out[key] = value
+    if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise ValueError("rope_scaling llama3 needs high_freq_factor > low_freq_factor")
+    return out
+
+
+# --------------------------------------------------------------------------- attention protocol
+
+
+class AttentionBackend(Protocol):
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] — the T new tokens of this
+        step for ALL sequences in the batch concatenated (varlen, no padding), RoPE already applied.
+        The backend stores k, v into its cache and returns the attention output [T, num_heads, head_dim]
+        (causal within each sequence, attending to that sequence's cached past)."""
+        ...
+
+
+# --------------------------------------------------------------------------- building blocks
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # x: [T, D] -> [T, D]
+        var = x.pow(2).mean(dim=-1, keepdim=True)  # [T, 1]
+        return self.weight * (x * torch.rsqrt(var + self.eps))  # [D] * [T, D] -> [T, D]
+
+
+def rope_inv_freq(config: ModelConfig) -> Tensor:
+    """Inverse frequencies [head_dim // 2] (fp32), with linear / llama3 scaling applied."""
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim  # [D/2]
+    inv_freq = 1.0 / (config.rope_theta**exponents)  # [D/2]
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor  # [D/2]
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    low_freq_wavelen, high_freq_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq  # [D/2]
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)  # [D/2]
+    smooth = (old_ctx / wavelen - low) / (high - low)  # [D/2]
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled  # [D/2]
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)  # [D/2] bool
+    return torch.where(medium, smoothed, scaled)  # [D/2]
+
+
+def rope_cos_sin(inv_freq: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """cos, sin tables [T, head_dim] for absolute ``positions`` [T] (HF layout: halves repeated)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, 1] * [1, D/2] -> [T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+    return emb.cos(), emb.sin()  # [T, D], [T, D]
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x [T, H, D] by position: x*cos + rotate_half(x)*sin."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]  # [T, H, D/2] each
+    rotated = torch.cat((-x2, x1), dim=-1)  # [T, H, D]
+    return x * cos[:, None, :] + rotated * sin[:, None, :]  # [T, H, D] * [T, 1, D] -> [T, H, D]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, c.q_size, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.kv_size, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.kv_size, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.q_size, c.hidden_size, bias=False)
+
+    def forward(self, layer: int, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, D_model] -> [T, H, Dh]
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, D_model] -> [T, Hkv, Dh]
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, D_model] -> [T, Hkv, Dh]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # shapes unchanged
+        out = attn(layer, q, k, v)  # [T, H, Dh]
+        if out.shape != q.shape:
+            raise ValueError(
+                f"attention backend returned shape {tuple(out.shape)}, expected {tuple(q.shape)}"
+            )
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))  # [T, H*Dh] -> [T, D_model]
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # x: [T, D] -> gate, up: [T, I] -> [T, I] -> [T, D]
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, layer: int, h: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
+        h = h + self.self_attn(layer, self.input_layernorm(h), cos, sin, attn)  # [T, D]
+        return h + self.mlp(self.post_attention_layernorm(h))  # [T, D]
+
+
+class _Body(nn.Module):
+    """Holds the ``model.*`` parameters (HF naming)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+# --------------------------------------------------------------------------- model
+
+
+class LlamaModel(nn.Module):
+    """The decoder.  ``lm_head`` is ``None`` when embeddings are tied.
+
+    ``forward`` is pure with respect to the module (all state lives in the
+    attention backend), so one model can serve any number of batches.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = _Body(config)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self._inv_freq = rope_inv_freq(config)  # [Dh/2], plain attribute: not a checkpoint entry
+
+    def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
+        """Hidden states [T, hidden_size] (after the final norm) of the T new tokens."""
+        if input_ids.dim() != 1 or input_ids.dtype != torch.long:
+            raise ValueError(
+                f"input_ids must be a 1-D int64 tensor, got {input_ids.dtype} {tuple(input_ids.shape)}"
+            )
+        if positions.shape != input_ids.shape or positions.dtype != torch.long:
+            raise ValueError("positions must be an int64 tensor shaped like input_ids")
+        if input_ids.numel() == 0:
+            raise ValueError("forward needs at least one token")
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            raise ValueError(f"token id out of range [0, {self.config.vocab_size}): {lo if lo < 0 else hi}")
+        if int(positions.min()) < 0 or int(positions.max()) >= self.config.max_seq_len:
+            raise ValueError(f"positions must lie in [0, {self.config.max_seq_len})")
+        inv_freq = self._inv_freq.to(input_ids.device)
+        cos, sin = rope_cos_sin(inv_freq, positions)  # [T, Dh] each
+        h = self.model.embed_tokens(input_ids)  # [T] -> [T, D]
+        for i, layer in enumerate(self.model.layers):
+            h = layer(i, h, cos, sin, attn)  # [T, D]
+        return self.model.norm(h)  # [T, D]
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """Logits [N, vocab_size] float32 from hidden states [N, hidden_size]."""
+        if hidden.dim() != 2 or hidden.shape[1] != self.config.hidden_size:
+            raise ValueError(f"hidden must be [N, {self.config.hidden_size}], got {tuple(hidden.shape)}")
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [V, D]
+        return F.linear(hidden, weight).float()  # [N, D] @ [D, V] -> [N, V]
+
+    # -- construction ------------------------------------------------------
+
+    @classmethod
+    def random_init(cls, config: ModelConfig, seed: int = 0) -> LlamaModel:
+        """Deterministic random weights (same config + seed -> same weights), eval mode, no grads."""
+        with torch.device("meta"):
+            model = cls(config)
+        gen = torch.Generator().manual_seed(seed)
+        state = {}
+        for name, p in model.named_parameters():
+            t = torch.empty(p.shape, dtype=torch.float32)
+            if name.endswith("norm.weight"):
+                t.normal_(1.0, 0.1, generator=gen)  # not all-ones, so loaders are really tested
+            else:
+                t.normal_(0.0, 0.02, generator=gen)
+            state[name] = t
+        return cls.from_state_dict(config, state)
+
+    @classmethod
+    def from_state_dict(cls, config: ModelConfig, state_dict: Mapping[str, Tensor]) -> LlamaModel:
+        """Build from HF-named tensors; strict.
+
+        Missing or unexpected keys, or shape mismatches, raise ValueError naming
+        them.  Tolerated extras: ``*.rotary_emb.inv_freq`` buffers of old
+        checkpoints, and ``lm_head.weight`` of a tied model when it equals the
+        embedding.  Tensors are converted to fp32; the result is in eval mode
+        with ``requires_grad=False``.
+        """
+        with torch.device("meta"):
+            model = cls(config)
+        expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        given = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
+        if config.tie_word_embeddings and "lm_head.weight" in given:
+            head, emb = given.pop("lm_head.weight"), given.get("model.embed_tokens.weight")
+            if emb is None or not torch.equal(head.float(), emb.float()):
+                raise ValueError("unexpected key 'lm_head.weight': the model ties embeddings but it differs")
+        missing = sorted(set(expected) - set(given))
+        unexpected = sorted(set(given) - set(expected))
+        if missing or unexpected:
+            raise ValueError(f"state dict mismatch: missing keys {missing}, unexpected keys {unexpected}")
+        wrong = [
+            f"{k}: expected {expected[k]}, got {tuple(given[k].shape)}"
+            for k in expected
+            if tuple(given[k].shape) != expected[k]
+        ]
+        if wrong:
+            raise ValueError("state dict shape mismatch: " + "; ".join(wrong))
+        tensors = {k: given[k].detach().to(device="cpu", dtype=torch.float32).contiguous() for k in expected}
+        model.load_state_dict(tensors, strict=True, assign=True)
+        model.requires_grad_(False)
+        return model.eval()
+
+
+def random_init(config: ModelConfig, seed: int = 0) -> LlamaModel:
+    """See :meth:`LlamaModel.random_init`."""
+    return LlamaModel.random_init(config, seed)
+
+
+# --------------------------------------------------------------------------- reference backend
+
+
+class ContiguousKVCache:
+    """Per-sequence, per-layer contiguous K/V tensors: ``[len, num_kv_heads, head_dim]``.
+
+    Invariant: every layer of a sequence holds the same number of tokens after a
+    full forward step.
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        if num_layers <= 0:
+            raise ValueError("num_layers must be positive")
+        self.num_layers = num_layers
+        self._k: dict[Hashable, list[Tensor | None]] = {}
+        self._v: dict[Hashable, list[Tensor | None]] = {}
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._k
+
+    def length(self, seq_id: Hashable) -> int:
+        """Tokens cached for ``seq_id`` (in layer 0); 0 for unknown sequences."""
+        ks = self._k.get(seq_id)
+        return 0 if ks is None or ks[0] is None else ks[0].shape[0]
+
+    def append(self, seq_id: Hashable, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append k, v [n, Hkv, Dh] to a layer; return the full K, V [past + n, Hkv, Dh]."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
+        ks = self._k.setdefault(seq_id, [None] * self.num_layers)
+        vs = self._v.setdefault(seq_id, [None] * self.num_layers)
+        old_k, old_v = ks[layer], vs[layer]
+        ks[layer] = k.clone() if old_k is None else torch.cat((old_k, k), dim=0)  # [S, Hkv, Dh]
+        vs[layer] = v.clone() if old_v is None else torch.cat((old_v, v), dim=0)  # [S, Hkv, Dh]
+        return ks[layer], vs[layer]  # type: ignore[return-value]
+
+    def free(self, seq_id: Hashable) -> None:
+        self._k.pop(seq_id, None)
+        self._v.pop(seq_id, None)
+
+
+class ContiguousKVAttention:
+    """Reference :class:`AttentionBackend` for one step.
+
+    Built per step with the sequences of the batch, in the order their new
+    tokens are concatenated, and how many new tokens each has.  New tokens of a
+    sequence are assumed to follow its cached tokens (positions ``past ..
+    past + n - 1``).
+    """
+
+    def __init__(
+        self, cache: ContiguousKVCache, seq_ids: Sequence[Hashable], num_new_tokens: Sequence[int]
+    ) -> None:
+        if len(seq_ids) != len(num_new_tokens):
+            raise ValueError("seq_ids and num_new_tokens differ in length")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError("a sequence appears twice in one step")
+        if any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in num_new_tokens):
+            raise ValueError("num_new_tokens must be positive integers")
+        self.cache = cache
+        self.seq_ids = list(seq_ids)
+        self.num_new_tokens = list(num_new_tokens)
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        total = sum(self.num_new_tokens)
+        if q.shape[0] != total or k.shape[0] != total or v.shape[0] != total:
+            raise ValueError(
+                f"step has {total} new tokens but q/k/v have {q.shape[0]}/{k.shape[0]}/{v.shape[0]}"
+            )
+        n_heads, n_kv, head_dim = q.shape[1], k.shape[1], q.shape[2]
+        if n_heads % n_kv:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+        group = n_heads // n_kv
+        outs = []
+        for seq_id, q_s, k_s, v_s in zip(
+            self.seq_ids,
+            q.split(self.num_new_tokens),  # [n, H, Dh] each
+            k.split(self.num_new_tokens),  # [n, Hkv, Dh] each
+            v.split(self.num_new_tokens),
+            strict=True,
+        ):
+            n = q_s.shape[0]
+            keys, values = self.cache.append(seq_id, layer, k_s, v_s)  # [S, Hkv, Dh] each, S = past + n
+            s = keys.shape[0]
+            keys = keys.repeat_interleave(group, dim=1)  # [S, H, Dh]
+            values = values.repeat_interleave(group, dim=1)  # [S, H, Dh]
+            # query i sits at position past + i and sees keys 0 .. past + i
+            q_pos = torch.arange(s - n, s, device=q.device)[:, None]  # [n, 1]
+            mask = torch.arange(s, device=q.device)[None, :] <= q_pos  # [n, S] bool
+            out = F.scaled_dot_product_attention(
+                q_s.transpose(0, 1),  # [H, n, Dh]
+                keys.transpose(0, 1),  # [H, S, Dh]
+                values.transpose(0, 1),  # [H, S, Dh]
+                attn_mask=mask,  # [n, S] broadcast over heads
+                scale=1.0 / math.sqrt(head_dim),
+            )  # [H, n, Dh]
+            outs.append(out.transpose(0, 1))  # [n, H, Dh]
+        return torch.cat(outs, dim=0)  # [T, H, Dh]

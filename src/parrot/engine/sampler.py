@@ -1,0 +1,78 @@
+"""Next-token selection for a batch of rows, each with its own sampling settings.
+
+Invariants: greedy rows (``temperature == 0`` or ``top_k == 1``) return the
+argmax (lowest id on ties) and consume no randomness; other rows apply, in
+order, temperature, top-k, top-p (nucleus, always keeping the most likely
+token) and then draw with the row's own ``torch.Generator``, consuming exactly
+one uniform number from it, so a fixed seed reproduces a row whatever else is
+in the batch.  The returned id always has non-zero probability after the filters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from parrot.protocol.sampling import SamplingParams
+
+_SEED_MASK = (1 << 64) - 1
+
+
+def make_generator(seed: int | None) -> torch.Generator | None:
+    """A CPU generator seeded with ``seed`` (any int; taken modulo 2**64), or None for no seed."""
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an integer or None, got {seed!r}")
+    return torch.Generator(device="cpu").manual_seed(seed & _SEED_MASK)
+
+
+def sample(
+    logits: Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> Tensor:
+    """Pick one token per row of ``logits`` [B, V] (float32); returns int64 [B].
+
+    ``generators[i]`` drives row i (None: torch's global generator).
+    """
+    if not isinstance(logits, Tensor) or logits.dim() != 2 or logits.dtype != torch.float32:
+        raise ValueError("logits must be a float32 tensor of shape [B, V]")
+    batch, vocab = logits.shape
+    if len(params) != batch or len(generators) != batch:
+        raise ValueError(f"{batch} rows of logits but {len(params)} params and {len(generators)} generators")
+    if vocab == 0:
+        raise ValueError("logits have an empty vocabulary")
+    for p in params:
+        if not isinstance(p, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(p).__name__}")
+    if torch.isnan(logits).any() or torch.isposinf(logits).any():
+        raise ValueError("logits contain NaN or +inf")
+    if torch.isneginf(logits).all(dim=-1).any():
+        raise ValueError("a row of logits is entirely -inf")
+
+    out = logits.argmax(dim=-1)  # [B]
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return out
+    idx = torch.tensor(rows, dtype=torch.long)  # [R]
+    temps = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32)  # [R]
+    top_k = torch.tensor([params[i].top_k or vocab for i in rows], dtype=torch.long).clamp(max=vocab)  # [R]
+    top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float32)  # [R]
+
+    scaled = logits[idx] / temps[:, None]  # [R, V]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)  # [R, V] each
+    ranks = torch.arange(vocab)[None, :]  # [1, V]
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))  # top-k, [R, V]
+    probs = torch.softmax(sorted_logits, dim=-1)  # [R, V]
+    mass_before = probs.cumsum(dim=-1) - probs  # [R, V]: probability of strictly better tokens
+    drop = (mass_before >= top_p[:, None]) & (ranks > 0)  # top-p, never the best token
+    probs = probs.masked_fill(drop, 0.0)  # [R, V]
+    cdf = probs.cumsum(dim=-1)  # [R, V], non-decreasing, cdf[:, -1] = kept mass
+    u = torch.stack([torch.rand((), generator=generators[i]) for i in rows])  # [R] in [0, 1)
+    target = (u * cdf[:, -1])[:, None]  # [R, 1] in [0, kept mass)
+    pick = torch.searchsorted(cdf, target, right=True).clamp(max=vocab - 1)  # [R, 1]: first cdf > target
+    out[idx] = order.gather(1, pick).squeeze(1)  # [R]
+    return out

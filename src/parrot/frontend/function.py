@@ -1,0 +1,362 @@
+"""Semantic functions: prompt templates that are called like Python functions.
+
+Two ways to build one::
+
+    @P.semantic_function(chat=True)
+    def write_code(task: P.Input, code: P.Output(max_tokens=200)):
+        \"\"\"Write python code of {{task}}. Code: {{code}}\"\"\"
+
+    write_code = P.template_function("Write python code of {{input:task}}. Code: {{output:code}}",
+                                     name="write_code", code=P.Output(max_tokens=200))
+
+Invariants of a :class:`SemanticFunction`: its template has every
+placeholder's direction resolved; the inputs are exactly the template's input
+names and the outputs exactly its output names (at least one); every output
+has validated sampling settings and transform.  All of this is checked when
+the function is built, so a mistake in a prompt or in its settings raises at
+decoration time, not at the first call.
+
+Calling a function submits it to the current session (see
+:mod:`parrot.frontend.client`) and returns the output variable, or a tuple of
+them in template order when there are several.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable, Mapping
+from types import FrameType, MappingProxyType
+from typing import Any
+
+from parrot.frontend.client import current_session
+from parrot.frontend.variable import Criteria, SemanticVariable, check_criteria, check_value
+from parrot.protocol.errors import BindingError, InvalidTemplate, ParrotError
+from parrot.protocol.sampling import DEFAULT_SAMPLING, SamplingParams
+from parrot.protocol.schemas import SubmitCall
+from parrot.protocol.template import Direction, Template, parse_template
+from parrot.protocol.transforms import TransformChain, parse_transforms
+
+_D = DEFAULT_SAMPLING
+
+
+class Input:
+    """Marks a parameter (or a template placeholder) as an input.
+
+    Use it bare (``task: P.Input``) or called (``task: P.Input()``).
+    """
+
+    direction: Direction = "input"
+
+    def __repr__(self) -> str:
+        return "Input()"
+
+
+class Output:
+    """Marks a parameter (or a template placeholder) as an output and holds how
+    to generate it.  Use it bare (``code: P.Output``, default settings) or
+    called with settings; they are validated here, so mistakes raise at once.
+
+    ``stop`` may be a single string.  ``transform`` is anything
+    :func:`~parrot.protocol.transforms.parse_transforms` accepts (e.g.
+    ``P.transforms.strip()``).  ``criteria`` is an optional performance hint
+    (``P.LATENCY`` / ``P.THROUGHPUT``) sent with the call.
+    """
+
+    direction: Direction = "output"
+    __slots__ = ("criteria", "sampling", "transform")
+
+    def __init__(
+        self,
+        *,
+        max_tokens: int = _D.max_tokens,
+        temperature: float = _D.temperature,
+        top_p: float = _D.top_p,
+        top_k: int = _D.top_k,
+        seed: int | None = _D.seed,
+        stop: str | list[str] | tuple[str, ...] = (),
+        stop_token_ids: list[int] | tuple[int, ...] = (),
+        ignore_eos: bool = _D.ignore_eos,
+        transform: Any = None,
+        criteria: Criteria | None = None,
+    ):
+        if isinstance(stop, str):
+            stop = (stop,)
+        self.sampling = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=tuple(stop),
+            stop_token_ids=tuple(stop_token_ids),
+            ignore_eos=ignore_eos,
+        )
+        self.transform: TransformChain | None = parse_transforms(transform)
+        self.criteria: Criteria | None = None if criteria is None else check_criteria(criteria)
+
+    def binding(self, name: str) -> dict[str, Any]:
+        """This output's ``PlaceholderBinding`` in a ``SubmitCall`` body."""
+        return {
+            "name": name,
+            "direction": "output",
+            "sampling": self.sampling.to_dict(),
+            "transform": None if self.transform is None else self.transform.to_spec(),
+            "criteria": self.criteria,
+        }
+
+    def __repr__(self) -> str:
+        return f"Output(sampling={self.sampling!r}, transform={self.transform!r}, criteria={self.criteria!r})"
+
+
+def _marker(annotation: Any) -> Input | Output | None:
+    """The Input/Output an annotation denotes, or ``None`` if it is neither."""
+    if annotation is Input or isinstance(annotation, Input):
+        return Input()
+    if annotation is Output:
+        return Output()
+    if isinstance(annotation, Output):
+        return annotation
+    return None
+
+
+class SemanticFunction:
+    """A validated prompt template plus its outputs' settings; call it to submit."""
+
+    def __init__(
+        self,
+        template: Template,
+        outputs: Mapping[str, Output],
+        *,
+        name: str | None = None,
+        model: str | None = None,
+        chat: bool = False,
+        defaults: Mapping[str, str] | None = None,
+    ):
+        names = template.names
+        inputs = tuple(n for n in names if template.direction_of(n) == "input")
+        output_names = tuple(n for n in names if template.direction_of(n) == "output")
+        if len(inputs) + len(output_names) != len(names):
+            raise InvalidTemplate("every placeholder needs a direction")
+        if not output_names:
+            raise BindingError(f"semantic function {name or '<anonymous>'!r} has no output placeholder")
+        if set(outputs) != set(output_names):
+            raise BindingError(
+                f"output settings {sorted(outputs)} do not match "
+                f"the template's outputs {sorted(output_names)}"
+            )
+        if model is not None and not isinstance(model, str):
+            raise BindingError(f"model must be a string or None, got {type(model).__name__}")
+        if name is not None and not isinstance(name, str):
+            raise BindingError(f"name must be a string or None, got {type(name).__name__}")
+        self.template = template
+        self.name = name
+        self.model = model
+        self.chat = bool(chat)
+        self.inputs: tuple[str, ...] = inputs
+        self.outputs: Mapping[str, Output] = MappingProxyType({n: outputs[n] for n in output_names})
+        self.defaults: Mapping[str, str] = MappingProxyType(dict(defaults or {}))
+        self.__name__ = name or "semantic_function"
+        self.__doc__ = template.source
+
+    def __repr__(self) -> str:
+        return f"SemanticFunction({self.name!r}, inputs={list(self.inputs)}, outputs={list(self.outputs)})"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> SemanticVariable | tuple[SemanticVariable, ...]:
+        """Submit a call to the current session; returns the output future(s)."""
+        return current_session().call(self, *args, **kwargs)
+
+    def bind(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """Map call arguments to input names, like Python does for parameters.
+
+        Raises :class:`BindingError` for missing, unknown or doubly given
+        inputs.  Values are returned unchecked (the session checks them).
+        """
+        label = f"{self.__name__}()"
+        if len(args) > len(self.inputs):
+            raise BindingError(f"{label} takes {len(self.inputs)} input(s) but {len(args)} were given")
+        bound = dict(zip(self.inputs, args, strict=False))
+        for key, value in kwargs.items():
+            if key in self.outputs:
+                raise BindingError(f"{label}: {key!r} is an output; it is returned, not passed")
+            if key not in self.inputs:
+                raise BindingError(f"{label} got an unexpected input {key!r}")
+            if key in bound:
+                raise BindingError(f"{label} got multiple values for input {key!r}")
+            bound[key] = value
+        for key, value in self.defaults.items():
+            bound.setdefault(key, value)
+        missing = [n for n in self.inputs if n not in bound]
+        if missing:
+            raise BindingError(f"{label} missing input(s) {missing}")
+        return {n: bound[n] for n in self.inputs}
+
+    def submit_body(self, inputs: Mapping[str, str | SemanticVariable]) -> dict[str, Any]:
+        """The ``SubmitCall`` JSON body for already-checked ``inputs``.
+
+        Every variable among them must have its id.  Inputs bind by
+        ``var_id`` (a variable) or ``value`` (a constant); outputs carry
+        their sampling, transform and criteria.
+        """
+        placeholders: list[dict[str, Any]] = []
+        for name in self.template.names:
+            if name in self.outputs:
+                placeholders.append(self.outputs[name].binding(name))
+                continue
+            value = inputs[name]
+            if isinstance(value, SemanticVariable):
+                if value.id is None:
+                    raise ParrotError(f"input {name!r} has no variable id yet", code="client_error")
+                placeholders.append({"name": name, "direction": "input", "var_id": value.id})
+            else:
+                placeholders.append({"name": name, "direction": "input", "value": value})
+        body = {
+            "template": self.template.to_inline(),
+            "placeholders": placeholders,
+            "name": self.name,
+            "model": self.model,
+            "chat": self.chat,
+        }
+        SubmitCall.model_validate(body)  # the wire schema, checked before anything is sent
+        return body
+
+
+# ------------------------------------------------------------------ builders
+def semantic_function(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    name: str | None = None,
+    model: str | None = None,
+    chat: bool = False,
+) -> Any:
+    """Decorator: the docstring is the template, the annotations give directions.
+
+    Usable bare (``@P.semantic_function``) or with options.  Every parameter
+    must be annotated ``P.Input`` or ``P.Output(...)`` and appear as a
+    placeholder, and every placeholder must be a parameter
+    (:class:`BindingError` otherwise).  Inputs may have ``str``/``int``/
+    ``float`` defaults.  String annotations (``from __future__ import
+    annotations``) are evaluated in the function's globals and the locals of
+    the scope that applies the decorator.
+    """
+    if fn is not None:
+        return _from_callable(fn, name=name, model=model, chat=chat, frame=sys._getframe(1))
+
+    def decorate(f: Callable[..., Any]) -> SemanticFunction:
+        return _from_callable(f, name=name, model=model, chat=chat, frame=sys._getframe(1))
+
+    return decorate
+
+
+def template_function(
+    template: str,
+    /,
+    *,
+    name: str | None = None,
+    model: str | None = None,
+    chat: bool = False,
+    **placeholders: Any,
+) -> SemanticFunction:
+    """A semantic function from a template string.
+
+    Keyword arguments other than ``name``/``model``/``chat`` configure
+    placeholders by name: ``P.Output(...)`` (or bare ``P.Output``) for an
+    output, ``P.Input`` for an input.  A bare ``{{x}}`` placeholder that is
+    not configured is an input; outputs without settings get the defaults.
+    """
+    parsed = parse_template(template)
+    names = set(parsed.names)
+    markers: dict[str, Input | Output] = {}
+    for key, annotation in placeholders.items():
+        marker = _marker(annotation)
+        if marker is None:
+            raise BindingError(
+                f"placeholder {key!r} must be configured with P.Input or P.Output, got {annotation!r}"
+            )
+        if key not in names:
+            raise BindingError(f"{key!r} is configured but is not a placeholder of the template")
+        markers[key] = marker
+    directions: dict[str, Direction] = {n: "input" for n in parsed.names if parsed.direction_of(n) is None}
+    directions.update({n: m.direction for n, m in markers.items()})
+    resolved = parsed.with_directions(directions)
+    outputs = {
+        n: m if isinstance(m := markers.get(n), Output) else Output()
+        for n in resolved.names
+        if resolved.direction_of(n) == "output"
+    }
+    return SemanticFunction(resolved, outputs, name=name, model=model, chat=chat)
+
+
+def _from_callable(
+    fn: Callable[..., Any], *, name: str | None, model: str | None, chat: bool, frame: FrameType | None
+) -> SemanticFunction:
+    label = getattr(fn, "__qualname__", repr(fn))
+    if not callable(fn):
+        raise BindingError(f"@semantic_function decorates a function, got {fn!r}")
+    doc = fn.__doc__
+    if not doc or not doc.strip():
+        raise InvalidTemplate(f"semantic function {label} has no docstring; the docstring is its template")
+    template = parse_template(inspect.cleandoc(doc))
+    annotations = _annotations(fn, label, frame)
+    directions: dict[str, Direction] = {}
+    outputs: dict[str, Output] = {}
+    defaults: dict[str, str] = {}
+    for param in inspect.signature(fn).parameters.values():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            raise BindingError(f"{label}: *args/**kwargs parameters are not supported ({param.name!r})")
+        marker = _marker(annotations.get(param.name, param.empty))
+        if marker is None:
+            raise BindingError(
+                f"{label}: parameter {param.name!r} must be annotated P.Input or P.Output(...)"
+            )
+        directions[param.name] = marker.direction
+        if isinstance(marker, Output):
+            outputs[param.name] = marker
+            if param.default is not param.empty:
+                raise BindingError(f"{label}: output parameter {param.name!r} cannot have a default")
+        elif param.default is not param.empty:
+            defaults[param.name] = check_value(param.default, f"{label}: default of input {param.name!r}")
+    params, holes = set(directions), set(template.names)
+    if params != holes:
+        problems = []
+        if params - holes:
+            problems.append(f"parameter(s) {sorted(params - holes)} not in the docstring template")
+        if holes - params:
+            problems.append(f"placeholder(s) {sorted(holes - params)} are not parameters")
+        raise BindingError(f"{label}: " + "; ".join(problems))
+    resolved = template.with_directions(directions)
+    return SemanticFunction(
+        resolved,
+        outputs,
+        name=name or getattr(fn, "__name__", None),
+        model=model,
+        chat=chat,
+        defaults=defaults,
+    )
+
+
+def _annotations(fn: Callable[..., Any], label: str, frame: FrameType | None) -> dict[str, Any]:
+    """The function's annotations with string ones evaluated.
+
+    ``Output(...)`` errors (bad sampling or transform) propagate unchanged;
+    an annotation that cannot be evaluated raises :class:`BindingError`.
+    """
+    raw = inspect.get_annotations(fn)
+    if not any(isinstance(a, str) for a in raw.values()):
+        return dict(raw)
+    globalns = getattr(fn, "__globals__", {})
+    localns = dict(frame.f_locals) if frame is not None else {}
+    resolved: dict[str, Any] = {}
+    for key, annotation in raw.items():
+        for _ in range(2):  # a quoted annotation under `from __future__ import annotations` is a str twice
+            if not isinstance(annotation, str):
+                break
+            try:
+                annotation = eval(annotation, globalns, localns)
+            except ParrotError:
+                raise
+            except Exception as exc:
+                raise BindingError(f"{label}: cannot evaluate the annotation of {key!r}: {exc}") from exc
+        resolved[key] = annotation
+    return resolved

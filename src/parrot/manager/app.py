@@ -1,0 +1,227 @@
+"""The manager's HTTP API (FastAPI).  Thin: parse, authorize, delegate to
+:class:`Manager`, serialise.  OpenAPI schema at ``/openapi.json``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import FastAPI, Header, Query, Response
+from fastapi.responses import StreamingResponse
+
+from parrot.manager.remote_engine import RemoteEngine
+from parrot.manager.service import Manager, error_info
+from parrot.protocol.asgi import BodyLimitMiddleware, install_error_handlers, ndjson_line
+from parrot.protocol.errors import BadRequest, NotFound
+from parrot.protocol.schemas import (
+    CallInfo,
+    CallSubmitted,
+    CreateVariable,
+    Criteria,
+    EngineDescription,
+    EngineInfo,
+    EngineRegistered,
+    Heartbeat,
+    SessionCreated,
+    SetVariable,
+    SubmitCall,
+    VariableInfo,
+)
+
+log = logging.getLogger(__name__)
+
+Auth = Annotated[str | None, Header(alias="Authorization", description="Bearer <session token>")]
+
+
+def _token(authorization: str | None) -> str | None:
+    if not authorization:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+def create_app(manager: Manager) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        monitor = asyncio.create_task(_watch_heartbeats(manager))
+        try:
+            yield
+        finally:
+            monitor.cancel()
+            await manager.executor.drain()
+
+    app = FastAPI(
+        title="Parrot manager",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="Serve LLM applications as graphs of semantic functions and variables.",
+    )
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=manager.config.max_body_bytes)
+    app.state.manager = manager
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"ok": True, "engines": len(manager.pool), "sessions": len(manager.sessions)}
+
+    # ------------------------------------------------------------ sessions
+    @app.post("/v1/sessions", status_code=201, response_model=SessionCreated)
+    async def create_session() -> SessionCreated:
+        session, token = manager.create_session()
+        return SessionCreated(session_id=session.session_id, token=token)
+
+    @app.delete("/v1/sessions/{session_id}", status_code=204)
+    async def close_session(session_id: str, authorization: Auth = None) -> Response:
+        manager.close_session(manager.authorize(session_id, _token(authorization)))
+        return Response(status_code=204)
+
+    # ----------------------------------------------------------- variables
+    @app.post("/v1/sessions/{session_id}/variables", status_code=201, response_model=VariableInfo)
+    async def create_variable(
+        session_id: str, body: CreateVariable, authorization: Auth = None
+    ) -> VariableInfo:
+        session = manager.authorize(session_id, _token(authorization))
+        return manager.var_info(manager.create_variable(session, body.name, body.value))
+
+    @app.put("/v1/sessions/{session_id}/variables/{var_id}", response_model=VariableInfo)
+    async def set_variable(
+        session_id: str, var_id: str, body: SetVariable, authorization: Auth = None
+    ) -> VariableInfo:
+        session = manager.authorize(session_id, _token(authorization))
+        return manager.var_info(manager.set_variable(session, var_id, body.value))
+
+    @app.get("/v1/sessions/{session_id}/variables/{var_id}", response_model=VariableInfo)
+    async def get_variable(
+        session_id: str,
+        var_id: str,
+        wait: Annotated[
+            float, Query(ge=0, le=60, description="Long-poll: seconds to wait while pending.")
+        ] = 0,
+        criteria: Criteria | None = None,
+        authorization: Auth = None,
+    ) -> VariableInfo:
+        session = manager.authorize(session_id, _token(authorization))
+        var = manager.variable(session, var_id)
+        if criteria is not None:
+            var.criteria = criteria
+        await manager.wait_variable(var, wait)
+        return manager.var_info(var)
+
+    @app.get(
+        "/v1/sessions/{session_id}/variables/{var_id}/stream",
+        response_class=StreamingResponse,
+        responses={
+            200: {
+                "content": {"application/x-ndjson": {}},
+                "description": 'Lines {"text": delta}, then {"done": true, "state", "value", "error"}',
+            }
+        },
+    )
+    async def stream_variable(session_id: str, var_id: str, authorization: Auth = None) -> StreamingResponse:
+        session = manager.authorize(session_id, _token(authorization))
+        var = manager.variable(session, var_id)
+
+        async def lines() -> AsyncIterator[bytes]:
+            sent = 0
+            while True:
+                if var.producer is not None:
+                    while sent < len(var.partial):
+                        yield ndjson_line({"text": var.partial[sent]})
+                        sent += 1
+                if var.state != "pending":
+                    if var.producer is None and var.state == "ready":
+                        yield ndjson_line({"text": var.value})
+                    err = error_info(var.error)
+                    yield ndjson_line(
+                        {
+                            "done": True,
+                            "state": var.state,
+                            "value": var.value,
+                            "error": err.model_dump() if err else None,
+                        }
+                    )
+                    return
+                await var.wait_change(30.0)
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    # --------------------------------------------------------------- calls
+    @app.post("/v1/sessions/{session_id}/calls", status_code=201, response_model=CallSubmitted)
+    async def submit_call(session_id: str, body: SubmitCall, authorization: Auth = None) -> CallSubmitted:
+        session = manager.authorize(session_id, _token(authorization))
+        call = manager.submit_call(session, body)
+        return CallSubmitted(call_id=call.call_id, outputs={n: o.var.var_id for n, o in call.outputs.items()})
+
+    @app.get("/v1/sessions/{session_id}/calls/{call_id}", response_model=CallInfo)
+    async def get_call(session_id: str, call_id: str, authorization: Auth = None) -> CallInfo:
+        session = manager.authorize(session_id, _token(authorization))
+        return manager.call_info(manager.call(session, call_id))
+
+    @app.get("/v1/sessions/{session_id}/graph")
+    async def get_graph(session_id: str, authorization: Auth = None) -> dict:
+        session = manager.authorize(session_id, _token(authorization))
+        return {
+            "calls": [manager.call_info(c).model_dump() for c in session.calls.values()],
+            "variables": [
+                manager.var_info(v).model_dump(exclude={"value"}) for v in session.variables.values()
+            ],
+        }
+
+    # ------------------------------------------------------------- engines
+    @app.post("/v1/engines", status_code=201, response_model=EngineRegistered)
+    async def register_engine(body: EngineDescription) -> EngineRegistered:
+        if not body.url.startswith(("http://", "https://")):
+            raise BadRequest("engine url must start with http:// or https://")
+        remote = await RemoteEngine.connect(body.url)
+        if remote.model_name != body.model:
+            await remote.close()
+            raise BadRequest(f"engine at {body.url} serves {remote.model_name!r}, not {body.model!r}")
+        handle = manager.pool.register(remote, name=body.name, url=body.url)
+        log.info("engine %s registered: %s at %s", handle.engine_id, body.model, body.url)
+        return EngineRegistered(
+            engine_id=handle.engine_id, heartbeat_interval_s=manager.config.heartbeat_interval_s
+        )
+
+    @app.post("/v1/engines/{engine_id}/heartbeat")
+    async def heartbeat(engine_id: str, body: Heartbeat) -> dict:
+        manager.pool.heartbeat(engine_id, body.stats)
+        return {"ok": True}
+
+    @app.get("/v1/engines", response_model=list[EngineInfo])
+    async def list_engines() -> list[EngineInfo]:
+        out = []
+        for h in manager.pool:
+            if h.url is None:
+                with contextlib.suppress(Exception):
+                    h.stats = await h.api.stats()
+            out.append(
+                EngineInfo(
+                    engine_id=h.engine_id,
+                    name=h.name,
+                    model=h.model,
+                    max_seq_len=h.max_seq_len,
+                    url=h.url,
+                    alive=h.alive,
+                    stats=h.stats,
+                )
+            )
+        return out
+
+    @app.get("/v1/engines/{engine_id}", response_model=EngineInfo)
+    async def get_engine(engine_id: str) -> EngineInfo:
+        for info in await list_engines():
+            if info.engine_id == engine_id:
+                return info
+        raise NotFound(f"engine {engine_id} is not registered", code="engine_not_found")
+
+    return app
+
+
+async def _watch_heartbeats(manager: Manager) -> None:
+    while True:
+        await asyncio.sleep(max(manager.config.heartbeat_interval_s / 2, 0.05))
+        for engine_id in manager.pool.drop_stale():
+            log.warning("engine %s dropped: heartbeats stopped", engine_id)

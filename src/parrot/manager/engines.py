@@ -1,0 +1,117 @@
+"""The pool of engines the manager can place calls on.
+
+An engine is registered either in-process (the embedded engine of
+``parrot serve``) or over HTTP by a separate ``parrot engine`` process, which
+then heartbeats.  A remote engine whose heartbeats stop for
+``heartbeat_timeout_s`` is dropped; listeners learn of drops so the executor
+can fail (later: re-run) the calls it had there.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from parrot.protocol.engine_api import EngineAPI
+from parrot.protocol.errors import NoEngine, NotFound
+from parrot.protocol.schemas import EngineStats
+
+_engine_ids = itertools.count(1)
+# Context ids are unique process-wide, so an engine shared by two managers (as
+# in tests) or re-registered after a manager restart never sees a reused id.
+_context_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class EngineHandle:
+    engine_id: str
+    api: EngineAPI
+    name: str | None = None
+    url: str | None = None  # None: in-process
+    alive: bool = True
+    last_heartbeat: float = field(default_factory=time.monotonic)
+    stats: EngineStats = field(default_factory=EngineStats)
+    running_calls: int = 0
+
+    @property
+    def model(self) -> str:
+        return self.api.model_name
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.api.max_seq_len
+
+    @staticmethod
+    def new_context_id() -> int:
+        return next(_context_ids)
+
+
+class EnginePool:
+    def __init__(self, heartbeat_timeout_s: float = 15.0):
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._engines: dict[str, EngineHandle] = {}
+        self._drop_listeners: list[Callable[[EngineHandle, str], None]] = []
+
+    def __iter__(self):
+        return iter(list(self._engines.values()))
+
+    def __len__(self) -> int:
+        return len(self._engines)
+
+    def on_drop(self, listener: Callable[[EngineHandle, str], None]) -> None:
+        self._drop_listeners.append(listener)
+
+    def register(self, api: EngineAPI, *, name: str | None = None, url: str | None = None) -> EngineHandle:
+        handle = EngineHandle(f"engine-{next(_engine_ids)}", api, name=name, url=url)
+        self._engines[handle.engine_id] = handle
+        return handle
+
+    def get(self, engine_id: str) -> EngineHandle:
+        handle = self._engines.get(engine_id)
+        if handle is None:
+            raise NotFound(f"engine {engine_id} is not registered", code="engine_not_found")
+        return handle
+
+    def heartbeat(self, engine_id: str, stats: EngineStats) -> EngineHandle:
+        handle = self.get(engine_id)
+        handle.last_heartbeat = time.monotonic()
+        handle.stats = stats
+        return handle
+
+    def drop(self, engine_id: str, reason: str) -> None:
+        handle = self._engines.pop(engine_id, None)
+        if handle is None:
+            return
+        handle.alive = False
+        for listener in self._drop_listeners:
+            listener(handle, reason)
+
+    def drop_stale(self, now: float | None = None) -> list[str]:
+        """Drop remote engines whose last heartbeat is too old; returns their ids."""
+        now = time.monotonic() if now is None else now
+        stale = [
+            h.engine_id
+            for h in self._engines.values()
+            if h.url is not None and now - h.last_heartbeat > self.heartbeat_timeout_s
+        ]
+        for eid in stale:
+            self.drop(eid, f"no heartbeat for more than {self.heartbeat_timeout_s:g}s")
+        return stale
+
+    def candidates(self, model: str | None) -> list[EngineHandle]:
+        return [h for h in self._engines.values() if h.alive and (model is None or h.model == model)]
+
+    def pick(self, model: str | None) -> EngineHandle:
+        """The least-loaded live engine serving ``model`` (any model if None)."""
+        engines = self.candidates(model)
+        if not engines:
+            known = sorted({h.model for h in self._engines.values()})
+            what = f"model {model!r}" if model else "any model"
+            raise NoEngine(f"no live engine serves {what}; registered models: {known or 'none'}")
+        return min(engines, key=lambda h: (h.running_calls, h.stats.token_load))
+
+    def max_seq_len(self, model: str | None) -> int | None:
+        engines = self.candidates(model)
+        return max((h.max_seq_len for h in engines), default=None)

@@ -1,0 +1,216 @@
+"""Sessions, semantic variables and calls, and the DAG that connects them.
+
+Invariants:
+- every variable has at most one producer call; a variable with a producer is
+  never set by the client;
+- the graph is acyclic: a call never consumes, directly or transitively, a
+  variable it produces (checked on insertion);
+- a variable's state moves pending -> ready or pending -> failed, once;
+- a call is *ready* when every input variable is ready; if any input fails,
+  the call fails and so do its outputs (and, transitively, everything
+  downstream), so no ``get`` waits on work that can never run.
+
+Pure data structures plus waiter notification; no I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from parrot.protocol.errors import CallFailed, Conflict, CycleError, ParrotError
+from parrot.protocol.sampling import SamplingParams
+from parrot.protocol.template import Template
+
+VarState = Literal["pending", "ready", "failed"]
+CallState = Literal["waiting", "ready", "running", "done", "failed"]
+Criteria = Literal["LATENCY", "THROUGHPUT"]
+
+_ids = itertools.count(1)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{next(_ids):x}"
+
+
+@dataclass(eq=False)
+class Variable:
+    var_id: str
+    session_id: str
+    name: str | None = None
+    value: str | None = None
+    state: VarState = "pending"
+    error: ParrotError | None = None
+    producer: Call | None = None
+    consumers: list[Call] = field(default_factory=list)
+    criteria: Criteria | None = None
+    partial: list[str] = field(default_factory=list)  # streamed text of a running producer
+    _waiters: list[asyncio.Future[None]] = field(default_factory=list, repr=False)
+
+    def notify(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
+
+    async def wait_change(self, timeout: float) -> None:
+        """Wait until the variable changes (state or partial text) or ``timeout`` passes."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            if fut in self._waiters:
+                self._waiters.remove(fut)
+
+
+@dataclass(eq=False)
+class OutputSpec:
+    name: str
+    var: Variable
+    sampling: SamplingParams
+    transform: object | None = None  # parrot.protocol.transforms.TransformChain
+
+
+@dataclass(eq=False)
+class Call:
+    call_id: str
+    session_id: str
+    name: str | None
+    template: Template
+    inputs: dict[str, Variable | str]  # placeholder -> variable, or a constant
+    outputs: dict[str, OutputSpec]
+    model: str | None = None
+    chat: bool = False
+    state: CallState = "waiting"
+    error: ParrotError | None = None
+    engine_id: str | None = None
+    prompt_tokens: int | None = None
+    generated_tokens: int = 0
+    submitted_at: float = field(default_factory=time.time)
+    started_at: float | None = None
+    finished_at: float | None = None
+
+    def input_vars(self) -> list[Variable]:
+        return [v for v in self.inputs.values() if isinstance(v, Variable)]
+
+    def is_ready(self) -> bool:
+        return all(v.state == "ready" for v in self.input_vars())
+
+    def failed_input(self) -> tuple[str, Variable] | None:
+        for name, v in self.inputs.items():
+            if isinstance(v, Variable) and v.state == "failed":
+                return name, v
+        return None
+
+
+@dataclass(eq=False)
+class Session:
+    session_id: str
+    token_hash: bytes
+    variables: dict[str, Variable] = field(default_factory=dict)
+    calls: dict[str, Call] = field(default_factory=dict)
+    created_at: float = field(default_factory=time.time)
+    closed: bool = False
+
+
+def check_no_cycle(inputs: list[Variable], outputs: list[Variable]) -> None:
+    """Raise CycleError if any input is reachable downstream from an output."""
+    targets = {id(v) for v in inputs}
+    seen: set[int] = set()
+    stack = list(outputs)
+    while stack:
+        var = stack.pop()
+        if id(var) in targets:
+            raise CycleError(
+                f"call would consume its own output: variable {var.var_id} ({var.name or 'unnamed'}) "
+                "is both produced by it (directly or downstream) and consumed by it"
+            )
+        if id(var) in seen:
+            continue
+        seen.add(id(var))
+        for consumer in var.consumers:
+            stack.extend(o.var for o in consumer.outputs.values())
+
+
+def link_call(call: Call) -> None:
+    """Insert a validated call into the graph (producer/consumer edges)."""
+    outs = [o.var for o in call.outputs.values()]
+    for var in outs:
+        if var.producer is not None:
+            raise Conflict(
+                f"variable {var.var_id} is already produced by call {var.producer.call_id}",
+                code="variable_has_producer",
+            )
+        if var.state != "pending":
+            raise Conflict(
+                f"variable {var.var_id} already has a value; it cannot be a call's output",
+                code="variable_has_value",
+            )
+    if len({id(v) for v in outs}) != len(outs):
+        raise Conflict("one variable bound to two outputs of the same call", code="variable_has_producer")
+    check_no_cycle(call.input_vars(), outs)
+    for var in outs:
+        var.producer = call
+    for var in dict.fromkeys(call.input_vars()):
+        var.consumers.append(call)
+
+
+def materialise(var: Variable, value: str) -> list[Call]:
+    """Set a variable's value; returns consumer calls that became ready."""
+    if var.state != "pending":
+        raise Conflict(f"variable {var.var_id} is already {var.state}", code="variable_not_pending")
+    var.value = value
+    var.state = "ready"
+    var.notify()
+    ready = []
+    for call in var.consumers:
+        if call.state == "waiting" and call.is_ready():
+            call.state = "ready"
+            ready.append(call)
+    return ready
+
+
+def fail_call(call: Call, error: ParrotError) -> None:
+    """Fail a call, its pending outputs and everything downstream of them."""
+    stack: list[tuple[Call, ParrotError]] = [(call, error)]
+    while stack:
+        c, err = stack.pop()
+        if c.state in ("done", "failed"):
+            continue
+        c.state = "failed"
+        c.error = err
+        c.finished_at = time.time()
+        for out in c.outputs.values():
+            var = out.var
+            if var.state != "pending":
+                continue
+            var.state = "failed"
+            var.error = err
+            var.notify()
+            for consumer in var.consumers:
+                downstream = CallFailed(
+                    f"input {var.name or var.var_id!r} of call {consumer.name or consumer.call_id} failed: "
+                    f"{err.message}",
+                    code=err.code,
+                    detail={"origin_call": c.call_id, **err.detail},  # keeps the root cause
+                )
+                stack.append((consumer, downstream))
+
+
+def fail_variable(var: Variable, error: ParrotError) -> None:
+    """Fail a producer-less pending variable (e.g. its session closed) and its consumers."""
+    if var.state != "pending":
+        return
+    var.state = "failed"
+    var.error = error
+    var.notify()
+    for consumer in var.consumers:
+        fail_call(
+            consumer, CallFailed(f"input {var.name or var.var_id!r} failed: {error.message}", code=error.code)
+        )

@@ -1,0 +1,116 @@
+"""An engine in another process, reached over its HTTP API.
+
+Any transport failure becomes :class:`EngineError`; error bodies the engine
+returns are rebuilt into the errors it raised.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+
+import httpx
+
+from parrot.protocol.errors import EngineError, ParrotError, error_from_body
+from parrot.protocol.sampling import SamplingParams
+from parrot.protocol.schemas import EngineStats, GenerateChunk
+from parrot.protocol.tokenizer import TextTokenizer
+
+
+class RemoteEngine:
+    def __init__(
+        self, url: str, model_name: str, max_seq_len: int, tokenizer: TextTokenizer, client: httpx.AsyncClient
+    ):
+        self.url = url.rstrip("/")
+        self._model = model_name
+        self._max_seq_len = max_seq_len
+        self._tokenizer = tokenizer
+        self._client = client
+
+    @classmethod
+    async def connect(cls, url: str, *, timeout_s: float = 30.0) -> RemoteEngine:
+        """Fetch the engine's tokenizer and description, then return a client for it."""
+        client = httpx.AsyncClient(base_url=url.rstrip("/"), timeout=httpx.Timeout(timeout_s, read=None))
+        try:
+            info = await _request(client, "GET", "/tokenizer")
+        except BaseException:
+            await client.aclose()
+            raise
+        return cls(
+            url, info["model"], int(info["max_seq_len"]), TextTokenizer.from_dict(info["tokenizer"]), client
+        )
+
+    @property
+    def model_name(self) -> str:
+        return self._model
+
+    @property
+    def max_seq_len(self) -> int:
+        return self._max_seq_len
+
+    @property
+    def tokenizer(self) -> TextTokenizer:
+        return self._tokenizer
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    async def fill(
+        self, tokens: Sequence[int], context_id: int, parent_context_id: int | None = None
+    ) -> None:
+        await _request(
+            self._client,
+            "POST",
+            "/fill",
+            {"tokens": list(tokens), "context_id": context_id, "parent_context_id": parent_context_id},
+        )
+
+    async def generate(
+        self, sampling: SamplingParams, context_id: int, parent_context_id: int | None = None
+    ) -> AsyncIterator[GenerateChunk]:
+        body = {
+            "sampling": sampling.to_dict(),
+            "context_id": context_id,
+            "parent_context_id": parent_context_id,
+        }
+        try:
+            async with self._client.stream("POST", "/generate", json=body) as resp:
+                if resp.status_code >= 400:
+                    await resp.aread()
+                    raise _error(resp)
+                async for line in resp.aiter_lines():
+                    if not line.strip():
+                        continue
+                    chunk = GenerateChunk.model_validate_json(line)
+                    if chunk.error is not None:
+                        raise error_from_body(500, {"error": chunk.error.model_dump()})
+                    yield chunk
+                    if chunk.done:
+                        return
+            raise EngineError(f"engine at {self.url} ended the generate stream without finishing")
+        except httpx.HTTPError as exc:
+            raise EngineError(f"engine at {self.url} failed during generate: {exc!r}") from exc
+
+    async def free_context(self, context_id: int) -> None:
+        await _request(self._client, "POST", "/free_context", {"context_id": context_id})
+
+    async def stats(self) -> EngineStats:
+        return EngineStats.model_validate(await _request(self._client, "GET", "/stats"))
+
+
+async def _request(client: httpx.AsyncClient, method: str, path: str, body: dict | None = None) -> dict:
+    try:
+        resp = await client.request(method, path, json=body)
+    except httpx.HTTPError as exc:
+        raise EngineError(f"engine at {client.base_url} unreachable on {path}: {exc!r}") from exc
+    if resp.status_code >= 400:
+        raise _error(resp)
+    return resp.json() if resp.content else {}
+
+
+def _error(resp: httpx.Response) -> ParrotError:
+    try:
+        body = resp.json()
+    except (json.JSONDecodeError, ValueError):
+        body = resp.text[:500]
+    return error_from_body(resp.status_code, body)

@@ -1,0 +1,108 @@
+"""Turn a call whose inputs are materialised into engine steps.
+
+A call's template becomes an alternation of *fill* steps (constant text and
+input values, tokenized piece by piece so a constant prefix always yields the
+same tokens whatever follows it) and *generate* steps (one per output, in
+template order).  Everything runs in one engine context, so text after an
+output is conditioned on what was generated.
+
+With ``chat=True`` the model's chat format wraps the prompt: its opening text
+goes before the template and the assistant-turn marker right before the
+output, which must then be the template's last element.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parrot.manager.graph import Call, OutputSpec, Variable
+from parrot.protocol.errors import BadRequest, ContextTooLong
+from parrot.protocol.template import Placeholder, Template, Text
+from parrot.protocol.tokenizer import TextTokenizer
+
+
+@dataclass
+class FillStep:
+    tokens: list[int]
+
+
+@dataclass
+class GenerateStep:
+    output: OutputSpec
+
+
+Step = FillStep | GenerateStep
+
+
+def check_chat_shape(template: Template) -> None:
+    """``chat=True`` needs exactly one output, at the end (trailing whitespace allowed)."""
+    pieces = list(template.pieces)
+    while pieces and isinstance(pieces[-1], Text) and not pieces[-1].text.strip():
+        pieces.pop()
+    outputs = [p for p in pieces if isinstance(p, Placeholder) and p.direction == "output"]
+    if len(outputs) != 1 or pieces[-1] is not outputs[0]:
+        raise BadRequest(
+            "with chat=True the template must have exactly one output placeholder, as its last element",
+            code="invalid_template",
+        )
+
+
+def check_starts_with_text(template: Template) -> None:
+    first = template.pieces[0] if template.pieces else None
+    if isinstance(first, Placeholder) and first.direction == "output":
+        raise BadRequest(
+            "a template cannot start with an output: there is no prompt to generate from",
+            code="invalid_template",
+        )
+
+
+def input_text(value: Variable | str) -> str:
+    if isinstance(value, Variable):
+        if value.value is None:
+            raise RuntimeError(f"variable {value.var_id} is not materialised")
+        return value.value
+    return value
+
+
+def render(call: Call, tokenizer: TextTokenizer, max_seq_len: int) -> list[Step]:
+    """Engine steps for ``call``; raises ContextTooLong if the prompt cannot fit."""
+    pieces = list(call.template.pieces)
+    if call.chat:
+        if tokenizer.chat is None:
+            raise BadRequest("this model has no chat format; submit with chat=false", code="no_chat_format")
+        while pieces and isinstance(pieces[-1], Text) and not pieces[-1].text.strip():
+            pieces.pop()
+        before, between = tokenizer.chat.wrap()
+        pieces = [Text(before), *pieces[:-1], Text(between), pieces[-1]]
+    steps: list[Step] = []
+    pending: list[int] = []
+    if tokenizer.add_bos and tokenizer.bos_token_id is not None:
+        pending.append(tokenizer.bos_token_id)
+    total = 0
+    for piece in pieces:
+        if isinstance(piece, Text):
+            pending.extend(tokenizer.encode(piece.text))
+        elif piece.direction == "input":
+            pending.extend(tokenizer.encode(input_text(call.inputs[piece.name])))
+        else:
+            if pending:
+                steps.append(FillStep(pending))
+                total += len(pending)
+                pending = []
+            steps.append(GenerateStep(call.outputs[piece.name]))
+    if pending:
+        steps.append(FillStep(pending))
+        total += len(pending)
+    if total >= max_seq_len:
+        raise ContextTooLong(
+            f"the rendered prompt has {total} tokens; the model's context is {max_seq_len} "
+            "(generation needs at least one more)",
+            detail={"prompt_tokens": total, "max_seq_len": max_seq_len},
+        )
+    if steps and isinstance(steps[0], GenerateStep):
+        raise BadRequest("the rendered prompt before the first output is empty", code="empty_prompt")
+    return steps
+
+
+def prompt_tokens(steps: list[Step]) -> int:
+    return sum(len(s.tokens) for s in steps if isinstance(s, FillStep))

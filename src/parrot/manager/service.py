@@ -1,0 +1,304 @@
+"""The manager's operations, independent of HTTP.
+
+Every operation validates completely before it changes anything, so a
+rejected request leaves no partial state behind (no half-linked call, no
+orphan variable).  Sessions are isolated: an id from another session is
+reported as not found.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import time
+from dataclasses import dataclass
+
+from parrot.manager.engines import EnginePool
+from parrot.manager.executor import Executor
+from parrot.manager.graph import (
+    Call,
+    OutputSpec,
+    Session,
+    Variable,
+    fail_call,
+    fail_variable,
+    link_call,
+    materialise,
+    new_id,
+)
+from parrot.manager.render import check_chat_shape, check_starts_with_text, render
+from parrot.protocol.errors import (
+    BindingError,
+    CallFailed,
+    Conflict,
+    ContextTooLong,
+    Forbidden,
+    NotFound,
+    ParrotError,
+    Unauthorized,
+)
+from parrot.protocol.sampling import SamplingParams
+from parrot.protocol.schemas import (
+    CallInfo,
+    ErrorInfo,
+    PlaceholderBinding,
+    SubmitCall,
+    VariableInfo,
+)
+from parrot.protocol.template import parse_template
+from parrot.protocol.transforms import parse_transforms
+
+MAX_WAIT_S = 60.0
+
+
+@dataclass
+class ManagerConfig:
+    max_body_bytes: int = 8 * 1024 * 1024
+    heartbeat_interval_s: float = 2.0
+    heartbeat_timeout_s: float = 10.0
+
+
+def _hash_token(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+def error_info(err: ParrotError | None) -> ErrorInfo | None:
+    if err is None:
+        return None
+    return ErrorInfo(code=err.code, message=err.message, detail=err.detail)
+
+
+class Manager:
+    def __init__(self, config: ManagerConfig | None = None):
+        self.config = config or ManagerConfig()
+        self.pool = EnginePool(heartbeat_timeout_s=self.config.heartbeat_timeout_s)
+        self.executor = Executor(self.pool)
+        self.sessions: dict[str, Session] = {}
+
+    # ------------------------------------------------------------ sessions
+    def create_session(self) -> tuple[Session, str]:
+        token = secrets.token_urlsafe(32)
+        session = Session(new_id("s") + "-" + secrets.token_hex(4), _hash_token(token))
+        self.sessions[session.session_id] = session
+        return session, token
+
+    def authorize(self, session_id: str, token: str | None) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise NotFound(f"session {session_id} does not exist", code="session_not_found")
+        if not token:
+            raise Unauthorized("missing session token: send 'Authorization: Bearer <token>'")
+        if not hmac.compare_digest(session.token_hash, _hash_token(token)):
+            raise Forbidden(f"the token does not open session {session_id}")
+        return session
+
+    def close_session(self, session: Session) -> None:
+        """Cancel the session's running calls, free their contexts, drop its state."""
+        session.closed = True
+        closed = ParrotError(f"session {session.session_id} was closed", code="session_closed")
+        for call in session.calls.values():
+            if call.state not in ("done", "failed"):
+                self.executor.cancel(call, closed)
+        for var in session.variables.values():
+            fail_variable(var, closed)
+        self.sessions.pop(session.session_id, None)
+
+    # ----------------------------------------------------------- variables
+    def variable(self, session: Session, var_id: str) -> Variable:
+        var = session.variables.get(var_id)
+        if var is None:
+            raise NotFound(f"variable {var_id} does not exist in this session", code="variable_not_found")
+        return var
+
+    def call(self, session: Session, call_id: str) -> Call:
+        call = session.calls.get(call_id)
+        if call is None:
+            raise NotFound(f"call {call_id} does not exist in this session", code="call_not_found")
+        return call
+
+    def _check_value_length(self, value: str, model: str | None = None) -> None:
+        engines = self.pool.candidates(model)
+        if not engines:
+            return
+        longest = max(engines, key=lambda h: h.max_seq_len)
+        if len(value) < longest.max_seq_len:  # a token covers at least one character
+            return
+        n = len(longest.api.tokenizer.encode(value))
+        if n > longest.max_seq_len:
+            raise ContextTooLong(
+                f"value has {n} tokens; the longest model context is {longest.max_seq_len}",
+                detail={"tokens": n, "max_seq_len": longest.max_seq_len},
+            )
+
+    def create_variable(self, session: Session, name: str | None, value: str | None) -> Variable:
+        if value is not None:
+            self._check_value_length(value)
+        var = Variable(new_id("v"), session.session_id, name=name)
+        if value is not None:
+            var.value, var.state = value, "ready"
+        session.variables[var.var_id] = var
+        return var
+
+    def set_variable(self, session: Session, var_id: str, value: str) -> Variable:
+        var = self.variable(session, var_id)
+        if var.producer is not None:
+            raise Conflict(
+                f"variable {var_id} is produced by call {var.producer.call_id}; it cannot be set",
+                code="variable_has_producer",
+            )
+        if var.state != "pending":
+            raise Conflict(f"variable {var_id} is already {var.state}", code="variable_not_pending")
+        self._check_value_length(value)
+        for call in materialise(var, value):
+            self.executor.dispatch(call)
+        return var
+
+    async def wait_variable(self, var: Variable, wait_s: float) -> None:
+        deadline = time.monotonic() + min(max(wait_s, 0.0), MAX_WAIT_S)
+        while var.state == "pending":
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            await var.wait_change(left)
+
+    # --------------------------------------------------------------- calls
+    def submit_call(self, session: Session, req: SubmitCall) -> Call:
+        template = parse_template(req.template)
+        bindings = _index_bindings(req.placeholders)
+        names = template.names
+        missing = [n for n in names if n not in bindings]
+        if missing:
+            raise BindingError(f"placeholder(s) {missing} have no binding")
+        extra = [n for n in bindings if n not in names]
+        if extra:
+            raise BindingError(f"binding(s) {extra} match no placeholder in the template")
+        directions = {}
+        for name, b in bindings.items():
+            if b.direction is not None:
+                directions[name] = b.direction
+            elif template.direction_of(name) is None:
+                directions[name] = (
+                    "output" if (b.sampling is not None or b.transform is not None) else "input"
+                )
+        template = template.with_directions(directions)
+        check_starts_with_text(template)
+        if req.chat:
+            check_chat_shape(template)
+
+        inputs: dict[str, Variable | str] = {}
+        outputs: dict[str, OutputSpec] = {}
+        new_vars: list[Variable] = []
+        for name in names:
+            b = bindings[name]
+            if template.direction_of(name) == "input":
+                inputs[name] = self._bind_input(session, b)
+            else:
+                outputs[name] = self._bind_output(session, b, new_vars)
+
+        call = Call(
+            new_id("c"),
+            session.session_id,
+            req.name,
+            template,
+            inputs,
+            outputs,
+            model=req.model,
+            chat=req.chat,
+        )
+        self._check_rendered_length(call)
+        link_call(call)  # validates (producer conflicts, cycles) before linking anything
+        for name, out in outputs.items():
+            if bindings[name].criteria is not None:
+                out.var.criteria = bindings[name].criteria
+        for var in new_vars:
+            session.variables[var.var_id] = var
+        session.calls[call.call_id] = call
+        failed = call.failed_input()
+        if failed is not None:
+            name, var = failed
+            fail_call(
+                call,
+                CallFailed(
+                    f"input {name!r} failed: {var.error.message if var.error else ''}",
+                    code=var.error.code if var.error else "input_failed",
+                ),
+            )
+        elif call.is_ready():
+            self.executor.dispatch(call)
+        return call
+
+    def _bind_input(self, session: Session, b: PlaceholderBinding) -> Variable | str:
+        if (b.var_id is None) == (b.value is None):
+            raise BindingError(f"input {b.name!r} needs exactly one of 'var_id' or 'value'")
+        if b.sampling is not None or b.transform is not None or b.criteria is not None:
+            raise BindingError(f"input {b.name!r} cannot carry sampling, transform or criteria")
+        if b.value is not None:
+            self._check_value_length(b.value)
+            return b.value
+        return self.variable(session, b.var_id)  # type: ignore[arg-type]
+
+    def _bind_output(self, session: Session, b: PlaceholderBinding, new_vars: list[Variable]) -> OutputSpec:
+        if b.value is not None:
+            raise BindingError(f"output {b.name!r} cannot have a value")
+        sampling = SamplingParams.from_dict(b.sampling)
+        transform = parse_transforms(b.transform)
+        if b.var_id is not None:
+            var = self.variable(session, b.var_id)
+        else:
+            var = Variable(new_id("v"), session.session_id, name=b.name)
+            new_vars.append(var)
+        return OutputSpec(b.name, var, sampling, transform)
+
+    def _check_rendered_length(self, call: Call) -> None:
+        """Reject at submit a prompt that can never fit, when all inputs are known."""
+        if not all(v.state == "ready" for v in call.input_vars()):
+            return
+        engines = self.pool.candidates(call.model)
+        if not engines:
+            return
+        longest = max(engines, key=lambda h: h.max_seq_len)
+        render(call, longest.api.tokenizer, longest.max_seq_len)
+
+    # -------------------------------------------------------- introspection
+    @staticmethod
+    def var_info(var: Variable) -> VariableInfo:
+        return VariableInfo(
+            var_id=var.var_id,
+            name=var.name,
+            state=var.state,
+            value=var.value,
+            error=error_info(var.error),
+            producer=var.producer.call_id if var.producer else None,
+            consumers=[c.call_id for c in var.consumers],
+        )
+
+    @staticmethod
+    def call_info(call: Call) -> CallInfo:
+        return CallInfo(
+            call_id=call.call_id,
+            name=call.name,
+            state=call.state,
+            inputs={
+                n: (v.var_id if isinstance(v, Variable) else "<constant>") for n, v in call.inputs.items()
+            },
+            outputs={n: o.var.var_id for n, o in call.outputs.items()},
+            engine_id=call.engine_id,
+            error=error_info(call.error),
+            prompt_tokens=call.prompt_tokens,
+            generated_tokens=call.generated_tokens,
+            submitted_at=call.submitted_at,
+            started_at=call.started_at,
+            finished_at=call.finished_at,
+        )
+
+
+def _index_bindings(bindings: list[PlaceholderBinding]) -> dict[str, PlaceholderBinding]:
+    out: dict[str, PlaceholderBinding] = {}
+    for b in bindings:
+        if not b.name:
+            raise BindingError("a binding has an empty name")
+        if b.name in out:
+            raise BindingError(f"placeholder {b.name!r} is bound twice")
+        out[b.name] = b
+    return out

@@ -1,0 +1,39 @@
+"""The engine interface the manager programs against (the paper's primitives).
+
+Implemented in-process by :class:`parrot.engine.local.LocalEngine` and over
+HTTP by :class:`parrot.manager.remote_engine.RemoteEngine`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Protocol
+
+from parrot.protocol.sampling import SamplingParams
+from parrot.protocol.schemas import EngineStats, GenerateChunk
+from parrot.protocol.tokenizer import TextTokenizer
+
+
+class EngineAPI(Protocol):
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def max_seq_len(self) -> int: ...
+
+    @property
+    def tokenizer(self) -> TextTokenizer: ...
+
+    async def fill(
+        self, tokens: Sequence[int], context_id: int, parent_context_id: int | None = None
+    ) -> None:
+        """Append ``tokens`` to the context, creating it (forked from the parent) if needed."""
+
+    def generate(
+        self, sampling: SamplingParams, context_id: int, parent_context_id: int | None = None
+    ) -> AsyncIterator[GenerateChunk]:
+        """Stream generated chunks; the last has ``done`` set.  Closing early cancels."""
+
+    async def free_context(self, context_id: int) -> None: ...
+
+    async def stats(self) -> EngineStats: ...

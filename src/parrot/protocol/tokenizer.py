@@ -1,0 +1,503 @@
+"""Text <-> token ids, without torch.
+
+:class:`TextTokenizer` wraps a ``tokenizers.Tokenizer`` together with the
+metadata a server needs (EOS ids, BOS handling, chat markup).  It is built from
+a Hugging Face folder, from GGUF metadata, or as the byte-level tokenizer of the
+tiny random test model, and it travels between processes as a JSON-able dict
+(:meth:`TextTokenizer.to_dict` / :meth:`TextTokenizer.from_dict`).
+
+The ``tokenizers`` package is imported lazily, so importing this module is
+cheap for processes that only pass tokenizer dicts around.
+
+Invariants of a :class:`TextTokenizer`:
+
+* ``encode(text)`` never adds special tokens, not even BOS: a caller that
+  assembles a prompt from pieces prepends ``bos_token_id`` once when
+  ``add_bos`` is true.  Special-token *text* in the input (``"<|im_start|>"``)
+  maps to its single special id.
+* ``eos_token_ids`` is a tuple of distinct ids, all ``< vocab_size``;
+  ``bos_token_id`` is ``None`` or ``< vocab_size``; ``add_bos`` implies ``bos_token_id is not None``.
+* ``from_dict(t.to_dict())`` encodes and decodes exactly like ``t``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    import tokenizers
+
+#: Vocabulary size of :meth:`TextTokenizer.byte_level_tiny` (256 bytes + 3 specials).
+TINY_VOCAB_SIZE = 259
+TINY_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+_DICT_FORMAT = "parrot-tokenizer/1"
+
+# llama.cpp pre-tokenizer names -> tokenizers pre-tokenizer JSON.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+_GGUF_PRE_TOKENIZERS: dict[str, dict[str, Any]] = {
+    "default": _BYTE_LEVEL,
+    "gpt2": _BYTE_LEVEL,
+    # SmolLM / StarCoder: every digit on its own, then GPT-2 byte-level splitting.
+    "smollm": {
+        "type": "Sequence",
+        "pretokenizers": [{"type": "Digits", "individual_digits": True}, _BYTE_LEVEL],
+    },
+    "llama-bpe": {
+        "type": "Sequence",
+        "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": _LLAMA3_SPLIT}, "behavior": "Isolated", "invert": False},
+            {**_BYTE_LEVEL, "use_regex": False},
+        ],
+    },
+}
+_GGUF_CONTROL = 3
+_GGUF_USER_DEFINED = 4
+
+
+# --------------------------------------------------------------------------- chat markup
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """Chat markup of a model, enough to wrap one user prompt into one turn.
+
+    The text given to the model is ``before + prompt + between`` and the model's
+    answer follows.  ``before`` is ``[system_prefix + default_system + turn_end]
+    + user_prefix`` (the system turn only when ``default_system`` is set) and
+    ``between`` is ``turn_end + assistant_prefix``.
+    """
+
+    system_prefix: str
+    user_prefix: str
+    assistant_prefix: str
+    turn_end: str
+    default_system: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("system_prefix", "user_prefix", "assistant_prefix", "turn_end"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"ChatFormat.{name} must be a string")
+        if self.default_system is not None and not isinstance(self.default_system, str):
+            raise ValueError("ChatFormat.default_system must be a string or None")
+
+    def wrap(self, prompt_before_output: str = "") -> tuple[str, str]:
+        """Return ``(before, between)`` for a user prompt.
+
+        ``before`` goes in front of ``prompt_before_output`` and ``between``
+        between it and the generated output.  The wrapping does not depend on
+        the prompt's content, so the argument may be omitted.
+        """
+        if not isinstance(prompt_before_output, str):
+            raise ValueError("wrap() takes the prompt text")
+        before = self.user_prefix
+        if self.default_system:
+            before = self.system_prefix + self.default_system + self.turn_end + before
+        return before, self.turn_end + self.assistant_prefix
+
+    @classmethod
+    def chatml(cls, default_system: str | None = None) -> ChatFormat:
+        return cls(
+            system_prefix="<|im_start|>system\n",
+            user_prefix="<|im_start|>user\n",
+            assistant_prefix="<|im_start|>assistant\n",
+            turn_end="<|im_end|>\n",
+            default_system=default_system,
+        )
+
+    @classmethod
+    def llama3(cls, default_system: str | None = None) -> ChatFormat:
+        return cls(
+            system_prefix="<|start_header_id|>system<|end_header_id|>\n\n",
+            user_prefix="<|start_header_id|>user<|end_header_id|>\n\n",
+            assistant_prefix="<|start_header_id|>assistant<|end_header_id|>\n\n",
+            turn_end="<|eot_id|>",
+            default_system=default_system,
+        )
+
+    @classmethod
+    def inst(cls) -> ChatFormat:
+        """LLaMA-2 / Mistral ``[INST] prompt [/INST]`` (no system turn)."""
+        return cls(system_prefix="", user_prefix="[INST] ", assistant_prefix="", turn_end=" [/INST]")
+
+
+_CHATML_SYSTEM = re.compile(r"<\|im_start\|>system(?:\n|\\n)([^{}'\"+<>]+?)<\|im_end\|>")
+_LLAMA3_SYSTEM = re.compile(
+    r"<\|start_header_id\|>system<\|end_header_id\|>(?:\n|\\n){2}([^{}'\"+<>]+?)<\|eot_id\|>"
+)
+
+
+def detect_chat_format(vocab: Iterable[str], chat_template: str | None = None) -> ChatFormat | None:
+    """Pick the chat markup from the vocabulary (and the Jinja template, if any).
+
+    A literal default system prompt in the template (SmolLM2, Qwen2) becomes
+    ``default_system``.
+    """
+    vocab = set(vocab)
+    template = chat_template or ""
+    if "<|im_start|>" in vocab:
+        m = _CHATML_SYSTEM.search(template)
+        return ChatFormat.chatml(m.group(1) if m else None)
+    if "<|start_header_id|>" in vocab:
+        m = _LLAMA3_SYSTEM.search(template)
+        return ChatFormat.llama3(m.group(1) if m else None)
+    if "[INST]" in vocab or "[INST]" in template:
+        return ChatFormat.inst()
+    return None
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+class TextTokenizer:
+    """A ``tokenizers.Tokenizer`` plus BOS/EOS/chat metadata (see module docstring)."""
+
+    def __init__(
+        self,
+        tokenizer_json: str,
+        *,
+        eos_token_ids: Sequence[int] = (),
+        bos_token_id: int | None = None,
+        add_bos: bool = False,
+        chat: ChatFormat | None = None,
+    ) -> None:
+        from tokenizers import Tokenizer
+
+        if not isinstance(tokenizer_json, str):
+            raise ValueError("tokenizer_json must be the tokenizer.json text")
+        try:
+            self._tok: tokenizers.Tokenizer = Tokenizer.from_str(tokenizer_json)
+        except Exception as exc:  # tokenizers raises a bare Exception
+            raise ValueError(f"invalid tokenizer.json: {exc}") from exc
+        self._json = tokenizer_json
+        self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
+        eos = tuple(dict.fromkeys(_check_id(i, self.vocab_size, "eos_token_ids") for i in eos_token_ids))
+        self.eos_token_ids: tuple[int, ...] = eos
+        self.bos_token_id: int | None = (
+            None if bos_token_id is None else _check_id(bos_token_id, self.vocab_size, "bos_token_id")
+        )
+        if add_bos and self.bos_token_id is None:
+            raise ValueError("add_bos requires a bos_token_id")
+        self.add_bos: bool = bool(add_bos)
+        if chat is not None and not isinstance(chat, ChatFormat):
+            raise ValueError("chat must be a ChatFormat or None")
+        self.chat: ChatFormat | None = chat
+
+    # -- core -----------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; never a BOS (see ``add_bos`` / ``bos_token_id``)."""
+        if not isinstance(text, str):
+            raise ValueError(f"encode() takes a string, got {type(text).__name__}")
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        ids = list(ids)
+        for i in ids:
+            _check_id(i, self.vocab_size, "token id")
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def is_special(self, token_id: int) -> bool:
+        added = self._tok.get_added_tokens_decoder().get(token_id)
+        return bool(added is not None and added.special)
+
+    def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
+        return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens)
+
+    # -- transport ------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable form; :meth:`from_dict` rebuilds an equal tokenizer."""
+        return {
+            "format": _DICT_FORMAT,
+            "tokenizer_json": self._json,
+            "eos_token_ids": list(self.eos_token_ids),
+            "bos_token_id": self.bos_token_id,
+            "add_bos": self.add_bos,
+            "chat": None if self.chat is None else asdict(self.chat),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TextTokenizer:
+        if not isinstance(data, Mapping) or data.get("format") != _DICT_FORMAT:
+            raise ValueError(f"not a tokenizer dict of format {_DICT_FORMAT!r}")
+        chat = data.get("chat")
+        if chat is not None:
+            if not isinstance(chat, Mapping):
+                raise ValueError("tokenizer dict: chat must be an object or null")
+            try:
+                chat = ChatFormat(**chat)
+            except TypeError as exc:
+                raise ValueError(f"tokenizer dict: bad chat format: {exc}") from exc
+        eos = data.get("eos_token_ids", [])
+        if not isinstance(eos, list):
+            raise ValueError("tokenizer dict: eos_token_ids must be a list")
+        return cls(
+            data.get("tokenizer_json"),  # type: ignore[arg-type]
+            eos_token_ids=eos,
+            bos_token_id=data.get("bos_token_id"),
+            add_bos=bool(data.get("add_bos", False)),
+            chat=chat,
+        )
+
+    # -- builders -------------------------------------------------------------
+
+    @classmethod
+    def byte_level_tiny(cls) -> TextTokenizer:
+        """256 byte tokens (id == byte value) + ``<|endoftext|>`` (EOS, 256),
+        ``<|im_start|>`` (257), ``<|im_end|>`` (258); ChatML chat format."""
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+        byte_chars = _bytes_to_unicode()
+        vocab = {byte_chars[b]: b for b in range(256)}
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in TINY_SPECIAL_TOKENS])
+        eot = tok.token_to_id("<|endoftext|>")
+        im_end = tok.token_to_id("<|im_end|>")
+        return cls(tok.to_str(), eos_token_ids=(eot, im_end), chat=ChatFormat.chatml())
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> TextTokenizer:
+        """From a Hugging Face folder: ``tokenizer.json`` plus, when present,
+        ``tokenizer_config.json`` (bos/eos tokens, ``add_bos_token``, chat template)
+        and ``generation_config.json`` (``eos_token_id``)."""
+        path = Path(path)
+        tj = path / "tokenizer.json"
+        if not tj.is_file():
+            raise ValueError(f"{path}: no tokenizer.json")
+        text = tj.read_text(encoding="utf-8")
+        config = _read_json(path / "tokenizer_config.json")
+        gen = _read_json(path / "generation_config.json")
+        raw = json.loads(text)
+        vocab: dict[str, int] = dict(raw.get("model", {}).get("vocab") or {})
+        for added in raw.get("added_tokens") or []:
+            vocab[added["content"]] = added["id"]
+
+        def token_id(value: Any) -> int | None:
+            if isinstance(value, dict):
+                value = value.get("content")
+            return vocab.get(value) if isinstance(value, str) else None
+
+        bos = token_id(config.get("bos_token"))
+        if bos is None and isinstance(gen.get("bos_token_id"), int):
+            bos = gen["bos_token_id"]
+        eos: list[int] = []
+        cfg_eos = token_id(config.get("eos_token"))
+        if cfg_eos is not None:
+            eos.append(cfg_eos)
+        gen_eos = gen.get("eos_token_id")
+        eos.extend(
+            [gen_eos] if isinstance(gen_eos, int) else [i for i in gen_eos or [] if isinstance(i, int)]
+        )
+        add_bos = config.get("add_bos_token")
+        if add_bos is None:
+            add_bos = _post_processor_adds(raw.get("post_processor"), bos, vocab)
+        template = config.get("chat_template")
+        if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        chat = detect_chat_format(vocab, template if isinstance(template, str) else None)
+        eos.extend(_turn_end_ids(chat, vocab))
+        return cls(
+            text, eos_token_ids=eos, bos_token_id=bos, add_bos=bool(add_bos) and bos is not None, chat=chat
+        )
+
+    @classmethod
+    def from_gguf_metadata(cls, reader: Any) -> TextTokenizer:
+        """From a ``gguf.GGUFReader`` of a GPT-2-style byte-level BPE model
+        (``tokenizer.ggml.model == "gpt2"``).  Control tokens (type 3) become
+        special tokens, user-defined ones (type 4) plain added tokens."""
+        from tokenizers import AddedToken, Tokenizer
+
+        fields = reader.fields
+
+        def meta(key: str, default: Any = None) -> Any:
+            field = fields.get(key)
+            return default if field is None else field.contents()
+
+        kind = meta("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')")
+        pre = meta("tokenizer.ggml.pre", "default")
+        if pre not in _GGUF_PRE_TOKENIZERS:
+            raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported ({sorted(_GGUF_PRE_TOKENIZERS)})")
+        tokens: list[str] = meta("tokenizer.ggml.tokens")
+        merges: list[str] = meta("tokenizer.ggml.merges", [])
+        types: list[int] = meta("tokenizer.ggml.token_type") or [1] * len(tokens or [])
+        if not tokens or len(types) != len(tokens):
+            raise ValueError("GGUF tokenizer: tokens missing or token_type length differs")
+        pairs = []
+        for m in merges:
+            a, sep, b = m.partition(" ")
+            if not sep:
+                raise ValueError(f"GGUF tokenizer: malformed merge {m!r}")
+            pairs.append([a, b])
+        spec = {
+            "version": "1.0",
+            "truncation": None,
+            "padding": None,
+            "added_tokens": [],
+            "normalizer": None,
+            "pre_tokenizer": _GGUF_PRE_TOKENIZERS[pre],
+            "post_processor": None,
+            "decoder": {
+                "type": "ByteLevel",
+                "add_prefix_space": True,
+                "trim_offsets": True,
+                "use_regex": True,
+            },
+            "model": {
+                "type": "BPE",
+                "dropout": None,
+                "unk_token": None,
+                "continuing_subword_prefix": None,
+                "end_of_word_suffix": None,
+                "fuse_unk": False,
+                "byte_fallback": False,
+                "ignore_merges": False,
+                "vocab": {t: i for i, t in enumerate(tokens)},
+                "merges": pairs,
+            },
+        }
+        tok = Tokenizer.from_str(json.dumps(spec))
+        # Tokens already in the vocab keep their ids; they become matched-first added tokens.
+        tok.add_special_tokens(
+            [
+                AddedToken(t, special=True, normalized=False)
+                for t, ty in zip(tokens, types, strict=True)
+                if ty == _GGUF_CONTROL
+            ]
+        )
+        tok.add_tokens(
+            [
+                AddedToken(t, normalized=False)
+                for t, ty in zip(tokens, types, strict=True)
+                if ty == _GGUF_USER_DEFINED
+            ]
+        )
+        vocab = {t: i for i, t in enumerate(tokens)}
+        bos = meta("tokenizer.ggml.bos_token_id")
+        eos = [meta(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
+        chat = detect_chat_format(tokens, meta("tokenizer.chat_template"))
+        eos_ids = [i for i in eos if i is not None] + _turn_end_ids(chat, vocab)
+        add_bos = bool(meta("tokenizer.ggml.add_bos_token", False)) and bos is not None
+        return cls(tok.to_str(), eos_token_ids=eos_ids, bos_token_id=bos, add_bos=add_bos, chat=chat)
+
+
+# --------------------------------------------------------------------------- incremental decode
+
+
+class IncrementalDecoder:
+    """Turns a stream of token ids into text deltas.
+
+    Invariants: a delta never ends inside a UTF-8 character (text whose decoded
+    tail is U+FFFD is held back until a later token completes it), and the
+    concatenation of all deltas plus :meth:`flush` equals
+    ``tokenizer.decode(all_ids)``.  Work per token is bounded by the tokens not
+    yet emitted plus the last emitted chunk, not by the whole stream.
+    """
+
+    def __init__(self, tokenizer: TextTokenizer, *, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix = 0  # window start: ids[prefix:read] are already emitted
+        self._read = 0  # ids[:read] are emitted
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        return tuple(self._ids)
+
+    def _window_texts(self) -> tuple[str, str]:
+        dec = self._tokenizer.decode
+        done = dec(self._ids[self._prefix : self._read], skip_special_tokens=self._skip)
+        full = dec(self._ids[self._prefix :], skip_special_tokens=self._skip)
+        return done, full
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the newly completed text (possibly "")."""
+        _check_id(token_id, self._tokenizer.vocab_size, "token id")
+        self._ids.append(int(token_id))
+        done, full = self._window_texts()
+        if full.endswith("\ufffd") or len(full) <= len(done) or not full.startswith(done):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return full[len(done) :]
+
+    feed = push
+
+    def flush(self) -> str:
+        """Emit whatever is held back (e.g. a trailing incomplete character as U+FFFD)."""
+        done, full = self._window_texts()
+        self._prefix = self._read = len(self._ids)
+        return full[len(done) :] if full.startswith(done) else ""
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _check_id(value: Any, vocab_size: int, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size:
+        raise ValueError(f"{what}: {value!r} is not a token id in [0, {vocab_size})")
+    return value
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
+def _post_processor_adds(post: Any, bos: int | None, vocab: Mapping[str, int]) -> bool:
+    """Whether a TemplateProcessing post-processor starts single sequences with BOS."""
+    if bos is None or not isinstance(post, dict):
+        return False
+    procs = post.get("processors", [post]) if post.get("type") == "Sequence" else [post]
+    for p in procs:
+        single = p.get("single") if isinstance(p, dict) and p.get("type") == "TemplateProcessing" else None
+        if single and "SpecialToken" in single[0]:
+            return vocab.get(single[0]["SpecialToken"]["id"]) == bos
+    return False
+
+
+def _turn_end_ids(chat: ChatFormat | None, vocab: Mapping[str, int]) -> list[int]:
+    """The chat format's end-of-turn special token, which also ends generation."""
+    if chat is None:
+        return []
+    marker = chat.turn_end.strip()
+    return [vocab[marker]] if marker in vocab else []
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping

@@ -1,0 +1,107 @@
+"""Shared fixtures: a tiny seeded engine, and real manager HTTP servers on
+loopback (uvicorn in a background thread, a fresh manager per test)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+import uvicorn
+
+from parrot.engine.loader import LoadedModel, load_model
+from parrot.engine.local import LocalEngine
+from parrot.manager.app import create_app
+from parrot.manager.service import Manager, ManagerConfig
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> LoadedModel:
+    return load_model("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_model: LoadedModel) -> Iterator[LocalEngine]:
+    engine = LocalEngine(tiny_model, max_step_tokens=256)
+    yield engine
+    engine.close()
+
+
+class RequestLog:
+    """ASGI middleware recording (method, path) of every request a server receives."""
+
+    def __init__(self, app, log: list[tuple[str, str]]):
+        self.app = app
+        self.log = log
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            self.log.append((scope["method"], scope["path"]))
+        await self.app(scope, receive, send)
+
+
+@dataclass
+class LiveServer:
+    url: str
+    manager: Manager
+    requests: list[tuple[str, str]] = field(default_factory=list)
+    server: uvicorn.Server | None = None
+    thread: threading.Thread | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+
+    def run_on_loop(self, coro, timeout: float = 30):
+        """Run a coroutine on the server's event loop (where the engine and manager live)."""
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        assert self.server is not None and self.thread is not None
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def start_server(manager: Manager, *, record: bool = True) -> LiveServer:
+    app = create_app(manager)
+    live = LiveServer(url="", manager=manager)
+    asgi = RequestLog(app, live.requests) if record else app
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    live.url = f"http://127.0.0.1:{port}"
+    server = uvicorn.Server(uvicorn.Config(asgi, log_level="warning", lifespan="on"))
+    live.server = server
+
+    def run() -> None:
+        loop = asyncio.new_event_loop()
+        live.loop = loop
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(server.serve(sockets=[sock]))
+        loop.close()
+
+    live.thread = threading.Thread(target=run, daemon=True)
+    live.thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not live.thread.is_alive():
+            raise RuntimeError("test server did not start")
+        time.sleep(0.01)
+    return live
+
+
+@pytest.fixture
+def manager_config() -> ManagerConfig:
+    return ManagerConfig()
+
+
+@pytest.fixture
+def live(tiny_engine: LocalEngine, manager_config: ManagerConfig) -> Iterator[LiveServer]:
+    """A real manager HTTP server on loopback with the tiny engine embedded."""
+    manager = Manager(manager_config)
+    manager.pool.register(tiny_engine, name="tiny")
+    server = start_server(manager)
+    yield server
+    server.stop()
