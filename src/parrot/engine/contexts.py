@@ -108,7 +108,7 @@ class ContextTable:
             parent = self.get(parent_context_id)
             if parent.pending:
                 raise Conflict(
-                    f"parent context {parent_context_id} has uncomputed tokens; fork after its fill completes",
+                    f"parent context {parent_context_id} has uncomputed tokens; fork after its fill ends",
                     code="context_conflict",
                 )
             parent.live_children += 1
