@@ -36,6 +36,18 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=9000)
     serve.add_argument("--no-engine", action="store_true", help="manager only; engines register over HTTP")
     serve.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    serve.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=2.0,
+        help="seconds between the heartbeats remote engines are told to send",
+    )
+    serve.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=10.0,
+        help="drop a remote engine after this many seconds without a heartbeat",
+    )
     _add_engine_args(serve)
 
     engine = sub.add_parser("engine", help="run an engine that registers with a manager")
@@ -76,7 +88,15 @@ def serve(args: argparse.Namespace) -> None:
     from parrot.manager.service import Manager, ManagerConfig
 
     started = time.perf_counter()
-    manager = Manager(ManagerConfig(max_body_bytes=args.max_body_bytes))
+    if not 0 < args.heartbeat_interval < args.heartbeat_timeout:
+        raise SystemExit("parrot serve: need 0 < --heartbeat-interval < --heartbeat-timeout")
+    manager = Manager(
+        ManagerConfig(
+            max_body_bytes=args.max_body_bytes,
+            heartbeat_interval_s=args.heartbeat_interval,
+            heartbeat_timeout_s=args.heartbeat_timeout,
+        )
+    )
     engine = None
     if not args.no_engine:
         engine = _load_engine(args)

@@ -8,7 +8,8 @@ output is conditioned on what was generated.
 
 With ``chat=True`` the model's chat format wraps the prompt: its opening text
 goes before the template and the assistant-turn marker right before the
-output, which must then be the template's last element.
+output, which must then be the template's last element; whitespace at the
+edges of the user's text is dropped.
 """
 
 from __future__ import annotations
@@ -73,7 +74,19 @@ def render(call: Call, tokenizer: TextTokenizer, max_seq_len: int) -> list[Step]
         while pieces and isinstance(pieces[-1], Text) and not pieces[-1].text.strip():
             pieces.pop()
         before, between = tokenizer.chat.wrap()
-        pieces = [Text(before), *pieces[:-1], Text(between), pieces[-1]]
+        body = pieces[:-1]
+        # The chat markup delimits the user turn: whitespace at its edges (a
+        # docstring's newline before the output) only confuses the model.
+        if body and isinstance(body[-1], Text):
+            body[-1] = Text(body[-1].text.rstrip())
+        if body and isinstance(body[0], Text):
+            body[0] = Text(body[0].text.lstrip())
+        pieces = [
+            Text(before),
+            *(p for p in body if not isinstance(p, Text) or p.text),
+            Text(between),
+            pieces[-1],
+        ]
     steps: list[Step] = []
     pending: list[int] = []
     if tokenizer.add_bos and tokenizer.bos_token_id is not None:

@@ -10,6 +10,7 @@ from parrot.protocol.errors import InvalidSampling
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_TOP_K = (1 << 31) - 1  # anything >= the vocabulary means "no limit"; must fit the engine's int64 tensors
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,14 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            # a bare string would silently become its characters, a number a TypeError (HTTP 500)
+            if not isinstance(value, (list, tuple)):
+                raise InvalidSampling(
+                    f"invalid sampling: {name} must be a list, got {type(value).__name__} {value!r:.100}"
+                )
+            object.__setattr__(self, name, tuple(value))
         self.validate()
 
     @property
@@ -53,8 +60,14 @@ class SamplingParams:
             raise bad(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if (
+            isinstance(self.top_k, bool)
+            or not isinstance(self.top_k, int)
+            or not 0 <= self.top_k <= MAX_TOP_K
+        ):
+            raise bad(f"top_k must be an integer in [0, {MAX_TOP_K}] (0 disables it), got {self.top_k!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise bad(f"seed must be an integer or null, got {self.seed!r}")
         if len(self.stop) > MAX_STOP_STRINGS:
