@@ -14,7 +14,7 @@ DATA_DIR = Path(__file__).resolve().parent / "data"
 DEFAULT_FILE = DATA_DIR / "lighthouses.txt"
 DEFAULT_URL = "http://127.0.0.1:9000"
 DEFAULT_CHUNK_WORDS = 350
-DEFAULT_MAX_TOKENS = 120
+DEFAULT_MAX_TOKENS = 90
 
 _PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")

@@ -39,10 +39,9 @@ def build_functions(max_tokens: int) -> tuple[Callable[..., Any], Callable[..., 
         chunk: P.Input,
         summary: P.Output(max_tokens=max_tokens, temperature=0.0, transform=P.transforms.strip()),
     ):
-        """Summarise the following text in two or three sentences.
+        """{{chunk}}
 
-        Text:
-        {{chunk}}
+        Summarise the text above in two sentences.
         {{summary}}"""
 
     @P.semantic_function(chat=True)
@@ -51,11 +50,11 @@ def build_functions(max_tokens: int) -> tuple[Callable[..., Any], Callable[..., 
         chunk: P.Input,
         new_summary: P.Output(max_tokens=max_tokens, temperature=0.0, transform=P.transforms.strip()),
     ):
-        """Here is a summary so far: {{summary}}
+        """{{summary}}
 
-        Here is more text: {{chunk}}
+        {{chunk}}
 
-        Write an updated summary covering both in three sentences.
+        Summarise the text above in three sentences.
         {{new_summary}}"""
 
     return summarise, refine

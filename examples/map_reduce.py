@@ -38,10 +38,9 @@ def build_map(max_tokens: int) -> Callable[..., Any]:
         chunk: P.Input,
         summary: P.Output(max_tokens=max_tokens, temperature=0.0, transform=P.transforms.strip()),
     ):
-        """Summarise the following text in two or three sentences.
+        """{{chunk}}
 
-        Text:
-        {{chunk}}
+        Summarise the text above in two sentences.
         {{summary}}"""
 
     return summarise
@@ -49,11 +48,10 @@ def build_map(max_tokens: int) -> Callable[..., Any]:
 
 def reduce_template(n_parts: int) -> str:
     """The reduce prompt for ``n_parts`` chunk summaries: inputs ``s0``..``s{n-1}``, output ``summary``."""
-    parts = "\n\n".join(f"Part {i + 1}: {{{{input:s{i}}}}}" for i in range(n_parts))
+    parts = "\n\n".join(f"{{{{input:s{i}}}}}" for i in range(n_parts))
     return (
-        "Here are summaries of the parts of one text, in order.\n\n"
         f"{parts}\n\n"
-        "Combine them into one summary of the whole text in four sentences.\n"
+        "Summarise the text above in four sentences.\n"
         "{{output:summary}}"
     )
 

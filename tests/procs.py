@@ -6,6 +6,7 @@ bounded and poll; nothing here blocks without a deadline.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -87,14 +88,10 @@ class Proc:
     def kill(self) -> None:
         """SIGKILL (works on stopped processes too) and reap; idempotent."""
         if self.popen.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.popen.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
         self._log.close()
 
 

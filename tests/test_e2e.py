@@ -74,9 +74,9 @@ def test_async_session_submits_everything_before_waiting(live):
         async with P.aconnect(live.url) as s:
             outs = [step2(step1(f"topic {i}")) for i in range(3)]
             values = await asyncio.gather(*(o.aget(P.THROUGHPUT, timeout=60) for o in outs))
-            return s.session_id, values, outs
+            return s.session_id, values
 
-    sid, values, outs = asyncio.run(app())
+    sid, values = asyncio.run(app())
     assert len(values) == 3 and all(isinstance(v, str) for v in values)
     assert sum(1 for r in live.requests if r == ("POST", f"/v1/sessions/{sid}/calls")) == 6
 

@@ -83,13 +83,17 @@ async def register_and_heartbeat(
     engine: LocalEngine, manager_url: str, own_url: str, name: str | None, stop: asyncio.Event
 ) -> None:
     """Register with the manager, then heartbeat until ``stop`` is set.
-    Re-registers if the manager forgot us (e.g. it restarted)."""
+    Re-registers if the manager forgot us (e.g. it restarted, or dropped us
+    after missed heartbeats).  A manager that forgot us has given up on every
+    call it had here, so the contexts left from before are freed once the new
+    registration succeeds (otherwise their KV would be held forever)."""
     async with httpx.AsyncClient(base_url=manager_url.rstrip("/"), timeout=30) as client:
         engine_id: str | None = None
         interval = 2.0
         while not stop.is_set():
             try:
                 if engine_id is None:
+                    orphans = await engine.context_ids()
                     resp = await client.post(
                         "/v1/engines",
                         json={
@@ -103,6 +107,11 @@ async def register_and_heartbeat(
                     reg = resp.json()
                     engine_id, interval = reg["engine_id"], float(reg["heartbeat_interval_s"])
                     log.info("registered with %s as %s", manager_url, engine_id)
+                    for context_id in orphans:
+                        with contextlib.suppress(ParrotError):
+                            await engine.free_context(context_id)
+                    if orphans:
+                        log.warning("freed %d context(s) left from before registering", len(orphans))
                 else:
                     stats = await engine.stats()
                     resp = await client.post(
@@ -112,7 +121,7 @@ async def register_and_heartbeat(
                         engine_id = None
                         continue
                     resp.raise_for_status()
-            except httpx.HTTPError as exc:
-                log.warning("manager at %s: %s", manager_url, exc)
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:  # bad JSON too: keep trying
+                log.warning("manager at %s: %r", manager_url, exc)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval)
