@@ -165,3 +165,19 @@ def test_openapi_schema_is_published(live):
         "/v1/engines",
     ):
         assert path in paths
+
+
+def test_template_without_output_is_rejected(live):
+    with P.connect(live.url) as s:
+        resp = httpx.post(
+            f"{live.url}/v1/sessions/{s.session_id}/calls",
+            headers={"Authorization": f"Bearer {s.token}"},
+            json={"template": "just text {{input:x}}", "placeholders": [{"name": "x", "value": "1"}]},
+        )
+        graph = httpx.get(
+            f"{live.url}/v1/sessions/{s.session_id}/graph", headers={"Authorization": f"Bearer {s.token}"}
+        ).json()
+    assert resp.status_code == 400
+    assert resp.json()["error"]["code"] == "invalid_template"
+    assert "no output" in resp.json()["error"]["message"]
+    assert graph == {"calls": [], "variables": []}

@@ -195,3 +195,26 @@ def test_cancelling_a_stream_stops_generation_and_frees(tiny_engine):
     assert after.num_running == 0
     assert after.generated_tokens - before.generated_tokens < 500
     assert after.num_contexts == before.num_contexts
+
+
+def test_generate_on_unknown_context_leaves_nothing_behind(tiny_engine):
+    async def run():
+        before = (await tiny_engine.stats()).num_contexts
+        with pytest.raises(BadRequest, match="no tokens"):
+            await collect(tiny_engine, GREEDY, new_ctx())
+        return before, (await tiny_engine.stats()).num_contexts
+
+    before, after = asyncio.run(run())
+    assert after == before
+
+
+def test_vanishing_temperature_is_greedy_not_nan(tiny_engine):
+    vocab = tiny_engine.loaded.config.vocab_size
+    p = prompt(8, 25, vocab)
+    tiny_temp = SamplingParams(max_tokens=24, temperature=1e-30, ignore_eos=True, seed=1)
+
+    async def run():
+        return await from_scratch(tiny_engine, p), await from_scratch(tiny_engine, p, tiny_temp)
+
+    greedy, tiny = asyncio.run(run())
+    assert tiny == greedy

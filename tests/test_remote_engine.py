@@ -123,7 +123,7 @@ def test_engine_registers_heartbeats_and_serves_an_app_like_the_embedded_engine(
     eng = procs.engine(mgr)
     [info] = engines(mgr)
     assert info["url"] == eng.url
-    assert info["model"] == tiny_model.name == "tiny:0"
+    assert info["model"] == tiny_model.name == "tiny"
     assert info["alive"] is True
     assert info["max_seq_len"] == tiny_model.config.max_seq_len
     assert info["stats"]["generates"] == 0

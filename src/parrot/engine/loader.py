@@ -134,7 +134,8 @@ def load_model(source: str = DEFAULT_ALIAS, *, cache_dir: Path | None = None) ->
 def _load_tiny(seed: int) -> LoadedModel:
     config = ModelConfig.tiny()
     model = LlamaModel.random_init(config, seed)
-    return LoadedModel(f"tiny:{seed}", config, model, TextTokenizer.byte_level_tiny())
+    name = "tiny" if seed == 0 else f"tiny:{seed}"
+    return LoadedModel(name, config, model, TextTokenizer.byte_level_tiny())
 
 
 # --------------------------------------------------------------------------- Hugging Face folders

@@ -225,6 +225,9 @@ class EngineRunner:
                 blocked.add(job.context_id)
                 still_waiting.append(job)
                 continue
+            if job.is_generate and job.parent_context_id is None and job.context_id not in self.contexts:
+                self._finish(job, BadRequest(f"context {job.context_id} has no tokens to generate from"))
+                continue
             try:
                 ctx = self.contexts.open(job.context_id, job.parent_context_id)
                 self.contexts.append(ctx, job.tokens)
@@ -252,6 +255,8 @@ class EngineRunner:
         if job.context_id in self.contexts:
             return not self.contexts.get(job.context_id).busy
         pid = job.parent_context_id
+        if job.is_generate and pid is None:
+            return True  # _admit rejects it without creating an empty context
         if pid is None or pid not in self.contexts:
             return True  # open() reports a missing parent
         parent = self.contexts.get(pid)

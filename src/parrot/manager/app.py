@@ -12,6 +12,7 @@ from typing import Annotated
 from fastapi import FastAPI, Header, Query, Response
 from fastapi.responses import StreamingResponse
 
+from parrot.manager.engines import EngineHandle
 from parrot.manager.remote_engine import RemoteEngine
 from parrot.manager.service import Manager, error_info
 from parrot.protocol.asgi import BodyLimitMiddleware, install_error_handlers, ndjson_line
@@ -60,6 +61,7 @@ def create_app(manager: Manager) -> FastAPI:
         description="Serve LLM applications as graphs of semantic functions and variables.",
     )
     install_error_handlers(app)
+    manager.pool.on_drop(_close_remote_client)
     app.add_middleware(BodyLimitMiddleware, max_bytes=manager.config.max_body_bytes)
     app.state.manager = manager
 
@@ -218,6 +220,11 @@ def create_app(manager: Manager) -> FastAPI:
         raise NotFound(f"engine {engine_id} is not registered", code="engine_not_found")
 
     return app
+
+
+def _close_remote_client(handle: EngineHandle, _reason: str) -> None:
+    if isinstance(handle.api, RemoteEngine):
+        asyncio.get_running_loop().create_task(handle.api.close())
 
 
 async def _watch_heartbeats(manager: Manager) -> None:

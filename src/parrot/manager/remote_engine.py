@@ -30,7 +30,7 @@ class RemoteEngine:
     @classmethod
     async def connect(cls, url: str, *, timeout_s: float = 30.0) -> RemoteEngine:
         """Fetch the engine's tokenizer and description, then return a client for it."""
-        client = httpx.AsyncClient(base_url=url.rstrip("/"), timeout=httpx.Timeout(timeout_s, read=None))
+        client = httpx.AsyncClient(base_url=url.rstrip("/"), timeout=httpx.Timeout(timeout_s))
         try:
             info = await _request(client, "GET", "/tokenizer")
         except BaseException:
@@ -63,6 +63,7 @@ class RemoteEngine:
             "POST",
             "/fill",
             {"tokens": list(tokens), "context_id": context_id, "parent_context_id": parent_context_id},
+            timeout=_NO_READ_TIMEOUT,  # a long prompt on a busy engine takes a while
         )
 
     async def generate(
@@ -74,7 +75,10 @@ class RemoteEngine:
             "parent_context_id": parent_context_id,
         }
         try:
-            async with self._client.stream("POST", "/generate", json=body) as resp:
+            # no read timeout: a long generation may pause between tokens while the engine is busy;
+            # a dead engine is caught by the broken stream or by its missing heartbeats
+            stream = self._client.stream("POST", "/generate", json=body, timeout=_NO_READ_TIMEOUT)
+            async with stream as resp:
                 if resp.status_code >= 400:
                     await resp.aread()
                     raise _error(resp)
@@ -98,9 +102,18 @@ class RemoteEngine:
         return EngineStats.model_validate(await _request(self._client, "GET", "/stats"))
 
 
-async def _request(client: httpx.AsyncClient, method: str, path: str, body: dict | None = None) -> dict:
+_NO_READ_TIMEOUT = httpx.Timeout(30.0, read=None)
+
+
+async def _request(
+    client: httpx.AsyncClient,
+    method: str,
+    path: str,
+    body: dict | None = None,
+    timeout: httpx.Timeout | None = None,
+) -> dict:
     try:
-        resp = await client.request(method, path, json=body)
+        resp = await client.request(method, path, json=body, timeout=timeout or client.timeout)
     except httpx.HTTPError as exc:
         raise EngineError(f"engine at {client.base_url} unreachable on {path}: {exc!r}") from exc
     if resp.status_code >= 400:

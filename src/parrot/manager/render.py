@@ -49,6 +49,11 @@ def check_chat_shape(template: Template) -> None:
 
 
 def check_starts_with_text(template: Template) -> None:
+    """A call needs an output to generate, and a prompt before its first output."""
+    if not any(p.direction == "output" for p in template.placeholders):
+        raise BadRequest(
+            "the template has no output placeholder: nothing to generate", code="invalid_template"
+        )
     first = template.pieces[0] if template.pieces else None
     if isinstance(first, Placeholder) and first.direction == "output":
         raise BadRequest(

@@ -9,6 +9,7 @@ from typing import Any
 from parrot.protocol.errors import InvalidSampling
 
 MAX_STOP_STRINGS = 16
+MIN_TEMPERATURE = 1e-5
 MAX_STOP_STRING_CHARS = 256
 MAX_TOP_K = (1 << 31) - 1  # anything >= the vocabulary means "no limit"; must fit the engine's int64 tensors
 
@@ -44,7 +45,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """Temperatures below ``MIN_TEMPERATURE`` are greedy: dividing logits by
+        them would overflow to inf/NaN."""
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
     def validate(self) -> None:
         def bad(msg: str) -> InvalidSampling:
