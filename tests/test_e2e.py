@@ -181,3 +181,16 @@ def test_template_without_output_is_rejected(live):
     assert resp.json()["error"]["code"] == "invalid_template"
     assert "no output" in resp.json()["error"]["message"]
     assert graph == {"calls": [], "variables": []}
+
+
+def test_multibyte_value_over_the_context_is_rejected(live, tiny_engine):
+    """Fewer characters than the context, but more tokens (byte-level: 'é' is two)."""
+    n = tiny_engine.max_seq_len * 3 // 4
+    with P.connect(live.url) as s:
+        try:
+            s.variable(value="é" * n)
+        except P.ContextTooLong as exc:
+            assert exc.detail["tokens"] == 2 * n
+        else:
+            raise AssertionError("a value longer than the context was accepted")
+        assert step1("ok").get(timeout=60)  # the session still works

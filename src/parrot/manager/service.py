@@ -122,7 +122,7 @@ class Manager:
         if not engines:
             return
         longest = max(engines, key=lambda h: h.max_seq_len)
-        if len(value) < longest.max_seq_len:  # a token covers at least one character
+        if len(value.encode()) <= longest.max_seq_len:  # every token spans at least one UTF-8 byte
             return
         n = len(longest.api.tokenizer.encode(value))
         if n > longest.max_seq_len:
