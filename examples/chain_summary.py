@@ -26,23 +26,13 @@ from typing import Any
 if str(Path(__file__).resolve().parent) not in sys.path:  # so `_common` imports however we are run
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import Timer, chunk_text, parse_args, read_text, word_count
+from _common import Timer, build_summarise, chunk_text, parse_args, read_text, word_count
 
 import parrot as P
 
 
 def build_functions(max_tokens: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """The two semantic functions of the chain, generating at most ``max_tokens`` each."""
-
-    @P.semantic_function(chat=True)
-    def summarise(
-        chunk: P.Input,
-        summary: P.Output(max_tokens=max_tokens, temperature=0.0, transform=P.transforms.strip()),
-    ):
-        """{{chunk}}
-
-        Summarise the text above in two sentences.
-        {{summary}}"""
 
     @P.semantic_function(chat=True)
     def refine(
@@ -57,7 +47,7 @@ def build_functions(max_tokens: int) -> tuple[Callable[..., Any], Callable[..., 
         Summarise the text above in three sentences.
         {{new_summary}}"""
 
-    return summarise, refine
+    return build_summarise(max_tokens), refine
 
 
 def main() -> None:

@@ -25,35 +25,15 @@ from typing import Any
 if str(Path(__file__).resolve().parent) not in sys.path:  # so `_common` imports however we are run
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import Timer, chunk_text, parse_args, read_text, word_count
+from _common import Timer, build_summarise, chunk_text, parse_args, read_text, word_count
 
 import parrot as P
-
-
-def build_map(max_tokens: int) -> Callable[..., Any]:
-    """The map step: summarise one chunk, generating at most ``max_tokens``."""
-
-    @P.semantic_function(chat=True)
-    def summarise(
-        chunk: P.Input,
-        summary: P.Output(max_tokens=max_tokens, temperature=0.0, transform=P.transforms.strip()),
-    ):
-        """{{chunk}}
-
-        Summarise the text above in two sentences.
-        {{summary}}"""
-
-    return summarise
 
 
 def reduce_template(n_parts: int) -> str:
     """The reduce prompt for ``n_parts`` chunk summaries: inputs ``s0``..``s{n-1}``, output ``summary``."""
     parts = "\n\n".join(f"{{{{input:s{i}}}}}" for i in range(n_parts))
-    return (
-        f"{parts}\n\n"
-        "Summarise the text above in four sentences.\n"
-        "{{output:summary}}"
-    )
+    return f"{parts}\n\nSummarise the text above in four sentences.\n{{{{output:summary}}}}"
 
 
 def build_reduce(n_parts: int, max_tokens: int) -> Callable[..., Any]:
@@ -74,7 +54,7 @@ def main() -> None:
         sys.exit(f"{args.file}: no text to summarise")
     print(f"{args.file.name}: {word_count(text)} words in {len(chunks)} chunks", flush=True)
 
-    summarise = build_map(args.max_tokens)
+    summarise = build_summarise(args.max_tokens)
     reduce = build_reduce(len(chunks), args.max_tokens + args.max_tokens // 4)
     with Timer() as timer, P.connect(args.url):
         # Map: independent calls, submitted back to back; none is awaited.

@@ -112,6 +112,7 @@ class EnginePool:
             raise NoEngine(f"no live engine serves {what}; registered models: {known or 'none'}")
         return min(engines, key=lambda h: (h.running_calls, h.stats.token_load))
 
-    def max_seq_len(self, model: str | None) -> int | None:
-        engines = self.candidates(model)
-        return max((h.max_seq_len for h in engines), default=None)
+    def longest_context(self, model: str | None) -> EngineHandle | None:
+        """The live engine for ``model`` with the longest context (None if there is none):
+        what a value or prompt must fit to be servable at all."""
+        return max(self.candidates(model), key=lambda h: h.max_seq_len, default=None)

@@ -118,10 +118,9 @@ class Manager:
         return call
 
     def _check_value_length(self, value: str, model: str | None = None) -> None:
-        engines = self.pool.candidates(model)
-        if not engines:
+        longest = self.pool.longest_context(model)
+        if longest is None:
             return
-        longest = max(engines, key=lambda h: h.max_seq_len)
         if len(value.encode()) <= longest.max_seq_len:  # every token spans at least one UTF-8 byte
             return
         n = len(longest.api.tokenizer.encode(value))
@@ -254,10 +253,9 @@ class Manager:
         """Reject at submit a prompt that can never fit, when all inputs are known."""
         if not all(v.state == "ready" for v in call.input_vars()):
             return
-        engines = self.pool.candidates(call.model)
-        if not engines:
+        longest = self.pool.longest_context(call.model)
+        if longest is None:
             return
-        longest = max(engines, key=lambda h: h.max_seq_len)
         render(call, longest.api.tokenizer, longest.max_seq_len)
 
     # -------------------------------------------------------- introspection
