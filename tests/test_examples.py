@@ -13,7 +13,16 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.parametrize("app", ["chain_summary.py", "map_reduce.py"])
 def test_example_app_runs(live, app):
     out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / app), "--url", live.url, "--max-tokens", "8", "--chunk-words", "150"],
+        [
+            sys.executable,
+            str(ROOT / "examples" / app),
+            "--url",
+            live.url,
+            "--max-tokens",
+            "8",
+            "--chunk-words",
+            "150",
+        ],
         capture_output=True,
         text=True,
         timeout=120,
