@@ -20,15 +20,18 @@ import time
 
 from parrot.manager.engines import EngineHandle, EnginePool
 from parrot.manager.graph import Call, fail_call, materialise
-from parrot.manager.render import FillStep, render
+from parrot.manager.prefix import PrefixEntry, PrefixIndex, prefix_keys
+from parrot.manager.render import FillStep, Rendered, render
 from parrot.protocol.errors import CallFailed, EngineError, ParrotError
 
 log = logging.getLogger(__name__)
 
 
 class Executor:
-    def __init__(self, pool: EnginePool):
+    def __init__(self, pool: EnginePool, prefixes: PrefixIndex | None = None, *, min_prefix_tokens: int = 32):
         self.pool = pool
+        self.prefixes = prefixes or PrefixIndex()
+        self.min_prefix_tokens = min_prefix_tokens
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._by_engine: dict[str, set[str]] = {}
         pool.on_drop(self._engine_dropped)
@@ -42,6 +45,9 @@ class Executor:
         if call.call_id in self._tasks or call.state not in ("ready", "waiting"):
             return
         call.state = "ready"
+        # registered now, before any task runs, so calls made ready together
+        # see each other's interest in a shared prefix
+        self.prefixes.add_interest(call, prefix_keys(call))
         self._tasks[call.call_id] = asyncio.get_running_loop().create_task(
             self._run(call), name=f"call {call.call_id}"
         )
@@ -59,6 +65,7 @@ class Executor:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     def _engine_dropped(self, handle: EngineHandle, reason: str) -> None:
+        self.prefixes.forget_engine(handle.engine_id)
         for call_id in self._by_engine.pop(handle.engine_id, set()):
             task = self._tasks.get(call_id)
             if task is not None:
@@ -69,13 +76,13 @@ class Executor:
         try:
             handle = self.pool.pick(call.model)
             call.engine_id = handle.engine_id
-            steps = render(call, handle.api.tokenizer, handle.max_seq_len)
-            call.prompt_tokens = sum(len(s.tokens) for s in steps if isinstance(s, FillStep))
+            rendered = render(call, handle.api.tokenizer, handle.max_seq_len)
+            call.prompt_tokens = rendered.prompt_tokens
             call.state = "running"
             call.started_at = time.time()
             handle.running_calls += 1
             self._by_engine.setdefault(handle.engine_id, set()).add(call.call_id)
-            await self._drive(call, handle, steps)
+            await self._drive(call, handle, rendered)
             call.state = "done"
             call.finished_at = time.time()
         except asyncio.CancelledError as exc:
@@ -93,13 +100,19 @@ class Executor:
                 handle.running_calls -= 1
                 self._by_engine.get(handle.engine_id, set()).discard(call.call_id)
 
-    async def _drive(self, call: Call, handle: EngineHandle, steps: list) -> None:
+    async def _drive(self, call: Call, handle: EngineHandle, rendered: Rendered) -> None:
         api = handle.api
         context_id = handle.new_context_id()
+        used: list[PrefixEntry] = []
         opened = False
         try:
+            steps = list(rendered.steps)
+            first = steps.pop(0)
+            assert isinstance(first, FillStep)  # render guarantees a prompt before any output
+            parent, start = await self._share_prefix(handle, rendered, first.tokens, used)
+            opened = True
+            await api.fill(first.tokens[start:], context_id, parent)
             for step in steps:
-                opened = True
                 if isinstance(step, FillStep):
                     await api.fill(step.tokens, context_id)
                     continue
@@ -117,6 +130,66 @@ class Executor:
                 for ready in materialise(out.var, value):
                     self.dispatch(ready)
         finally:
-            if opened and handle.alive:
+            for entry in used:
+                self.prefixes.release(entry)
+            if handle.alive:
                 with contextlib.suppress(Exception):
-                    await asyncio.shield(api.free_context(context_id))
+                    if opened:
+                        await asyncio.shield(api.free_context(context_id))
+                    await self._evict(handle)
+
+    async def _share_prefix(
+        self, handle: EngineHandle, rendered: Rendered, tokens: list[int], used: list[PrefixEntry]
+    ) -> tuple[int | None, int]:
+        """Fork from the deepest prefix of this prompt already on the engine, and
+        keep new shareable prefixes as contexts of their own.  Returns (parent
+        context, number of leading tokens it covers).
+
+        A prefix becomes a shared context when it is at least
+        ``min_prefix_tokens`` past the previous one and is either the leading
+        constant text (a system prompt: cheap to keep, likely reused) or
+        wanted by another unfinished call.  Filling a prefix context costs no
+        extra compute: the call's own fill just starts where it ends.
+        """
+        keys = [k for k, _ in rendered.prefixes]
+        parent: int | None = None
+        start = 0
+        first_new = 0
+        hit = self.prefixes.longest(keys, handle.engine_id)
+        if hit is not None:
+            i, entry = hit
+            try:
+                await entry.ready  # type: ignore[misc]  # another call may still be filling it
+            except Exception:
+                pass  # its fill failed; fill everything ourselves
+            else:
+                self.prefixes.acquire(entry)
+                used.append(entry)
+                parent, start, first_new = entry.context_id, entry.num_tokens, i + 1
+        for i in range(first_new, len(rendered.prefixes)):
+            key, end = rendered.prefixes[i]
+            if end - start < self.min_prefix_tokens or self.prefixes.lookup(key, handle.engine_id):
+                continue
+            if i > 0 and self.prefixes.interest(key) < 2:
+                continue
+            entry = PrefixEntry(key, handle.engine_id, handle.new_context_id(), end)
+            ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            entry.ready = ready
+            self.prefixes.add(entry)
+            self.prefixes.acquire(entry)
+            used.append(entry)
+            try:
+                await handle.api.fill(tokens[start:end], entry.context_id, parent)
+            except BaseException as exc:
+                self.prefixes.remove(entry)
+                ready.set_exception(EngineError(f"prefix fill failed: {exc!r}"))
+                ready.exception()  # mark retrieved: waiters fall back to a full fill
+                raise
+            ready.set_result(None)
+            parent, start = entry.context_id, end
+        return parent, start
+
+    async def _evict(self, handle: EngineHandle) -> None:
+        for entry in self.prefixes.evictable(handle.engine_id):
+            self.prefixes.remove(entry)
+            await handle.api.free_context(entry.context_id)

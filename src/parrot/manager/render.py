@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parrot.manager.graph import Call, OutputSpec, Variable
+from parrot.manager.prefix import prefix_keys, user_pieces
 from parrot.protocol.errors import BadRequest, ContextTooLong
 from parrot.protocol.template import Placeholder, Template, Text
 from parrot.protocol.tokenizer import TextTokenizer
@@ -70,39 +71,48 @@ def input_text(value: Variable | str) -> str:
     return value
 
 
-def render(call: Call, tokenizer: TextTokenizer, max_seq_len: int) -> list[Step]:
+@dataclass
+class Rendered:
+    steps: list[Step]
+    # (prefix key, tokens before that boundary) at each constant->variable
+    # boundary before the first output, outermost first; keys as in
+    # :func:`parrot.manager.prefix.prefix_keys`
+    prefixes: list[tuple[str, int]]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(s.tokens) for s in self.steps if isinstance(s, FillStep))
+
+
+def render(call: Call, tokenizer: TextTokenizer, max_seq_len: int) -> Rendered:
     """Engine steps for ``call``; raises ContextTooLong if the prompt cannot fit."""
-    pieces = list(call.template.pieces)
+    pieces = user_pieces(call)
+    before = between = ""
     if call.chat:
         if tokenizer.chat is None:
             raise BadRequest("this model has no chat format; submit with chat=false", code="no_chat_format")
-        while pieces and isinstance(pieces[-1], Text) and not pieces[-1].text.strip():
-            pieces.pop()
         before, between = tokenizer.chat.wrap()
-        body = pieces[:-1]
-        # The chat markup delimits the user turn: whitespace at its edges (a
-        # docstring's newline before the output) only confuses the model.
-        if body and isinstance(body[-1], Text):
-            body[-1] = Text(body[-1].text.rstrip())
-        if body and isinstance(body[0], Text):
-            body[0] = Text(body[0].text.lstrip())
-        pieces = [
-            Text(before),
-            *(p for p in body if not isinstance(p, Text) or p.text),
-            Text(between),
-            pieces[-1],
-        ]
+    keys = iter(prefix_keys(call))
+    prefixes: list[tuple[str, int]] = []
     steps: list[Step] = []
     pending: list[int] = []
     if tokenizer.add_bos and tokenizer.bos_token_id is not None:
         pending.append(tokenizer.bos_token_id)
+    if before:
+        pending.extend(tokenizer.encode(before))
     total = 0
-    for piece in pieces:
+    seen_output = False
+    for i, piece in enumerate(pieces):
         if isinstance(piece, Text):
             pending.extend(tokenizer.encode(piece.text))
+            if not seen_output and i + 1 < len(pieces) and isinstance(pieces[i + 1], Placeholder):
+                prefixes.append((next(keys), total + len(pending)))
         elif piece.direction == "input":
             pending.extend(tokenizer.encode(input_text(call.inputs[piece.name])))
         else:
+            seen_output = True
+            if between:
+                pending.extend(tokenizer.encode(between))
             if pending:
                 steps.append(FillStep(pending))
                 total += len(pending)
@@ -119,8 +129,4 @@ def render(call: Call, tokenizer: TextTokenizer, max_seq_len: int) -> list[Step]
         )
     if steps and isinstance(steps[0], GenerateStep):
         raise BadRequest("the rendered prompt before the first output is empty", code="empty_prompt")
-    return steps
-
-
-def prompt_tokens(steps: list[Step]) -> int:
-    return sum(len(s.tokens) for s in steps if isinstance(s, FillStep))
+    return Rendered(steps, prefixes)

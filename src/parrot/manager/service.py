@@ -27,6 +27,7 @@ from parrot.manager.graph import (
     materialise,
     new_id,
 )
+from parrot.manager.prefix import PrefixIndex, prefix_keys
 from parrot.manager.render import check_chat_shape, check_starts_with_text, render
 from parrot.protocol.errors import (
     BindingError,
@@ -57,6 +58,10 @@ class ManagerConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     heartbeat_interval_s: float = 2.0
     heartbeat_timeout_s: float = 10.0
+    # a prompt prefix becomes a shared engine context when at least this long
+    min_prefix_tokens: int = 32
+    # cached prefix contexts per engine that no call uses or awaits (LRU beyond this)
+    max_cached_prefixes: int = 32
 
 
 def _hash_token(token: str) -> bytes:
@@ -73,7 +78,11 @@ class Manager:
     def __init__(self, config: ManagerConfig | None = None):
         self.config = config or ManagerConfig()
         self.pool = EnginePool(heartbeat_timeout_s=self.config.heartbeat_timeout_s)
-        self.executor = Executor(self.pool)
+        self.executor = Executor(
+            self.pool,
+            PrefixIndex(self.config.max_cached_prefixes),
+            min_prefix_tokens=self.config.min_prefix_tokens,
+        )
         self.sessions: dict[str, Session] = {}
 
     # ------------------------------------------------------------ sessions
@@ -213,6 +222,7 @@ class Manager:
         for var in new_vars:
             session.variables[var.var_id] = var
         session.calls[call.call_id] = call
+        self.executor.prefixes.add_interest(call, prefix_keys(call))
         failed = call.failed_input()
         if failed is not None:
             name, var = failed
