@@ -108,7 +108,12 @@ class Procs:
         return proc
 
     def manager(
-        self, *, heartbeat_interval: float = 0.5, heartbeat_timeout: float = 5.0, timeout: float = 30
+        self,
+        *,
+        heartbeat_interval: float = 0.5,
+        heartbeat_timeout: float = 5.0,
+        engine_wait: float = 1.0,
+        timeout: float = 30,
     ) -> Proc:
         port = free_port()
         proc = self._start(
@@ -122,6 +127,8 @@ class Procs:
                 str(heartbeat_interval),
                 "--heartbeat-timeout",
                 str(heartbeat_timeout),
+                "--engine-wait",
+                str(engine_wait),
             ],
         )
         found = proc.wait_for_log(r"manager ready at (http://127\.0\.0\.1:\d+)", timeout)

@@ -48,6 +48,12 @@ def _parser() -> argparse.ArgumentParser:
         default=10.0,
         help="drop a remote engine after this many seconds without a heartbeat",
     )
+    serve.add_argument(
+        "--engine-wait",
+        type=float,
+        default=30.0,
+        help="seconds a call whose engine was lost waits for another engine before failing",
+    )
     _add_engine_args(serve)
 
     engine = sub.add_parser("engine", help="run an engine that registers with a manager")
@@ -95,6 +101,7 @@ def serve(args: argparse.Namespace) -> None:
             max_body_bytes=args.max_body_bytes,
             heartbeat_interval_s=args.heartbeat_interval,
             heartbeat_timeout_s=args.heartbeat_timeout,
+            engine_wait_s=args.engine_wait,
         )
     )
     engine = None

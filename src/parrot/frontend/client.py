@@ -625,7 +625,7 @@ class AsyncSession(_Base):
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 await asyncio.wait_for(job.done.wait(), remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise self._timeout_error(var, timeout) from None
         if job.error is not None:
             if observe:

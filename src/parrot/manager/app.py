@@ -130,6 +130,9 @@ def create_app(manager: Manager) -> FastAPI:
             sent = 0
             while True:
                 if var.producer is not None:
+                    if sent > len(var.partial):  # the producer is being re-run on another engine
+                        yield ndjson_line({"restart": True})
+                        sent = 0
                     while sent < len(var.partial):
                         yield ndjson_line({"text": var.partial[sent]})
                         sent += 1

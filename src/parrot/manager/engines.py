@@ -103,9 +103,10 @@ class EnginePool:
     def candidates(self, model: str | None) -> list[EngineHandle]:
         return [h for h in self._engines.values() if h.alive and (model is None or h.model == model)]
 
-    def pick(self, model: str | None) -> EngineHandle:
-        """The least-loaded live engine serving ``model`` (any model if None)."""
-        engines = self.candidates(model)
+    def pick(self, model: str | None, exclude: set[str] | frozenset[str] = frozenset()) -> EngineHandle:
+        """The least-loaded live engine serving ``model`` (any model if None),
+        other than those in ``exclude``."""
+        engines = [h for h in self.candidates(model) if h.engine_id not in exclude]
         if not engines:
             known = sorted({h.model for h in self._engines.values()})
             what = f"model {model!r}" if model else "any model"

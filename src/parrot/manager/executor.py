@@ -22,14 +22,28 @@ from parrot.manager.engines import EngineHandle, EnginePool
 from parrot.manager.graph import Call, fail_call, materialise
 from parrot.manager.prefix import PrefixEntry, PrefixIndex, prefix_keys
 from parrot.manager.render import FillStep, Rendered, render
-from parrot.protocol.errors import CallFailed, EngineError, ParrotError
+from parrot.protocol.errors import CallFailed, EngineError, NoEngine, ParrotError
 
 log = logging.getLogger(__name__)
 
 
+class _EngineLost(str):
+    """Cancellation message marking a call whose engine was dropped."""
+
+
 class Executor:
-    def __init__(self, pool: EnginePool, prefixes: PrefixIndex | None = None, *, min_prefix_tokens: int = 32):
+    def __init__(
+        self,
+        pool: EnginePool,
+        prefixes: PrefixIndex | None = None,
+        *,
+        min_prefix_tokens: int = 32,
+        max_attempts: int = 3,
+        engine_wait_s: float = 30.0,
+    ):
         self.pool = pool
+        self.max_attempts = max_attempts
+        self.engine_wait_s = engine_wait_s
         self.prefixes = prefixes or PrefixIndex()
         self.min_prefix_tokens = min_prefix_tokens
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -69,13 +83,55 @@ class Executor:
         for call_id in self._by_engine.pop(handle.engine_id, set()):
             task = self._tasks.get(call_id)
             if task is not None:
-                task.cancel(f"engine {handle.engine_id} dropped: {reason}")
+                task.cancel(_EngineLost(f"engine {handle.engine_id} dropped: {reason}"))
 
     async def _run(self, call: Call) -> None:
+        """Run ``call`` to completion, re-running it on another engine when its
+        engine fails before any of its outputs was materialised (the manager
+        holds everything needed: template and input values)."""
+        excluded: set[str] = set()
+        try:
+            for attempt in range(1, self.max_attempts + 1):
+                lost = await self._attempt(call, excluded)
+                if lost is None:
+                    return
+                if attempt == self.max_attempts or any(
+                    o.var.state != "pending" for o in call.outputs.values()
+                ):
+                    fail_call(call, EngineError(f"call {call.call_id} failed on its engine: {lost}"))
+                    return
+                log.warning("call %s: %s; re-running it elsewhere", call.call_id, lost)
+                for out in call.outputs.values():
+                    out.var.partial.clear()
+                    out.var.notify()
+                call.state = "ready"
+                if not await self._wait_for_engine(call.model, excluded):
+                    fail_call(
+                        call,
+                        NoEngine(
+                            f"call {call.call_id} lost its engine ({lost}) and no other "
+                            f"engine serves {call.model or 'its model'}"
+                        ),
+                    )
+                    return
+        finally:
+            self._tasks.pop(call.call_id, None)
+
+    async def _wait_for_engine(self, model: str | None, excluded: set[str]) -> bool:
+        deadline = time.monotonic() + self.engine_wait_s
+        while not [h for h in self.pool.candidates(model) if h.engine_id not in excluded]:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.1)
+        return True
+
+    async def _attempt(self, call: Call, excluded: set[str]) -> str | None:
+        """One try on one engine.  Returns None when the call ended (done or
+        failed), or why its engine was lost."""
         handle: EngineHandle | None = None
         try:
-            handle = self.pool.pick(call.model)
-            call.engine_id = handle.engine_id
+            handle = self.pool.pick(call.model, exclude=excluded)
+            call.engine_id, call.generated_tokens = handle.engine_id, 0
             rendered = render(call, handle.api.tokenizer, handle.max_seq_len)
             call.prompt_tokens = rendered.prompt_tokens
             call.state = "running"
@@ -86,19 +142,30 @@ class Executor:
             call.state = "done"
             call.finished_at = time.time()
         except asyncio.CancelledError as exc:
-            if call.state not in ("done", "failed"):
-                why = str(exc.args[0]) if exc.args else "cancelled"
-                fail_call(call, EngineError(f"call {call.call_id} interrupted: {why}"))
+            lost = exc.args[0] if exc.args and isinstance(exc.args[0], _EngineLost) else None
+            if lost is None or call.state in ("done", "failed"):
+                if call.state not in ("done", "failed"):
+                    fail_call(call, EngineError(f"call {call.call_id} was cancelled"))
+                raise
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]  # handled: we re-run the call
+            excluded.add(handle.engine_id if handle else "")
+            return str(lost)
+        except EngineError as exc:
+            if handle is None or call.state in ("done", "failed"):
+                fail_call(call, exc)
+                return None
+            excluded.add(handle.engine_id)
+            return exc.message
         except ParrotError as exc:
             fail_call(call, exc)
         except Exception as exc:
             log.exception("call %s failed", call.call_id)
             fail_call(call, CallFailed(f"internal error while running the call: {exc!r}"))
         finally:
-            self._tasks.pop(call.call_id, None)
-            if handle is not None and call.started_at is not None:
+            if handle is not None and call.call_id in self._by_engine.get(handle.engine_id, set()):
                 handle.running_calls -= 1
-                self._by_engine.get(handle.engine_id, set()).discard(call.call_id)
+                self._by_engine[handle.engine_id].discard(call.call_id)
+        return None
 
     async def _drive(self, call: Call, handle: EngineHandle, rendered: Rendered) -> None:
         api = handle.api

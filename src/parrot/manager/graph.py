@@ -62,7 +62,7 @@ class Variable:
         self._waiters.append(fut)
         try:
             await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         finally:
             if fut in self._waiters:

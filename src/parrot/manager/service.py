@@ -62,6 +62,10 @@ class ManagerConfig:
     min_prefix_tokens: int = 32
     # cached prefix contexts per engine that no call uses or awaits (LRU beyond this)
     max_cached_prefixes: int = 32
+    # a call whose engine is lost is re-run elsewhere (at most this many tries), waiting up to
+    # engine_wait_s for another engine of its model
+    max_attempts: int = 3
+    engine_wait_s: float = 30.0
 
 
 def _hash_token(token: str) -> bytes:
@@ -82,6 +86,8 @@ class Manager:
             self.pool,
             PrefixIndex(self.config.max_cached_prefixes),
             min_prefix_tokens=self.config.min_prefix_tokens,
+            max_attempts=self.config.max_attempts,
+            engine_wait_s=self.config.engine_wait_s,
         )
         self.sessions: dict[str, Session] = {}
 

@@ -1,0 +1,93 @@
+"""Two real engine processes; one is killed in the middle of a map-reduce DAG.
+The manager re-runs the lost calls on the survivor from the inputs it holds:
+the application completes with exactly the undisturbed outputs (greedy)."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+import parrot as P
+from tests.procs import Procs, engine_by_url, wait_until
+
+N_MAP = 4
+MAP_TOKENS = 400
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    p = Procs(tmp_path)
+    yield p
+    p.kill_all()
+
+
+def mapper() -> P.SemanticFunction:
+    return P.template_function(
+        "Part {{input:i}} of the story: {{output:summary}}",
+        # the reduce prompt must fit the tiny model's context: keep 40 characters of each part
+        summary=P.Output(
+            max_tokens=MAP_TOKENS, ignore_eos=True, transform=P.transforms.regex(r"(?s)\A(.{0,40})")
+        ),
+    )
+
+
+def reducer() -> P.SemanticFunction:
+    parts = " | ".join(f"{{{{input:s{i}}}}}" for i in range(N_MAP))
+    return P.template_function(
+        f"Combine: {parts} => {{{{output:all}}}}", all=P.Output(max_tokens=8, ignore_eos=True)
+    )
+
+
+def submit_map_reduce() -> tuple[list[P.SemanticVariable], P.SemanticVariable]:
+    m, r = mapper(), reducer()
+    maps = [m(str(i)) for i in range(N_MAP)]
+    return maps, r(**{f"s{i}": v for i, v in enumerate(maps)})
+
+
+def graph(url: str, s: P.Session) -> dict:
+    return httpx.get(
+        f"{url}/v1/sessions/{s.session_id}/graph", headers={"Authorization": f"Bearer {s.token}"}, timeout=10
+    ).json()
+
+
+def test_killing_an_engine_mid_map_reduce_loses_nothing(procs: Procs):
+    mgr = procs.manager(heartbeat_interval=0.3, heartbeat_timeout=3, engine_wait=15)
+    victim, survivor = procs.engine(mgr), procs.engine(mgr)
+    victim_id = engine_by_url(mgr, victim.url)["engine_id"]
+    survivor_id = engine_by_url(mgr, survivor.url)["engine_id"]
+
+    with P.connect(mgr.url):
+        maps, final = submit_map_reduce()
+        expected = [v.get(timeout=120) for v in maps] + [final.get(timeout=120)]
+
+    with P.connect(mgr.url) as s:
+        maps, final = submit_map_reduce()
+
+        def victim_busy() -> list[dict]:
+            calls = graph(mgr.url, s)["calls"]
+            return [
+                c
+                for c in calls
+                if c["engine_id"] == victim_id and c["state"] == "running" and c["generated_tokens"] >= 20
+            ]
+
+        on_victim = wait_until(
+            victim_busy, 60, lambda: f"no call got going on the victim: {graph(mgr.url, s)}"
+        )
+        victim.signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        got = [v.get(timeout=120) for v in maps] + [final.get(timeout=120)]
+        calls = {c["call_id"]: c for c in graph(mgr.url, s)["calls"]}
+
+    assert got == expected
+    assert on_victim  # some calls really were running on the killed engine ...
+    for c in on_victim:  # ... and were re-run, to completion, on the survivor
+        assert calls[c["call_id"]]["state"] == "done"
+        assert calls[c["call_id"]]["engine_id"] == survivor_id
+        assert calls[c["call_id"]]["generated_tokens"] == MAP_TOKENS
+    assert time.monotonic() - killed_at < 60
