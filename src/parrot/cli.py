@@ -49,6 +49,18 @@ def _parser() -> argparse.ArgumentParser:
         help="drop a remote engine after this many seconds without a heartbeat",
     )
     serve.add_argument(
+        "--policy",
+        default="parrot",
+        choices=["parrot", "no-affinity", "no-deduction", "baseline-latency", "baseline-throughput"],
+        help="scheduling policy: parrot (all on), ablations, or request-level baselines",
+    )
+    serve.add_argument(
+        "--latency-cap",
+        type=int,
+        default=6144,
+        help="token load under which an engine takes latency-sensitive work (the paper's 6,144)",
+    )
+    serve.add_argument(
         "--engine-wait",
         type=float,
         default=30.0,
@@ -102,6 +114,8 @@ def serve(args: argparse.Namespace) -> None:
             heartbeat_interval_s=args.heartbeat_interval,
             heartbeat_timeout_s=args.heartbeat_timeout,
             engine_wait_s=args.engine_wait,
+            policy=args.policy,
+            latency_cap_tokens=args.latency_cap,
         )
     )
     engine = None

@@ -13,6 +13,7 @@ from fastapi import FastAPI, Header, Query, Response
 from fastapi.responses import StreamingResponse
 
 from parrot.manager.engines import EngineHandle
+from parrot.manager.openai_api import openai_router
 from parrot.manager.remote_engine import RemoteEngine
 from parrot.manager.service import Manager, error_info
 from parrot.protocol.asgi import BodyLimitMiddleware, install_error_handlers, ndjson_line
@@ -185,6 +186,7 @@ def create_app(manager: Manager) -> FastAPI:
             await remote.close()
             raise BadRequest(f"engine at {body.url} serves {remote.model_name!r}, not {body.model!r}")
         handle = manager.pool.register(remote, name=body.name, url=body.url)
+        manager.executor.kick()  # queued calls may fit now
         log.info("engine %s registered: %s at %s", handle.engine_id, body.model, body.url)
         return EngineRegistered(
             engine_id=handle.engine_id, heartbeat_interval_s=manager.config.heartbeat_interval_s
@@ -193,6 +195,7 @@ def create_app(manager: Manager) -> FastAPI:
     @app.post("/v1/engines/{engine_id}/heartbeat")
     async def heartbeat(engine_id: str, body: Heartbeat) -> dict:
         manager.pool.heartbeat(engine_id, body.stats)
+        manager.executor.kick()
         return {"ok": True}
 
     @app.get("/v1/engines", response_model=list[EngineInfo])
@@ -222,6 +225,7 @@ def create_app(manager: Manager) -> FastAPI:
                 return info
         raise NotFound(f"engine {engine_id} is not registered", code="engine_not_found")
 
+    app.include_router(openai_router(manager))
     return app
 
 

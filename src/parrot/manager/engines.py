@@ -78,7 +78,15 @@ class EnginePool:
         handle = self.get(engine_id)
         handle.last_heartbeat = time.monotonic()
         handle.stats = stats
+        handle.alive = True  # it answers again, if it had been suspected
         return handle
+
+    def suspect(self, engine_id: str) -> None:
+        """An engine failed a request: place nothing new on it until it heartbeats
+        (a remote engine) or is dropped.  In-process engines are never suspected."""
+        handle = self._engines.get(engine_id)
+        if handle is not None and handle.url is not None:
+            handle.alive = False
 
     def drop(self, engine_id: str, reason: str) -> None:
         handle = self._engines.pop(engine_id, None)

@@ -1,34 +1,66 @@
 """Runs calls as soon as their inputs exist, entirely inside the server.
 
-When a call becomes ready the executor picks an engine, renders the prompt
-from the materialised inputs, and drives the engine: fill the text before
-each output, generate the output (streaming it into the variable), apply the
-output's transform, materialise it — which may make consumer calls ready,
-which are dispatched at once.  No value travels to the client on the way.
+A call that becomes ready joins the executor's queue.  A scheduling round
+(run on every event that may change a decision — a call ready or finished,
+an engine joining — and on a short tick while calls wait) deduces each
+session's objectives from its DAG (:mod:`parrot.manager.objectives`),
+snapshots the engines, and asks the pure scheduler
+(:mod:`parrot.manager.scheduler`, the paper's Algorithm 1) where queued calls
+go.  A placed call renders its prompt from the materialised inputs and drives
+its engine: fill the text before each output (forking from a shared prefix
+context when the engine holds one), generate the output (streaming it into
+the variable), apply the output's transform, materialise it — which may make
+consumer calls ready.  No value travels to the client on the way.
 
 Guarantees: every call ends ``done`` or ``failed``; a failure fails the
-call's outputs and everything downstream; the engine context of a call is
-freed however the call ends (success, failure, cancellation).
+call's outputs and everything downstream; a call no engine can ever serve
+fails at once, one that waits longer than ``queue_timeout_s`` fails with a
+timeout; a call whose engine is lost before any of its outputs materialised
+is queued again and re-run elsewhere (waiting up to ``engine_wait_s`` for an
+engine); the engine context of a call is freed however the call ends.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from parrot.manager.engines import EngineHandle, EnginePool
 from parrot.manager.graph import Call, fail_call, materialise
+from parrot.manager.objectives import CallObjective, deduce
 from parrot.manager.prefix import PrefixEntry, PrefixIndex, prefix_keys
 from parrot.manager.render import FillStep, Rendered, render
-from parrot.protocol.errors import CallFailed, EngineError, NoEngine, ParrotError
+from parrot.manager.scheduler import EngineSnapshot, QueuedCall, SchedulerConfig, schedule, unservable
+from parrot.protocol.errors import CallFailed, ContextTooLong, EngineError, NoEngine, ParrotError, Timeout
 
 log = logging.getLogger(__name__)
+
+TICK_S = 0.1
+_LATENCY_DEFAULT = CallObjective("latency", reason="not deduced yet")
 
 
 class _EngineLost(str):
     """Cancellation message marking a call whose engine was dropped."""
+
+
+@dataclass(eq=False)
+class _Ticket:
+    """Executor-side state of one ready or running call."""
+
+    call: Call
+    rank: int
+    queued_at: float = field(default_factory=time.monotonic)
+    tokens: int | None = None  # estimated KV tokens: prompt + max new tokens
+    rendered: dict[str, Rendered] = field(default_factory=dict)  # by model
+    attempts: int = 0
+    lost: str | None = None  # why the last engine was lost
+    retry_deadline: float | None = None
+    engine: EngineHandle | None = None
 
 
 class Executor:
@@ -37,42 +69,86 @@ class Executor:
         pool: EnginePool,
         prefixes: PrefixIndex | None = None,
         *,
+        calls_of_session: Callable[[str], Iterable[Call]] | None = None,
+        scheduler: SchedulerConfig | None = None,
+        engine_token_capacity: int = 32768,
         min_prefix_tokens: int = 32,
         max_attempts: int = 3,
         engine_wait_s: float = 30.0,
+        queue_timeout_s: float | None = 600.0,
     ):
         self.pool = pool
+        self.prefixes = prefixes or PrefixIndex()
+        self.scheduler = scheduler or SchedulerConfig()
+        self.engine_token_capacity = engine_token_capacity
+        self.min_prefix_tokens = min_prefix_tokens
         self.max_attempts = max_attempts
         self.engine_wait_s = engine_wait_s
-        self.prefixes = prefixes or PrefixIndex()
-        self.min_prefix_tokens = min_prefix_tokens
+        self.queue_timeout_s = queue_timeout_s
+        self._calls_of_session = calls_of_session
+        self._queue: dict[str, _Ticket] = {}
+        self._placed: dict[str, _Ticket] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._by_engine: dict[str, set[str]] = {}
+        self._ranks = itertools.count()
+        self._kicked = False
+        self._ticker: asyncio.Task[None] | None = None
+        self.rounds = 0
         pool.on_drop(self._engine_dropped)
 
     @property
     def running(self) -> int:
         return len(self._tasks)
 
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def task(self, call_id: str) -> asyncio.Task[None] | None:
+        """The task running a placed call, if any."""
+        return self._tasks.get(call_id)
+
+    # ----------------------------------------------------------- queueing
     def dispatch(self, call: Call) -> None:
-        """Start a ready call in the background."""
-        if call.call_id in self._tasks or call.state not in ("ready", "waiting"):
+        """Queue a ready call; a scheduling round places it."""
+        if (
+            call.call_id in self._queue
+            or call.call_id in self._placed
+            or call.state not in ("ready", "waiting")
+        ):
             return
         call.state = "ready"
-        # registered now, before any task runs, so calls made ready together
+        # registered now, before any round runs, so calls made ready together
         # see each other's interest in a shared prefix
         self.prefixes.add_interest(call, prefix_keys(call))
-        self._tasks[call.call_id] = asyncio.get_running_loop().create_task(
-            self._run(call), name=f"call {call.call_id}"
-        )
+        self._queue[call.call_id] = _Ticket(call, next(self._ranks))
+        self.kick()
+
+    def kick(self) -> None:
+        """Run a scheduling round soon (coalesced: one per loop iteration)."""
+        if self._kicked:
+            return
+        self._kicked = True
+        loop = asyncio.get_running_loop()
+        loop.call_soon(self._round)
+        if self._ticker is None or self._ticker.done():
+            self._ticker = loop.create_task(self._tick())
+
+    async def _tick(self) -> None:
+        """While calls wait, re-run rounds: deadlines pass, engines come and go."""
+        while self._queue:
+            await asyncio.sleep(TICK_S)
+            self._round()
 
     def cancel(self, call: Call, error: ParrotError) -> None:
+        self._queue.pop(call.call_id, None)
         task = self._tasks.get(call.call_id)
         fail_call(call, error)
         if task is not None:
             task.cancel()
 
     async def drain(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
         tasks = list(self._tasks.values())
         for t in tasks:
             t.cancel()
@@ -80,64 +156,174 @@ class Executor:
 
     def _engine_dropped(self, handle: EngineHandle, reason: str) -> None:
         self.prefixes.forget_engine(handle.engine_id)
-        for call_id in self._by_engine.pop(handle.engine_id, set()):
-            task = self._tasks.get(call_id)
-            if task is not None:
+        for ticket in list(self._placed.values()):
+            task = self._tasks.get(ticket.call.call_id)
+            if ticket.engine is handle and task is not None:
                 task.cancel(_EngineLost(f"engine {handle.engine_id} dropped: {reason}"))
 
-    async def _run(self, call: Call) -> None:
-        """Run ``call`` to completion, re-running it on another engine when its
-        engine fails before any of its outputs was materialised (the manager
-        holds everything needed: template and input values)."""
-        excluded: set[str] = set()
+    # ------------------------------------------------------------- rounds
+    def _round(self) -> None:
+        self._kicked = False
+        self.rounds += 1
+        now = time.monotonic()
+        for ticket in list(self._queue.values()):
+            call = ticket.call
+            if call.state != "ready":  # failed meanwhile (session closed, input failed)
+                del self._queue[call.call_id]
+            elif self.queue_timeout_s is not None and now - ticket.queued_at > self.queue_timeout_s:
+                del self._queue[call.call_id]
+                fail_call(
+                    call,
+                    Timeout(f"call {call.call_id} waited more than {self.queue_timeout_s:g}s for an engine"),
+                )
+        if not self._queue:
+            return
+        objectives = self._deduce()
+        queue: list[QueuedCall] = []
+        for ticket in list(self._queue.values()):
+            call = ticket.call
+            try:
+                tokens = self._estimate(ticket)
+            except ParrotError as exc:
+                del self._queue[call.call_id]
+                fail_call(call, exc)
+                continue
+            objective = objectives.get(call.call_id, _LATENCY_DEFAULT)
+            call.objective, call.task_group = objective.kind, objective.task_group
+            queue.append(
+                QueuedCall(call.call_id, call.model, objective, tuple(prefix_keys(call)), tokens, ticket.rank)
+            )
+        engines = self._snapshots()
+        for call_id, reason in unservable(queue, engines):
+            ticket = self._queue[call_id]
+            if ticket.retry_deadline is not None and now < ticket.retry_deadline:
+                continue  # its engine was lost: wait a while for another one
+            del self._queue[call_id]
+            why = f" lost its engine ({ticket.lost}) and" if ticket.lost else ""
+            fail_call(ticket.call, NoEngine(f"call {call_id}{why} cannot be served: {reason}"))
+        queue = [q for q in queue if q.call_id in self._queue]
+        for placement in schedule(queue, engines, self.scheduler):
+            ticket = self._queue.pop(placement.call_id)
+            ticket.engine = self.pool.get(placement.engine_id)
+            ticket.call.placement = placement.reason
+            self._start(ticket)
+
+    def _deduce(self) -> dict[str, CallObjective]:
+        """Objectives of every queued call, deduced per session over its unfinished calls."""
+        sessions = {t.call.session_id for t in self._queue.values()}
+        out: dict[str, CallObjective] = {}
+        for sid in sessions:
+            if self._calls_of_session is None:
+                calls = [t.call for t in self._queue.values() if t.call.session_id == sid]
+            else:
+                calls = [c for c in self._calls_of_session(sid) if c.state not in ("done", "failed")]
+            out.update(deduce(calls))
+        return out
+
+    def _estimate(self, ticket: _Ticket) -> int:
+        if ticket.tokens is None:
+            call = ticket.call
+            longest = self.pool.longest_context(call.model)
+            if longest is None:
+                return 1  # no engine yet: unservable() says so
+            rendered = self._rendered(ticket, longest)
+            new_tokens = sum(o.sampling.max_tokens for o in call.outputs.values())
+            ticket.tokens = max(1, min(rendered.prompt_tokens + new_tokens, longest.max_seq_len))
+        return ticket.tokens
+
+    def _rendered(self, ticket: _Ticket, handle: EngineHandle) -> Rendered:
+        cached = ticket.rendered.get(handle.model)  # one model, one tokenizer: the same tokens
+        if cached is None:
+            cached = render(ticket.call, handle.api.tokenizer, handle.max_seq_len)
+            ticket.rendered[handle.model] = cached
+        elif cached.prompt_tokens >= handle.max_seq_len:
+            raise ContextTooLong(
+                f"the rendered prompt has {cached.prompt_tokens} tokens; "
+                f"the model's context is {handle.max_seq_len}"
+            )
+        return cached
+
+    def _snapshots(self) -> list[EngineSnapshot]:
+        load: dict[str, int] = {}
+        modes: dict[str, set[str]] = {}
+        groups: dict[str, set[str]] = {}
+        for t in self._placed.values():
+            if t.engine is None:
+                continue
+            eid = t.engine.engine_id
+            load[eid] = load.get(eid, 0) + (t.tokens or 0)
+            modes.setdefault(eid, set()).add(t.call.objective or "latency")
+            if t.call.task_group:
+                groups.setdefault(eid, set()).add(t.call.task_group)
+        snaps = []
+        for h in self.pool:
+            kinds = modes.get(h.engine_id, set())
+            mode = "latency" if "latency" in kinds else ("throughput" if kinds else None)
+            snaps.append(
+                EngineSnapshot(
+                    engine_id=h.engine_id,
+                    model=h.model,
+                    max_seq_len=h.max_seq_len,
+                    token_capacity=h.stats.token_capacity or self.engine_token_capacity,
+                    token_load=load.get(h.engine_id, 0),
+                    mode=mode,  # type: ignore[arg-type]
+                    task_groups=frozenset(groups.get(h.engine_id, ())),
+                    prefixes=self.prefixes.keys_on(h.engine_id),
+                    alive=h.alive,
+                )
+            )
+        return snaps
+
+    # ------------------------------------------------------------ running
+    def _start(self, ticket: _Ticket) -> None:
+        call = ticket.call
+        self._placed[call.call_id] = ticket
+        self._tasks[call.call_id] = asyncio.get_running_loop().create_task(
+            self._run(ticket), name=f"call {call.call_id}"
+        )
+
+    async def _run(self, ticket: _Ticket) -> None:
+        call = ticket.call
+        ticket.attempts += 1
+        lost = None
         try:
-            for attempt in range(1, self.max_attempts + 1):
-                lost = await self._attempt(call, excluded)
-                if lost is None:
-                    return
-                if attempt == self.max_attempts or any(
-                    o.var.state != "pending" for o in call.outputs.values()
-                ):
-                    fail_call(call, EngineError(f"call {call.call_id} failed on its engine: {lost}"))
-                    return
-                log.warning("call %s: %s; re-running it elsewhere", call.call_id, lost)
-                for out in call.outputs.values():
-                    out.var.partial.clear()
-                    out.var.notify()
-                call.state = "ready"
-                if not await self._wait_for_engine(call.model, excluded):
-                    fail_call(
-                        call,
-                        NoEngine(
-                            f"call {call.call_id} lost its engine ({lost}) and no other "
-                            f"engine serves {call.model or 'its model'}"
-                        ),
-                    )
-                    return
+            lost = await self._attempt(ticket)
         finally:
             self._tasks.pop(call.call_id, None)
+            self._placed.pop(call.call_id, None)
+            if lost is not None:
+                self._requeue(ticket, lost)
+            self.kick()
 
-    async def _wait_for_engine(self, model: str | None, excluded: set[str]) -> bool:
-        deadline = time.monotonic() + self.engine_wait_s
-        while not [h for h in self.pool.candidates(model) if h.engine_id not in excluded]:
-            if time.monotonic() > deadline:
-                return False
-            await asyncio.sleep(0.1)
-        return True
+    def _requeue(self, ticket: _Ticket, lost: str) -> None:
+        """The call's engine was lost: queue it again, unless it cannot be re-run."""
+        call = ticket.call
+        if ticket.attempts >= self.max_attempts or any(
+            o.var.state != "pending" for o in call.outputs.values()
+        ):
+            fail_call(call, EngineError(f"call {call.call_id} failed on its engine: {lost}"))
+            return
+        log.warning("call %s: %s; re-running it elsewhere", call.call_id, lost)
+        for out in call.outputs.values():
+            out.var.partial.clear()
+            out.var.notify()
+        call.state = "ready"
+        ticket.lost, ticket.engine = lost, None
+        ticket.retry_deadline = time.monotonic() + self.engine_wait_s
+        ticket.queued_at = time.monotonic()
+        self._queue[call.call_id] = ticket
 
-    async def _attempt(self, call: Call, excluded: set[str]) -> str | None:
-        """One try on one engine.  Returns None when the call ended (done or
-        failed), or why its engine was lost."""
-        handle: EngineHandle | None = None
+    async def _attempt(self, ticket: _Ticket) -> str | None:
+        """One try on the placed engine.  Returns None when the call ended (done
+        or failed), or why its engine was lost."""
+        call, handle = ticket.call, ticket.engine
+        assert handle is not None
         try:
-            handle = self.pool.pick(call.model, exclude=excluded)
             call.engine_id, call.generated_tokens = handle.engine_id, 0
-            rendered = render(call, handle.api.tokenizer, handle.max_seq_len)
+            rendered = self._rendered(ticket, handle)
             call.prompt_tokens = rendered.prompt_tokens
             call.state = "running"
             call.started_at = time.time()
-            handle.running_calls += 1
-            self._by_engine.setdefault(handle.engine_id, set()).add(call.call_id)
             await self._drive(call, handle, rendered)
             call.state = "done"
             call.finished_at = time.time()
@@ -147,24 +333,18 @@ class Executor:
                 if call.state not in ("done", "failed"):
                     fail_call(call, EngineError(f"call {call.call_id} was cancelled"))
                 raise
-            asyncio.current_task().uncancel()  # type: ignore[union-attr]  # handled: we re-run the call
-            excluded.add(handle.engine_id if handle else "")
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]  # handled: re-run the call
             return str(lost)
         except EngineError as exc:
-            if handle is None or call.state in ("done", "failed"):
-                fail_call(call, exc)
+            if call.state in ("done", "failed"):
                 return None
-            excluded.add(handle.engine_id)
+            self.pool.suspect(handle.engine_id)  # no new work until it heartbeats again
             return exc.message
         except ParrotError as exc:
             fail_call(call, exc)
         except Exception as exc:
             log.exception("call %s failed", call.call_id)
             fail_call(call, CallFailed(f"internal error while running the call: {exc!r}"))
-        finally:
-            if handle is not None and call.call_id in self._by_engine.get(handle.engine_id, set()):
-                handle.running_calls -= 1
-                self._by_engine[handle.engine_id].discard(call.call_id)
         return None
 
     async def _drive(self, call: Call, handle: EngineHandle, rendered: Rendered) -> None:

@@ -90,6 +90,9 @@ class Call:
     state: CallState = "waiting"
     error: ParrotError | None = None
     engine_id: str | None = None
+    objective: str | None = None  # deduced: "latency" | "throughput"
+    task_group: str | None = None
+    placement: str | None = None  # the scheduler's reason for its engine
     prompt_tokens: int | None = None
     generated_tokens: int = 0
     submitted_at: float = field(default_factory=time.time)

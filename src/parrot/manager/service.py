@@ -29,6 +29,7 @@ from parrot.manager.graph import (
 )
 from parrot.manager.prefix import PrefixIndex, prefix_keys
 from parrot.manager.render import check_chat_shape, check_starts_with_text, render
+from parrot.manager.scheduler import SchedulerConfig
 from parrot.protocol.errors import (
     BindingError,
     CallFailed,
@@ -66,6 +67,13 @@ class ManagerConfig:
     # engine_wait_s for another engine of its model
     max_attempts: int = 3
     engine_wait_s: float = 30.0
+    # scheduling (the paper's Algorithm 1): policy, the token load under which an engine
+    # keeps per-token latency low, an engine's capacity when it does not report one,
+    # and how long a ready call may wait for an engine
+    policy: str = "parrot"
+    latency_cap_tokens: int = 6144
+    engine_token_capacity: int = 32768
+    queue_timeout_s: float | None = 600.0
 
 
 def _hash_token(token: str) -> bytes:
@@ -85,11 +93,23 @@ class Manager:
         self.executor = Executor(
             self.pool,
             PrefixIndex(self.config.max_cached_prefixes),
+            calls_of_session=self._unfinished_calls,
+            scheduler=SchedulerConfig(self.config.policy, latency_cap_tokens=self.config.latency_cap_tokens),
+            engine_token_capacity=self.config.engine_token_capacity,
+            queue_timeout_s=self.config.queue_timeout_s,
             min_prefix_tokens=self.config.min_prefix_tokens,
             max_attempts=self.config.max_attempts,
             engine_wait_s=self.config.engine_wait_s,
         )
         self.sessions: dict[str, Session] = {}
+
+    def _unfinished_calls(self, session_id: str) -> list[Call]:
+        session = self.sessions.get(session_id)
+        return (
+            []
+            if session is None
+            else [c for c in session.calls.values() if c.state not in ("done", "failed")]
+        )
 
     # ------------------------------------------------------------ sessions
     def create_session(self) -> tuple[Session, str]:
@@ -298,6 +318,9 @@ class Manager:
             },
             outputs={n: o.var.var_id for n, o in call.outputs.items()},
             engine_id=call.engine_id,
+            objective=call.objective,  # type: ignore[arg-type]
+            task_group=call.task_group,
+            placement=call.placement,
             error=error_info(call.error),
             prompt_tokens=call.prompt_tokens,
             generated_tokens=call.generated_tokens,

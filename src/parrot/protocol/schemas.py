@@ -93,6 +93,11 @@ class CallInfo(BaseModel):
     inputs: dict[str, str]
     outputs: dict[str, str]
     engine_id: str | None = None
+    objective: Literal["latency", "throughput"] | None = Field(
+        default=None, description="Deduced from the DAG and the criteria of its outputs' consumers."
+    )
+    task_group: str | None = None
+    placement: str | None = Field(default=None, description="Why the scheduler chose its engine.")
     error: ErrorInfo | None = None
     prompt_tokens: int | None = None
     generated_tokens: int | None = None
@@ -113,6 +118,10 @@ class EngineStats(BaseModel):
     token_capacity: int = 0
     kv_tokens_used: int = 0
     kv_tokens_total: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    kv_block_size: int = 0
+    preemptions: int = 0
     fills: int = 0
     filled_tokens: int = 0
     generates: int = 0

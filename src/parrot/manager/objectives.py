@@ -1,0 +1,278 @@
+"""Performance objective deduction: which calls want low latency, which want throughput.
+
+The client annotates only *final* variables (``get(criteria=LATENCY)`` or an
+output's ``criteria``).  This module propagates those annotations backwards
+through the call DAG and labels every call with a :class:`CallObjective`.
+
+Algorithm (the paper's §5.2 made precise).  Calls are processed in *reverse
+topological order*, so when a call is labelled every consumer of it already
+has its final label.  Each call ``c`` collects *marks* from its consumers;
+its label is then, by precedence (latency wins):
+
+1. **latency-sensitive** if ``c`` produces a LATENCY variable, or it was
+   marked latency-sensitive by a consumer;
+2. **task-group member** (kind ``throughput``) if it was marked as a member of
+   one or more task groups;
+3. **throughput** if ``c`` produces a THROUGHPUT variable or it was marked as
+   upstream of one;
+4. otherwise **default**: kind ``latency`` with no task group — a call with
+   no annotated output downstream is treated like an ordinary request.
+
+Marks a labelled call ``c`` hands to its producers (``P`` = the *distinct*
+calls producing ``c``'s input variables, see below):
+
+- latency-sensitive ``c`` with ``|P| == 1`` (a chain): the producer is marked
+  latency-sensitive;
+- latency-sensitive ``c`` with ``|P| >= 2`` (a fan-in of parallel calls): every
+  producer is marked a member of task group ``"tg:" + c.call_id`` — only the
+  group's completion time matters to ``c``.  A producer that ends up
+  latency-sensitive for another reason is not a member (rule 1 beats rule 2);
+- task-group member ``c``: its producers are marked latency-sensitive — the
+  group cannot start without them;
+- throughput ``c``: its producers are marked upstream-of-THROUGHPUT;
+- default ``c``: no marks (unannotated work constrains nothing upstream).
+
+A call in several task groups (it feeds two fan-ins) merges them into one:
+its completion gates every consumer, so all their members are batched
+together.  The merged group's id is the smallest (string order) of the merged
+``"tg:<consumer id>"`` ids, so ids are deterministic.
+
+Scope and incrementality.  Only edges between calls of the given set are
+followed, so the set must be *downward closed* (every in-set call's consumers
+are in the set) — e.g. all unfinished calls of a session (consumers of an
+unfinished call are unfinished).  ``|P|`` counts every producer named by the
+inputs, in the set or not, so a member's label does not flip while its
+finished siblings leave the set.  A call's kind depends only on its
+descendants and their producer counts: inserting a call or annotating one of
+its outputs can change the kinds of that call and its ancestors only (a group
+merge may also rename the group id of other members).  ``deduce`` is O(V + E)
+(plus near-constant union-find), so re-deducing a session on each change is
+cheap.
+
+Pure: plain data in, plain data out; no I/O, no asyncio, no engine imports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+Kind = Literal["latency", "throughput"]
+KINDS: tuple[Kind, ...] = ("latency", "throughput")
+LATENCY = "LATENCY"
+THROUGHPUT = "THROUGHPUT"
+_CRITERIA = (LATENCY, THROUGHPUT, None)
+DEFAULT_REASON = "default: no LATENCY/THROUGHPUT output downstream"
+
+
+@dataclass(frozen=True, slots=True)
+class CallObjective:
+    """The deduced scheduling preference of one call.
+
+    ``task_group`` is set only for throughput work that is a member of a task
+    group; ``reason`` says which rule decided (for introspection and tests).
+    """
+
+    kind: Kind
+    task_group: str | None = None
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"objective kind must be one of {KINDS}, got {self.kind!r}")
+        if self.task_group is not None and self.kind != "throughput":
+            raise ValueError("only throughput work can belong to a task group")
+
+    @property
+    def latency_sensitive(self) -> bool:
+        return self.kind == "latency"
+
+
+@dataclass(frozen=True, slots=True)
+class CallNode:
+    """A call reduced to what deduction needs (what a simulator builds directly).
+
+    ``producers``: the producer call id of each input variable that has one
+    (duplicates allowed; client-set variables are simply absent).
+    ``criteria``: the criteria of each output variable (None entries allowed).
+    """
+
+    call_id: str
+    producers: tuple[str, ...] = ()
+    criteria: tuple[str | None, ...] = ()
+
+
+class _VarLike(Protocol):
+    producer: object | None  # an object with a ``call_id`` (a graph.Call) or None
+    criteria: str | None
+
+
+class _OutputLike(Protocol):
+    var: _VarLike
+
+
+class CallLike(Protocol):
+    """What :func:`deduce` reads from a ``graph.Call`` (duck-typed)."""
+
+    call_id: str
+    outputs: Mapping[str, _OutputLike]
+
+    def input_vars(self) -> Iterable[_VarLike]: ...
+
+
+def node_of(call: CallLike | CallNode) -> CallNode:
+    """The :class:`CallNode` of a ``graph.Call``-like object (a CallNode is returned as is)."""
+    if isinstance(call, CallNode):
+        return call
+    cid, producers, criteria = _extract(call)
+    return CallNode(cid, tuple(producers), tuple(criteria))
+
+
+def _extract(call: CallLike | CallNode) -> tuple[str, list[str] | tuple[str, ...], Iterable[str | None]]:
+    if isinstance(call, CallNode):
+        return call.call_id, call.producers, call.criteria
+    producers = [v.producer.call_id for v in call.input_vars() if v.producer is not None]  # type: ignore[attr-defined]
+    return call.call_id, producers, [o.var.criteria for o in call.outputs.values()]
+
+
+# Internal labels (plain ints for speed).
+_LAT, _GROUP, _THR, _DEFAULT = 0, 1, 2, 3
+
+
+def deduce(calls: Iterable[CallLike | CallNode]) -> dict[str, CallObjective]:
+    """Label every call of a downward-closed set (see the module docstring).
+
+    Returns ``{call_id: CallObjective}`` for every given call.  Raises
+    ValueError on a duplicate call id, an unknown criteria value, or a cycle.
+    """
+    ids: list[str] = []
+    index: dict[str, int] = {}
+    fanin: list[int] = []  # |P|: distinct producers, in the set or not
+    ups: list[list[int]] = []  # distinct in-set producers
+    own: list[int] = []  # _LAT / _THR / _DEFAULT from the call's own outputs
+    raw: list[list[str] | tuple[str, ...]] = []
+    for call in calls:
+        cid, producers, criteria = _extract(call)
+        if not isinstance(cid, str) or not cid:
+            raise ValueError(f"call id must be a non-empty string, got {cid!r}")
+        if cid in index:
+            raise ValueError(f"duplicate call id {cid!r}")
+        index[cid] = len(ids)
+        ids.append(cid)
+        raw.append(producers)
+        label = _DEFAULT
+        for crit in criteria:
+            if crit == LATENCY:
+                label = _LAT
+            elif crit == THROUGHPUT:
+                if label == _DEFAULT:
+                    label = _THR
+            elif crit is not None:
+                raise ValueError(f"call {cid!r}: criteria must be one of {_CRITERIA}, got {crit!r}")
+        own.append(label)
+
+    n = len(ids)
+    pending = [0] * n  # in-set consumers not yet processed
+    for i, producers in enumerate(raw):
+        distinct = dict.fromkeys(producers) if len(producers) > 1 else producers
+        fanin.append(len(distinct))
+        inset = [index[p] for p in distinct if p in index]
+        for j in inset:
+            if j == i:
+                raise ValueError(f"call {ids[i]!r} consumes its own output")
+            pending[j] += 1
+        ups.append(inset)
+
+    # First mark of each kind wins for the ``reason`` text; labels do not depend on order.
+    lat_why: list[str | None] = [None] * n
+    thr_why: list[str | None] = [None] * n
+    groups: list[list[int] | None] = [None] * n  # consumer indices of the groups a call was put in
+    label = [_DEFAULT] * n
+    parent: dict[int, int] = {}  # union-find over groups, keyed by consumer index
+
+    def find(g: int) -> int:
+        root = g
+        while parent.get(root, root) != root:
+            root = parent[root]
+        while g != root:  # path compression
+            parent[g], g = root, parent[g]
+        return root
+
+    stack = [i for i in range(n - 1, -1, -1) if pending[i] == 0]
+    done = 0
+    while stack:
+        i = stack.pop()
+        done += 1
+        mine = own[i]
+        if mine == _LAT or lat_why[i] is not None:
+            lab = _LAT
+            if mine == _LAT:
+                lat_why[i] = "produces a LATENCY output"
+        elif groups[i] is not None:
+            lab = _GROUP
+            gs = groups[i]
+            root = find(gs[0])
+            for g in gs[1:]:
+                other = find(g)
+                if other != root:
+                    if ids[other] < ids[root]:
+                        root, other = other, root
+                    parent[other] = root
+        elif mine == _THR or thr_why[i] is not None:
+            lab = _THR
+            if mine == _THR:
+                thr_why[i] = "produces a THROUGHPUT output"
+        else:
+            lab = _DEFAULT
+        label[i] = lab
+
+        producers = ups[i]
+        if producers and lab != _DEFAULT:
+            if lab == _LAT:
+                if fanin[i] == 1:
+                    why = f"sole producer of latency-sensitive call {ids[i]}"
+                    for j in producers:
+                        if lat_why[j] is None:
+                            lat_why[j] = why
+                else:
+                    for j in producers:
+                        gs = groups[j]
+                        if gs is None:
+                            groups[j] = [i]
+                        else:
+                            gs.append(i)
+            elif lab == _GROUP:
+                why = f"producer of task-group member {ids[i]}"
+                for j in producers:
+                    if lat_why[j] is None:
+                        lat_why[j] = why
+            else:
+                why = f"upstream of a THROUGHPUT output (via {ids[i]})"
+                for j in producers:
+                    if thr_why[j] is None:
+                        thr_why[j] = why
+        for j in producers:
+            pending[j] -= 1
+            if pending[j] == 0:
+                stack.append(j)
+
+    if done != n:
+        stuck = sorted(ids[i] for i in range(n) if pending[i] > 0)
+        raise ValueError(f"the calls form a cycle (involving {stuck[:5]})")
+
+    result: dict[str, CallObjective] = {}
+    for i, cid in enumerate(ids):
+        lab = label[i]
+        if lab == _LAT:
+            result[cid] = CallObjective("latency", None, lat_why[i])  # type: ignore[arg-type]
+        elif lab == _GROUP:
+            first = groups[i][0]  # type: ignore[index]
+            tg = "tg:" + ids[find(first)]
+            why = f"member of task group {tg} (fan-in of {fanin[first]} calls into {ids[first]})"
+            result[cid] = CallObjective("throughput", tg, why)
+        elif lab == _THR:
+            result[cid] = CallObjective("throughput", None, thr_why[i])  # type: ignore[arg-type]
+        else:
+            result[cid] = CallObjective("latency", None, DEFAULT_REASON)
+    return result

@@ -1,0 +1,334 @@
+"""OpenAI-compatible text completions on the manager: ``POST /v1/completions``
+and ``GET /v1/models``.
+
+This is the request-by-request interface: the client renders its prompt
+itself and sends it whole, as LangChain-style code does against any OpenAI
+server.  It lets a baseline client drive Parrot's engines, and lets
+throughput benchmarks drive Parrot and vLLM with identical requests.
+
+Each request becomes a short-lived internal session holding one call whose
+template is ``{{input:prompt}}{{output:text}}`` with the prompt bound as a
+constant *value* (so user text such as ``{{x}}`` is never parsed as a
+placeholder), run by the normal executor (same engine choice, same
+scheduling), and closed when the response is complete or the client goes
+away.  Nothing is left in ``manager.sessions`` afterwards.
+
+Supported: ``model``, ``prompt`` (a string, or a list of exactly one string),
+``max_tokens`` (default 16, as OpenAI), ``temperature`` (default 1),
+``top_p``, ``top_k`` (vLLM's extension; -1 or 0 = off), ``seed``, ``stop``
+(string or list), ``stream`` (server-sent events ``data: {...}`` then
+``data: [DONE]``; ``stream_options.include_usage`` adds a usage chunk),
+``n``/``best_of`` = 1 only, and vLLM's ``ignore_eos`` / ``stop_token_ids``.
+Parameters Parrot cannot honour (``logprobs``, ``echo``, ``suffix``, non-zero
+penalties, a non-empty ``logit_bias``) are rejected with 400 rather than
+silently ignored.  Errors use Parrot's JSON error body
+``{"error": {"code", "message"}}`` with its HTTP status (400 invalid
+parameters, 503 ``no_engine`` for a model no live engine serves).
+
+``finish_reason`` is derived from token counts ("length" when ``max_tokens``
+or the context was used up, else "stop"), since calls do not record the
+engine's reason; a stop token sampled exactly at ``max_tokens`` reads "length".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from parrot.manager.graph import Call, Session, Variable
+from parrot.manager.service import Manager, error_info
+from parrot.protocol.errors import BadRequest, CallFailed, EngineError, NoEngine, ParrotError
+from parrot.protocol.sampling import SamplingParams
+from parrot.protocol.schemas import PlaceholderBinding, SubmitCall
+
+COMPLETION_TEMPLATE = "{{input:prompt}}{{output:text}}"
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+_TASK_GRACE_S = 30.0  # how long to wait for a finished call to free its engine context
+
+
+class CompletionRequest(BaseModel):
+    """The body of ``POST /v1/completions`` (OpenAI's fields plus vLLM's ``top_k``,
+    ``ignore_eos`` and ``stop_token_ids``).  Unknown fields are rejected."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(default=None, description="Model to run on; any live engine's if omitted.")
+    prompt: str | list[Any]
+    max_tokens: int | None = DEFAULT_MAX_TOKENS
+    temperature: float | None = 1.0
+    top_p: float | None = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    n: int = 1
+    best_of: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    # Accepted only at their no-op values:
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = Field(default=None, max_length=1000)
+
+
+def _prompt_text(req: CompletionRequest) -> str:
+    prompt = req.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1 or not isinstance(prompt[0], str):
+            raise BadRequest(
+                "prompt must be a string (or a list of exactly one string); batched and token-id "
+                "prompts are not supported",
+                code="invalid_request",
+            )
+        prompt = prompt[0]
+    return prompt
+
+
+def _check_supported(req: CompletionRequest) -> None:
+    def unsupported(what: str) -> BadRequest:
+        return BadRequest(f"{what} is not supported", code="unsupported_parameter")
+
+    if req.n != 1:
+        raise unsupported(f"n={req.n} (only n=1)")
+    if req.best_of not in (None, 1):
+        raise unsupported(f"best_of={req.best_of} (only 1)")
+    if req.logprobs is not None:
+        raise unsupported("logprobs")
+    if req.echo:
+        raise unsupported("echo")
+    if req.suffix:
+        raise unsupported("suffix")
+    if req.presence_penalty or req.frequency_penalty:
+        raise unsupported("presence_penalty / frequency_penalty other than 0")
+    if req.logit_bias:
+        raise unsupported("logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise BadRequest("stream_options needs stream=true", code="invalid_request")
+
+
+def sampling_of(req: CompletionRequest) -> SamplingParams:
+    """Parrot sampling settings for an OpenAI request (raises InvalidSampling, 400)."""
+    top_k = req.top_k
+    if top_k is None or top_k == -1:  # vLLM's "disabled"
+        top_k = 0
+    stop = req.stop
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):
+        stop = (stop,)
+    return SamplingParams(
+        max_tokens=DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=top_k,
+        seed=req.seed,
+        stop=tuple(stop),
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+    )
+
+
+def _check_model(manager: Manager, model: str | None) -> None:
+    if not manager.pool.candidates(model):
+        known = sorted({h.model for h in manager.pool if h.alive})
+        what = f"model {model!r}" if model else "any model"
+        raise NoEngine(f"no live engine serves {what}; served models: {known or 'none'}")
+
+
+class _Completion:
+    """One completion: its internal session and call; closes the session exactly once."""
+
+    def __init__(self, manager: Manager, req: CompletionRequest):
+        self.manager = manager
+        self.requested_model = req.model
+        self.max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        self.created = int(time.time())
+        sampling = sampling_of(req)  # validate before creating anything
+        prompt = _prompt_text(req)
+        _check_model(manager, req.model)
+        self.session: Session | None
+        self.session, _token = manager.create_session()
+        try:
+            self.call: Call = manager.submit_call(
+                self.session,
+                SubmitCall(
+                    template=COMPLETION_TEMPLATE,
+                    placeholders=[
+                        PlaceholderBinding(name="prompt", direction="input", value=prompt),
+                        PlaceholderBinding(name="text", direction="output", sampling=sampling.to_dict()),
+                    ],
+                    name="openai.completion",
+                    model=req.model,
+                ),
+            )
+        except BaseException:
+            self.close()
+            raise
+        self.var: Variable = self.call.outputs["text"].var
+        self.id = f"cmpl-{self.call.call_id}"
+
+    @property
+    def model(self) -> str:
+        if self.call.engine_id is not None:
+            with contextlib.suppress(ParrotError):
+                return self.manager.pool.get(self.call.engine_id).model
+        return self.requested_model or "unknown"
+
+    async def wait_call(self) -> None:
+        """Wait until the call's task ends (its engine context is then freed)."""
+        task = self.manager.executor.task(self.call.call_id)
+        if task is not None and not task.done():
+            await asyncio.wait({task}, timeout=_TASK_GRACE_S)  # neither raises nor cancels the task
+
+    async def wait_value(self) -> None:
+        while self.var.state == "pending":
+            await self.var.wait_change(30.0)
+
+    def error(self) -> ParrotError:
+        err = self.var.error or self.call.error
+        return err if err is not None else CallFailed("the completion failed")
+
+    def finish_reason(self) -> str:
+        gen = self.call.generated_tokens
+        if gen >= self.max_tokens:
+            return "length"
+        if self.call.engine_id is not None and self.call.prompt_tokens is not None:
+            with contextlib.suppress(ParrotError):
+                if self.call.prompt_tokens + gen >= self.manager.pool.get(self.call.engine_id).max_seq_len:
+                    return "length"
+        return "stop"
+
+    def usage(self) -> dict[str, int]:
+        prompt = self.call.prompt_tokens or 0
+        completion = self.call.generated_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"text": text, "index": 0, "finish_reason": finish_reason, "logprobs": None}],
+        }
+
+    def close(self) -> None:
+        if self.session is not None:
+            session, self.session = self.session, None
+            self.manager.close_session(session)
+
+
+def _sse(obj: Any) -> bytes:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+
+def openai_router(manager: Manager) -> APIRouter:
+    """Routes ``POST /v1/completions`` and ``GET /v1/models`` for ``manager``.
+
+    Mount with ``app.include_router(openai_router(manager))`` on an app made by
+    :func:`parrot.manager.app.create_app` (whose error handlers give the JSON
+    error bodies).
+    """
+    router = APIRouter(tags=["openai"])
+
+    @router.get("/v1/models")
+    async def list_models() -> dict:
+        models: dict[str, int] = {}
+        for h in manager.pool:
+            if h.alive:
+                models[h.model] = max(models.get(h.model, 0), h.max_seq_len)
+        return {
+            "object": "list",
+            "data": [
+                {"id": m, "object": "model", "created": 0, "owned_by": "parrot", "max_model_len": n}
+                for m, n in sorted(models.items())
+            ],
+        }
+
+    @router.post(
+        "/v1/completions",
+        responses={200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream"}},
+    )
+    async def completions(req: CompletionRequest) -> Any:
+        _check_supported(req)
+        comp = _Completion(manager, req)
+        if req.stream:
+            include_usage = bool((req.stream_options or {}).get("include_usage"))
+            return StreamingResponse(
+                _stream(comp, include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        try:
+            await comp.wait_value()
+            await comp.wait_call()
+            if comp.var.state != "ready":
+                raise comp.error()
+            body = comp.chunk(comp.var.value or "", comp.finish_reason())
+            body["usage"] = comp.usage()
+            return body
+        finally:
+            comp.close()
+
+    return router
+
+
+async def _stream(comp: _Completion, include_usage: bool) -> AsyncIterator[bytes]:
+    """SSE chunks of the output as it is generated; the session is closed however it ends
+    (including the client going away, which cancels the call).
+
+    Text already sent cannot be retracted: if the executor re-runs the call on
+    another engine (its partial text restarts) the stream continues only while
+    the new text extends what was sent (greedy or seeded sampling), and ends
+    with an ``engine_error`` event otherwise."""
+    try:
+        var = comp.var
+        sent = ""  # text already sent
+        failed: ParrotError | None = None
+        while True:
+            text = "".join(var.partial)
+            if text.startswith(sent):
+                if len(text) > len(sent):
+                    yield _sse(comp.chunk(text[len(sent) :], None))
+                    sent = text
+            elif not sent.startswith(text):  # a re-run diverged from what the client has
+                failed = EngineError("the call was re-run on another engine and its output changed")
+                break
+            if var.state != "pending":
+                break
+            await var.wait_change(30.0)
+        await comp.wait_call()
+        if failed is None and var.state == "ready":
+            value = var.value or ""
+            if not value.startswith(sent):
+                failed = EngineError("the call was re-run on another engine and its output changed")
+            else:
+                if len(value) > len(sent):
+                    yield _sse(comp.chunk(value[len(sent) :], None))
+                yield _sse(comp.chunk("", comp.finish_reason()))
+                if include_usage:
+                    usage = comp.chunk("", None)
+                    usage["choices"] = []
+                    usage["usage"] = comp.usage()
+                    yield _sse(usage)
+        elif failed is None:
+            failed = comp.error()
+        if failed is not None:
+            err = error_info(failed)
+            yield _sse({"error": err.model_dump() if err else {"code": "call_failed", "message": ""}})
+        yield b"data: [DONE]\n\n"
+    finally:
+        comp.close()
