@@ -1,0 +1,73 @@
+"""Objective deduction and scheduling policies, seen through the manager's
+introspection endpoint on a real server."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+import parrot as P
+from parrot.manager.scheduler import SchedulerConfig
+from parrot.manager.service import ManagerConfig
+
+N_MAP = 3
+
+
+def map_reduce(s: P.Session) -> P.SemanticVariable:
+    """Map calls wait on a variable set last, so the whole DAG is known before any call is ready."""
+    doc = s.variable(name="doc")
+    m = P.template_function(
+        "Part {{input:i}} of {{input:doc}}: {{output:s}}",
+        name="map",
+        s=P.Output(max_tokens=4, ignore_eos=True),
+    )
+    parts = " ".join(f"{{{{input:s{i}}}}}" for i in range(N_MAP))
+    r = P.template_function(
+        f"All: {parts} => {{{{output:out}}}}",
+        name="reduce",
+        out=P.Output(max_tokens=4, ignore_eos=True, criteria=P.LATENCY),
+    )
+    maps = [m(i=str(i), doc=doc) for i in range(N_MAP)]
+    out = r(**{f"s{i}": v for i, v in enumerate(maps)})
+    doc.set("a document")
+    return out
+
+
+def test_map_calls_form_a_throughput_task_group_feeding_a_latency_reduce(live):
+    with P.connect(live.url) as s:
+        out = map_reduce(s)
+        out.get(timeout=60)
+        calls = httpx.get(
+            f"{live.url}/v1/sessions/{s.session_id}/graph", headers={"Authorization": f"Bearer {s.token}"}
+        ).json()["calls"]
+    reduce_call = next(c for c in calls if c["name"] == "reduce")
+    map_calls = [c for c in calls if c["name"] == "map"]
+    assert len(map_calls) == N_MAP
+    assert reduce_call["objective"] == "latency" and reduce_call["task_group"] is None
+    assert {c["objective"] for c in map_calls} == {"throughput"}
+    assert {c["task_group"] for c in map_calls} == {f"tg:{reduce_call['call_id']}"}
+    assert all(c["placement"] for c in calls)  # every call says why it went where it went
+
+
+@pytest.mark.parametrize("manager_config", [ManagerConfig(policy="baseline-latency")])
+def test_baseline_policy_runs_request_by_request_fifo(live):
+    with P.connect(live.url) as s:
+        map_reduce(s).get(timeout=60)
+        calls = httpx.get(
+            f"{live.url}/v1/sessions/{s.session_id}/graph", headers={"Authorization": f"Bearer {s.token}"}
+        ).json()["calls"]
+    assert {c["placement"] for c in calls} == {"fifo"}
+    assert all(c["state"] == "done" for c in calls)
+
+
+def test_a_call_waiting_past_the_queue_deadline_fails_with_timeout(live):
+    executor = live.manager.executor
+    executor.queue_timeout_s = 0.5
+    executor.scheduler = SchedulerConfig(latency_cap_tokens=1)  # a busy engine takes nothing more
+    long = P.template_function("go {{input:a}} {{output:b}}", b=P.Output(max_tokens=1500, ignore_eos=True))
+    short = P.template_function("hi {{input:a}} {{output:b}}", b=P.Output(max_tokens=2))
+    with P.connect(live.url):
+        busy = long("1")  # runs alone on the idle engine (the big-call rule)
+        with pytest.raises(P.Timeout, match=r"waited more than 0\.5s"):
+            short("2").get(timeout=30)
+        assert busy.is_ready is False  # the long call was not disturbed
