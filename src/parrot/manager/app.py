@@ -108,8 +108,9 @@ def create_app(manager: Manager) -> FastAPI:
     ) -> VariableInfo:
         session = manager.authorize(session_id, _token(authorization))
         var = manager.variable(session, var_id)
-        if criteria is not None:
+        if criteria is not None and var.criteria != criteria:
             var.criteria = criteria
+            manager.executor.graph_changed(session.session_id)
         await manager.wait_variable(var, wait)
         return manager.var_info(var)
 

@@ -41,11 +41,28 @@ from parrot.protocol.errors import CallFailed, ContextTooLong, EngineError, NoEn
 log = logging.getLogger(__name__)
 
 TICK_S = 0.1
+MIN_ROUND_GAP_S = 0.0005
 _LATENCY_DEFAULT = CallObjective("latency", reason="not deduced yet")
 
 
 class _EngineLost(str):
     """Cancellation message marking a call whose engine was dropped."""
+
+
+@dataclass
+class _Usage:
+    """Manager-side load of one engine: what the calls placed there will hold."""
+
+    version: int = 0  # bumped on every change
+    load: int = 0
+    kinds: dict[str, int] = field(default_factory=dict)  # objective -> running calls
+    groups: dict[str, int] = field(default_factory=dict)  # task group -> running calls
+
+    @property
+    def mode(self) -> str | None:
+        if self.kinds.get("latency", 0) > 0:
+            return "latency"
+        return "throughput" if self.kinds.get("throughput", 0) > 0 else None
 
 
 @dataclass(eq=False)
@@ -88,10 +105,15 @@ class Executor:
         self._calls_of_session = calls_of_session
         self._queue: dict[str, _Ticket] = {}
         self._placed: dict[str, _Ticket] = {}
+        self._usage: dict[str, _Usage] = {}  # engine id -> load of the calls placed there
+        self._snap_cache: dict[str, tuple[tuple, EngineSnapshot]] = {}
+        self._last_round = 0.0
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._ranks = itertools.count()
         self._kicked = False
         self._ticker: asyncio.Task[None] | None = None
+        self._objectives: dict[str, CallObjective] = {}  # by call id, valid for clean sessions
+        self._dirty: set[str] = set()  # sessions whose DAG or criteria changed since deduction
         self.rounds = 0
         pool.on_drop(self._engine_dropped)
 
@@ -123,13 +145,23 @@ class Executor:
         self._queue[call.call_id] = _Ticket(call, next(self._ranks))
         self.kick()
 
+    def graph_changed(self, session_id: str) -> None:
+        """A session gained a call or an output criterion: re-deduce it next round."""
+        self._dirty.add(session_id)
+
     def kick(self) -> None:
         """Run a scheduling round soon (coalesced: one per loop iteration)."""
         if self._kicked:
             return
         self._kicked = True
         loop = asyncio.get_running_loop()
-        loop.call_soon(self._round)
+        # Under a burst of events, rounds run at most every MIN_ROUND_GAP_S so one
+        # round places many calls; an idle manager schedules at once.
+        wait = self._last_round + MIN_ROUND_GAP_S - time.monotonic()
+        if wait > 0:
+            loop.call_later(wait, self._round)
+        else:
+            loop.call_soon(self._round)
         if self._ticker is None or self._ticker.done():
             self._ticker = loop.create_task(self._tick())
 
@@ -156,6 +188,7 @@ class Executor:
 
     def _engine_dropped(self, handle: EngineHandle, reason: str) -> None:
         self.prefixes.forget_engine(handle.engine_id)
+        self._usage.pop(handle.engine_id, None)
         for ticket in list(self._placed.values()):
             task = self._tasks.get(ticket.call.call_id)
             if ticket.engine is handle and task is not None:
@@ -165,11 +198,12 @@ class Executor:
     def _round(self) -> None:
         self._kicked = False
         self.rounds += 1
-        now = time.monotonic()
+        now = self._last_round = time.monotonic()
         for ticket in list(self._queue.values()):
             call = ticket.call
             if call.state != "ready":  # failed meanwhile (session closed, input failed)
                 del self._queue[call.call_id]
+                self._objectives.pop(call.call_id, None)
             elif self.queue_timeout_s is not None and now - ticket.queued_at > self.queue_timeout_s:
                 del self._queue[call.call_id]
                 fail_call(
@@ -206,19 +240,25 @@ class Executor:
             ticket = self._queue.pop(placement.call_id)
             ticket.engine = self.pool.get(placement.engine_id)
             ticket.call.placement = placement.reason
+            ticket.call.dispatched_at = time.time()
             self._start(ticket)
 
     def _deduce(self) -> dict[str, CallObjective]:
-        """Objectives of every queued call, deduced per session over its unfinished calls."""
-        sessions = {t.call.session_id for t in self._queue.values()}
-        out: dict[str, CallObjective] = {}
-        for sid in sessions:
+        """Objectives of every queued call.  Deduction runs per session over its
+        unfinished calls, only for sessions whose graph changed (or that have a
+        queued call not deduced yet); other sessions keep their results."""
+        stale = set(self._dirty)
+        stale.update(
+            t.call.session_id for t in self._queue.values() if t.call.call_id not in self._objectives
+        )
+        self._dirty.clear()
+        for sid in stale:
             if self._calls_of_session is None:
                 calls = [t.call for t in self._queue.values() if t.call.session_id == sid]
             else:
-                calls = [c for c in self._calls_of_session(sid) if c.state not in ("done", "failed")]
-            out.update(deduce(calls))
-        return out
+                calls = list(self._calls_of_session(sid))
+            self._objectives.update(deduce(calls))
+        return self._objectives
 
     def _estimate(self, ticket: _Ticket) -> int:
         if ticket.tokens is None:
@@ -232,6 +272,9 @@ class Executor:
         return ticket.tokens
 
     def _rendered(self, ticket: _Ticket, handle: EngineHandle) -> Rendered:
+        pre = ticket.call.rendered  # done at submit, when the inputs were already known
+        if pre is not None and pre[0] == handle.model and handle.model not in ticket.rendered:
+            ticket.rendered[handle.model] = pre[1]
         cached = ticket.rendered.get(handle.model)  # one model, one tokenizer: the same tokens
         if cached is None:
             cached = render(ticket.call, handle.api.tokenizer, handle.max_seq_len)
@@ -244,40 +287,50 @@ class Executor:
         return cached
 
     def _snapshots(self) -> list[EngineSnapshot]:
-        load: dict[str, int] = {}
-        modes: dict[str, set[str]] = {}
-        groups: dict[str, set[str]] = {}
-        for t in self._placed.values():
-            if t.engine is None:
-                continue
-            eid = t.engine.engine_id
-            load[eid] = load.get(eid, 0) + (t.tokens or 0)
-            modes.setdefault(eid, set()).add(t.call.objective or "latency")
-            if t.call.task_group:
-                groups.setdefault(eid, set()).add(t.call.task_group)
+        """One snapshot per engine, rebuilt only when what it shows changed."""
         snaps = []
         for h in self.pool:
-            kinds = modes.get(h.engine_id, set())
-            mode = "latency" if "latency" in kinds else ("throughput" if kinds else None)
-            snaps.append(
-                EngineSnapshot(
+            use = self._usage.get(h.engine_id) or _Usage()
+            capacity = h.stats.token_capacity or self.engine_token_capacity
+            key = (use.version, self.prefixes.version(h.engine_id), h.alive, capacity)
+            cached = self._snap_cache.get(h.engine_id)
+            if cached is None or cached[0] != key:
+                snap = EngineSnapshot(
                     engine_id=h.engine_id,
                     model=h.model,
                     max_seq_len=h.max_seq_len,
-                    token_capacity=h.stats.token_capacity or self.engine_token_capacity,
-                    token_load=load.get(h.engine_id, 0),
-                    mode=mode,  # type: ignore[arg-type]
-                    task_groups=frozenset(groups.get(h.engine_id, ())),
+                    token_capacity=capacity,
+                    token_load=use.load,
+                    mode=use.mode,  # type: ignore[arg-type]
+                    task_groups=frozenset(use.groups),
                     prefixes=self.prefixes.keys_on(h.engine_id),
                     alive=h.alive,
                 )
-            )
+                cached = (key, snap)
+                self._snap_cache[h.engine_id] = cached
+            snaps.append(cached[1])
         return snaps
+
+    def _account(self, ticket: _Ticket, sign: int) -> None:
+        """Add (+1) or remove (-1) a placed call's share of its engine's load."""
+        if ticket.engine is None:
+            return
+        use = self._usage.setdefault(ticket.engine.engine_id, _Usage())
+        use.version += 1
+        use.load += sign * (ticket.tokens or 0)
+        kind = ticket.call.objective or "latency"
+        use.kinds[kind] = use.kinds.get(kind, 0) + sign
+        group = ticket.call.task_group
+        if group:
+            use.groups[group] = use.groups.get(group, 0) + sign
+            if use.groups[group] <= 0:
+                del use.groups[group]
 
     # ------------------------------------------------------------ running
     def _start(self, ticket: _Ticket) -> None:
         call = ticket.call
         self._placed[call.call_id] = ticket
+        self._account(ticket, +1)
         self._tasks[call.call_id] = asyncio.get_running_loop().create_task(
             self._run(ticket), name=f"call {call.call_id}"
         )
@@ -290,7 +343,10 @@ class Executor:
             lost = await self._attempt(ticket)
         finally:
             self._tasks.pop(call.call_id, None)
-            self._placed.pop(call.call_id, None)
+            if self._placed.pop(call.call_id, None) is not None:
+                self._account(ticket, -1)
+            if call.state in ("done", "failed"):
+                self._objectives.pop(call.call_id, None)
             if lost is not None:
                 self._requeue(ticket, lost)
             self.kick()

@@ -93,9 +93,11 @@ class Call:
     objective: str | None = None  # deduced: "latency" | "throughput"
     task_group: str | None = None
     placement: str | None = None  # the scheduler's reason for its engine
+    rendered: tuple[str, object] | None = None  # (model, Rendered) when rendered at submit
     prompt_tokens: int | None = None
     generated_tokens: int = 0
     submitted_at: float = field(default_factory=time.time)
+    dispatched_at: float | None = None  # placed on an engine
     started_at: float | None = None
     finished_at: float | None = None
 

@@ -97,6 +97,7 @@ class PrefixIndex:
         self._entries: dict[tuple[str, str], PrefixEntry] = {}
         self._by_engine: dict[str, OrderedDict[str, PrefixEntry]] = {}
         self._interest: dict[str, set[Call]] = {}
+        self._versions: dict[str, int] = {}  # engine id -> bumped when its entries change
 
     # ------------------------------------------------------------ interest
     def add_interest(self, call: Call, keys: list[str]) -> None:
@@ -130,6 +131,12 @@ class PrefixIndex:
     def engines_holding(self, key: str) -> list[str]:
         return [eid for eid, entries in self._by_engine.items() if key in entries]
 
+    def version(self, engine_id: str) -> int:
+        return self._versions.get(engine_id, 0)
+
+    def _changed(self, engine_id: str) -> None:
+        self._versions[engine_id] = self._versions.get(engine_id, 0) + 1
+
     def keys_on(self, engine_id: str) -> frozenset[str]:
         return frozenset(self._by_engine.get(engine_id, ()))
 
@@ -138,6 +145,7 @@ class PrefixIndex:
             raise ValueError(f"prefix {entry.key} already indexed on {entry.engine_id}")
         self._entries[(entry.key, entry.engine_id)] = entry
         self._by_engine.setdefault(entry.engine_id, OrderedDict())[entry.key] = entry
+        self._changed(entry.engine_id)
 
     def acquire(self, entry: PrefixEntry) -> None:
         entry.users += 1
@@ -154,9 +162,11 @@ class PrefixIndex:
         engine = self._by_engine.get(entry.engine_id)
         if engine is not None:
             engine.pop(entry.key, None)
+        self._changed(entry.engine_id)
 
     def forget_engine(self, engine_id: str) -> list[PrefixEntry]:
         entries = list(self._by_engine.pop(engine_id, {}).values())
+        self._changed(engine_id)
         for e in entries:
             self._entries.pop((e.key, engine_id), None)
         return entries

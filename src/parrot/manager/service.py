@@ -249,6 +249,7 @@ class Manager:
             session.variables[var.var_id] = var
         session.calls[call.call_id] = call
         self.executor.prefixes.add_interest(call, prefix_keys(call))
+        self.executor.graph_changed(session.session_id)
         failed = call.failed_input()
         if failed is not None:
             name, var = failed
@@ -292,7 +293,7 @@ class Manager:
         longest = self.pool.longest_context(call.model)
         if longest is None:
             return
-        render(call, longest.api.tokenizer, longest.max_seq_len)
+        call.rendered = (longest.model, render(call, longest.api.tokenizer, longest.max_seq_len))
 
     # -------------------------------------------------------- introspection
     @staticmethod
@@ -325,6 +326,7 @@ class Manager:
             prompt_tokens=call.prompt_tokens,
             generated_tokens=call.generated_tokens,
             submitted_at=call.submitted_at,
+            dispatched_at=call.dispatched_at,
             started_at=call.started_at,
             finished_at=call.finished_at,
         )

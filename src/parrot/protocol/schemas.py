@@ -102,6 +102,7 @@ class CallInfo(BaseModel):
     prompt_tokens: int | None = None
     generated_tokens: int | None = None
     submitted_at: float
+    dispatched_at: float | None = None
     started_at: float | None = None
     finished_at: float | None = None
 
