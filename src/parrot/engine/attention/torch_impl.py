@@ -1,0 +1,237 @@
+"""PyTorch paged decode attention (CPU-fast; also runs on CUDA).
+
+Both modes reduce the batch to *rows*: a row is a run of keys (flat token
+indices into the cache viewed as ``[num_blocks * block_size, KVH, D]``) and the
+queries that read all of it.
+
+* ``share=True``: one row per segment — a shared prefix is one row whose M
+  dimension holds all its queries × the G query heads of each kv head, so its
+  K/V are gathered once and used by one GEMM per kv head.
+* ``share=False`` (baseline): one row per sequence, holding the concatenation of
+  its segments' keys — plain per-sequence paged attention.
+
+Each row is split into pieces of at most ``piece`` keys (sized so the gathered
+K/V and the scores stay within a few MiB, i.e. in cache).  Per piece: gather K/V
+rows into buffers reused across pieces (no fresh allocations or page faults per
+piece), one batched matmul over kv heads for ``Q K^T`` ([KVH, M, D] x [KVH, D, T],
+the gathered ``[T, KVH, D]`` read through strides, no transposing copy), a
+stable in-place softmax, one batched matmul for ``P V``.  Only the piece's own
+tokens are gathered, so cache rows outside every segment are never read.
+
+(Padding many short single-query rows into one batched matmul was measured and
+rejected: 4-D matmul over permuted gathers copies, and was ~12x slower than
+this loop for 32 rows x 100 keys.)
+
+Every piece produces per-query unnormalised partials (out, max, den) that are
+merged exactly by :func:`merge_partials`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from parrot.engine.attention.merge import merge_partials
+from parrot.engine.attention.segments import Segment, segment_token_index
+
+__all__ = ["torch_paged_decode_attention"]
+
+# Budgets, in elements, for the gathered K (and V) of one piece and for its score
+# matrix.  1 Mi fp32 elements = 4 MiB (256 tokens of 32 x 128 heads): the gathered
+# K and V of a piece stay in L3 while its GEMMs / GEMVs read them.  Measured on the
+# 2-core EPYC (benchmarks/attention_decode.py, batch 32, 1 thread): 2^20 beats 2^18,
+# 2^19, 2^21, 2^22 and 2^23 for both modes (per-sequence: 315 ms vs 514 ms at 2^22).
+KV_BUDGET = 1 << 20
+SCORE_BUDGET = 1 << 20
+
+
+@dataclass(frozen=True)
+class _Row:
+    seqs: Tensor  # LongTensor [m] on the compute device
+    m: int
+    tok: Tensor  # LongTensor [L] flat token indices on the compute device
+
+
+class _Buffers:
+    """Per-call scratch buffers, grown on demand and reused across pieces and rows."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device):
+        self.dtype = dtype
+        self.device = device
+        self._bufs: dict[str, Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> Tensor:
+        numel = 1
+        for s in shape:
+            numel *= s
+        dtype = self.dtype if dtype is None else dtype
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = torch.empty(numel, dtype=dtype, device=self.device)
+            self._bufs[name] = buf
+        return buf[:numel].view(shape)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _rows_for_segments(segments: Sequence[Segment], block_size: int, device: torch.device) -> list[_Row]:
+    rows = []
+    for seg in segments:
+        seqs = seg.seqs.to(device=device, dtype=torch.int64)
+        rows.append(_Row(seqs, seqs.numel(), segment_token_index(seg, block_size, device)))
+    return rows
+
+
+def _rows_per_sequence(
+    segments: Sequence[Segment], batch: int, block_size: int, device: torch.device
+) -> list[_Row]:
+    parts: list[list[Tensor]] = [[] for _ in range(batch)]
+    for seg in segments:
+        tok = segment_token_index(seg, block_size, device)
+        for s in seg.seqs.tolist():
+            parts[s].append(tok)
+    rows = []
+    for b, toks in enumerate(parts):
+        if not toks:
+            raise ValueError(f"sequence {b} is not listed by any segment")
+        tok = toks[0] if len(toks) == 1 else torch.cat(toks)
+        rows.append(_Row(torch.tensor([b], device=device), 1, tok))
+    return rows
+
+
+class _Partials:
+    """Slot-indexed unnormalised partials (see :mod:`merge`): out [S, H, D], max [S, H],
+    den [S, H], and the owning sequence of every slot."""
+
+    def __init__(self, slots: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device):
+        self.out = torch.empty(slots, heads, dim, dtype=dtype, device=device)
+        self.max = torch.empty(slots, heads, dtype=dtype, device=device)
+        self.den = torch.empty(slots, heads, dtype=dtype, device=device)
+        self.owners: list[Tensor] = []
+        self.next = 0
+
+    def take(self, seqs: Tensor) -> slice:
+        """Reserve len(seqs) consecutive slots owned by ``seqs``."""
+        sl = slice(self.next, self.next + seqs.numel())
+        self.next = sl.stop
+        self.owners.append(seqs)
+        return sl
+
+
+def _piece_tokens(kv_heads: int, dim: int, big_m: int) -> int:
+    """Keys per piece of a row: gathered K (and V) and the [KVH, M, T] scores within budget."""
+    return max(1, min(KV_BUDGET // (kv_heads * dim), SCORE_BUDGET // (kv_heads * big_m)))
+
+
+def _row_slots(row: _Row, kv_heads: int, dim: int, group: int) -> int:
+    """Partial slots a row fills: one per piece for single-query rows, m for multi-query rows."""
+    if row.m == 1:
+        return -(-row.tok.numel() // _piece_tokens(kv_heads, dim, group))
+    return row.m
+
+
+def _gather(kf: Tensor, vf: Tensor, tok: Tensor, bufs: _Buffers, cdt: torch.dtype) -> tuple[Tensor, Tensor]:
+    """K/V rows of ``tok`` into reused buffers: ([T, KVH, D], [T, KVH, D]) in the compute dtype."""
+    shape = (tok.numel(), *kf.shape[1:])
+    k = torch.index_select(kf, 0, tok, out=bufs.get("k", shape, kf.dtype))
+    v = torch.index_select(vf, 0, tok, out=bufs.get("v", shape, vf.dtype))
+    return k.to(cdt), v.to(cdt)
+
+
+def _run_single(row: _Row, qs: Tensor, kf: Tensor, vf: Tensor, bufs: _Buffers, parts: _Partials) -> None:
+    """A single-query row: each piece writes max/den/out straight into its own slot
+    (a slot's [H, ...] layout is [KVH, G, ...]), so no copies and no rescaling."""
+    _, kv_heads, dim = kf.shape
+    group = qs.shape[1] // kv_heads
+    qg = qs.index_select(0, row.seqs).view(kv_heads, group, dim)
+    piece = _piece_tokens(kv_heads, dim, group)
+    for a in range(0, row.tok.numel(), piece):
+        k, v = _gather(kf, vf, row.tok[a : a + piece], bufs, qs.dtype)  # [T, KVH, D]
+        s = torch.matmul(qg, k.permute(1, 2, 0), out=bufs.get("s", (kv_heads, group, k.shape[0]), qs.dtype))
+        i = parts.take(row.seqs).start
+        mx = torch.amax(s, dim=-1, keepdim=True, out=parts.max[i].view(kv_heads, group, 1))
+        s.sub_(mx).exp_()  # every exponent <= 0; the max itself gives exp(0) = 1
+        torch.sum(s, dim=-1, out=parts.den[i].view(kv_heads, group))
+        torch.matmul(s, v.permute(1, 0, 2), out=parts.out[i].view(kv_heads, group, dim))
+
+
+def _run_shared(row: _Row, qs: Tensor, kf: Tensor, vf: Tensor, bufs: _Buffers, parts: _Partials) -> None:
+    """A multi-query row: the GEMM M dim is its m queries x the G heads of a kv head.
+
+    Pieces are folded into one running (max, den, out) per query row, flash-style:
+    with ``new = max(run_max, piece_max)`` the piece's scores are exponentiated
+    as ``exp(s - new)`` and the running sums are rescaled by ``exp(run_max - new)``
+    (<= 1), so the row fills only m slots however long it is.
+    """
+    _, kv_heads, dim = kf.shape
+    m, group = row.m, qs.shape[1] // kv_heads
+    big_m = m * group
+    cdt = qs.dtype
+    # [m, H, D] -> [KVH, m * G, D]; row r of kv head k is (query r // G, head k * G + r % G).
+    qg = qs.index_select(0, row.seqs).view(m, kv_heads, group, dim).transpose(0, 1)
+    qg = qg.reshape(kv_heads, big_m, dim)
+    piece = _piece_tokens(kv_heads, dim, big_m)
+    run_max = run_den = run_out = None
+    for a in range(0, row.tok.numel(), piece):
+        k, v = _gather(kf, vf, row.tok[a : a + piece], bufs, cdt)  # [T, KVH, D]
+        s = torch.matmul(qg, k.permute(1, 2, 0), out=bufs.get("s", (kv_heads, big_m, k.shape[0]), cdt))
+        mx = s.amax(dim=-1, keepdim=True)  # [KVH, M, 1]
+        if run_max is None:
+            s.sub_(mx).exp_()
+            run_max, run_den = mx, s.sum(dim=-1, keepdim=True)
+            run_out = torch.matmul(s, v.permute(1, 0, 2))  # [KVH, M, D]
+            continue
+        new = torch.maximum(run_max, mx)
+        alpha = run_max.sub_(new).exp_()  # rescales the running sums; in (0, 1]
+        s.sub_(new).exp_()
+        run_den.mul_(alpha).add_(s.sum(dim=-1, keepdim=True))
+        run_out.mul_(alpha).baddbmm_(s, v.permute(1, 0, 2))
+        run_max = new
+    if run_max is None or run_den is None or run_out is None:  # rows always have >= 1 key
+        raise RuntimeError("empty row")
+    sl = parts.take(row.seqs)
+    parts.out[sl].view(m, kv_heads, group, dim).copy_(run_out.view(kv_heads, m, group, dim).transpose(0, 1))
+    parts.max[sl].view(m, kv_heads, group).copy_(run_max.view(kv_heads, m, group).transpose(0, 1))
+    parts.den[sl].view(m, kv_heads, group).copy_(run_den.view(kv_heads, m, group).transpose(0, 1))
+
+
+def torch_paged_decode_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, segments: Sequence[Segment], *, scale: float, share: bool
+) -> Tensor:
+    """See :func:`parrot.engine.attention.paged_decode_attention`; inputs are already checked.
+
+    q: [B, H, D]; k_cache, v_cache: [NB, BS, KVH, D] with token dims mergeable.
+    Returns [B, H, D] in q's dtype.
+    """
+    batch, heads, dim = q.shape
+    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    group = heads // kv_heads
+    device = q.device
+    kf = k_cache.view(num_blocks * block_size, kv_heads, dim)
+    vf = v_cache.view(num_blocks * block_size, kv_heads, dim)
+    cdt = _compute_dtype(q.dtype)
+    qs = q.to(cdt) * scale  # [B, H, D]
+
+    if share:
+        rows = _rows_for_segments(segments, block_size, device)
+    else:
+        rows = _rows_per_sequence(segments, batch, block_size, device)
+
+    slots = sum(_row_slots(r, kv_heads, dim, group) for r in rows)
+    parts = _Partials(slots, heads, dim, cdt, device)
+    bufs = _Buffers(cdt, device)
+    for r in rows:
+        if r.m == 1:
+            _run_single(r, qs, kf, vf, bufs, parts)
+        else:
+            _run_shared(r, qs, kf, vf, bufs, parts)
+    if parts.next != slots:  # internal invariant, not input validation
+        raise RuntimeError(f"partial slot accounting mismatch: {parts.next} != {slots}")
+
+    owner = torch.cat(parts.owners)
+    return merge_partials(parts.out, parts.max, parts.den, owner, batch).to(q.dtype)

@@ -1,0 +1,315 @@
+"""Triton split-segment decode attention for CUDA (and the CPU interpreter, TRITON_INTERPRET=1).
+
+Triton is optional: nothing here imports it at module import time.  The kernels
+are built on first call; without triton installed the call raises
+:class:`TritonUnavailableError` (an ImportError).
+
+Plan (built on the host from the segments, O(#segments + #pieces) Python work):
+
+* every segment is cut into *pieces* of at most ``piece_tokens`` keys (split-K,
+  for parallelism on long shared prefixes); piece p reads blocks
+  ``block_table[bt_off[p]:]`` from row ``start[p]`` for ``length[p]`` tokens, and
+  is read by the ``m[p]`` queries ``seqs_cat[q_off[p]:q_off[p] + m[p]]``;
+* a piece's GEMM M dimension is its m queries × the G query heads of one kv
+  head (row r = query r // G, head kvh * G + r % G), tiled by BLOCK_M into
+  *work items*; grid = (work items, KVH).  Each program loads every K/V tile of
+  its piece once and computes scores for all its rows with ``tl.dot``;
+* member j of piece p writes its partial (out, lse) to slot ``slot0[p] + j`` of
+  ``part_out [S, H, D]`` / ``part_lse [S, H]`` (fp32);
+* the merge kernel, one program per (sequence, head), walks that sequence's
+  slots (CSR ``seq_ptr``/``seq_slots``) with an online log-sum-exp.
+
+Numerics: masked keys get score -inf; the running max starts at -inf and is
+finite after the first tile (every piece has >= 1 key in its first tile), so
+``exp`` only ever sees arguments <= 0 or ``-inf - finite``.  Masked K/V loads
+return 0 and never touch memory outside the segment; padded query rows load 0
+and are never stored.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from parrot.engine.attention.segments import Segment
+
+__all__ = ["TritonUnavailableError", "interpret_requested", "triton_paged_decode_attention"]
+
+DEFAULT_PIECE_TOKENS = 512
+BLOCK_N = 32
+# Full fp32 products for fp32 inputs (tf32 would miss the 1e-5 accuracy target);
+# irrelevant for fp16/bf16 inputs.
+DOT_PRECISION = "ieee"
+
+
+class TritonUnavailableError(ImportError):
+    """Raised when the triton backend is requested but triton cannot be imported."""
+
+
+# Kernels per interpreter mode: triton decides compiled vs interpreted when a
+# function is decorated, so kernels built under TRITON_INTERPRET=1 must not be
+# reused without it (and vice versa).
+_KERNELS: dict[bool, dict[str, Any]] = {}
+
+
+def interpret_requested() -> bool:
+    """True when TRITON_INTERPRET asks for triton's CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
+
+
+def _kernels() -> dict[str, Any]:
+    """Import triton and define the kernels (once per interpreter mode)."""
+    mode = interpret_requested()
+    if mode in _KERNELS:
+        return _KERNELS[mode]
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError as exc:
+        raise TritonUnavailableError(
+            "backend='triton' needs the 'triton' package (pip install triton); "
+            "use backend='torch' or 'auto' without it"
+        ) from exc
+
+    @triton.jit
+    def _segment_partials(
+        q_ptr, sqb, sqh, sqd,
+        k_ptr, skb, skt, skh, skd,
+        v_ptr, svb, svt, svh, svd,
+        block_table, seqs_cat,
+        p_bt_off, p_start, p_len, p_q_off, p_m, p_slot0,
+        w_piece, w_row0,
+        part_out, part_lse,
+        scale, heads, dim,
+        GROUP: tl.constexpr, BS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        wid = tl.program_id(0)
+        kvh = tl.program_id(1)
+        p = tl.load(w_piece + wid)
+        row0 = tl.load(w_row0 + wid)
+        bt_off = tl.load(p_bt_off + p)
+        start = tl.load(p_start + p)
+        length = tl.load(p_len + p)
+        q_off = tl.load(p_q_off + p)
+        m = tl.load(p_m + p)
+        slot0 = tl.load(p_slot0 + p)
+
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < m * GROUP
+        j = rows // GROUP
+        head = kvh * GROUP + rows % GROUP
+        seq = tl.load(seqs_cat + q_off + j, mask=row_ok, other=0).to(tl.int64)
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < dim
+        q = tl.load(
+            q_ptr + seq[:, None] * sqb + head[:, None] * sqh + d[None, :] * sqd,
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+
+        m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+        for n0 in range(0, length, BLOCK_N):
+            t = n0 + tl.arange(0, BLOCK_N)
+            t_ok = t < length
+            pos = start + t
+            blk = tl.load(block_table + bt_off + pos // BS, mask=t_ok, other=0).to(tl.int64)
+            off = (pos % BS).to(tl.int64)
+            kv_ok = t_ok[:, None] & d_ok[None, :]
+            k = tl.load(
+                k_ptr + blk[:, None] * skb + off[:, None] * skt + kvh * skh + d[None, :] * skd,
+                mask=kv_ok,
+                other=0.0,
+            )
+            v = tl.load(
+                v_ptr + blk[:, None] * svb + off[:, None] * svt + kvh * svh + d[None, :] * svd,
+                mask=kv_ok,
+                other=0.0,
+            )
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            s = tl.where(t_ok[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            pr = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(pr, 1)
+            acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+
+        out = acc / l_i[:, None]
+        lse = m_i + tl.log(l_i)
+        slot = (slot0 + j).to(tl.int64)
+        tl.store(
+            part_out + (slot[:, None] * heads + head[:, None]) * dim + d[None, :],
+            out,
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+        tl.store(part_lse + slot * heads + head, lse, mask=row_ok)
+
+    @triton.jit
+    def _merge(
+        part_out, part_lse, seq_ptr, seq_slots,
+        o_ptr, sob, soh, sod,
+        heads, dim,
+        BLOCK_D: tl.constexpr,
+    ):  # fmt: skip
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        beg = tl.load(seq_ptr + b)
+        end = tl.load(seq_ptr + b + 1)
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < dim
+        # Running max / denominator kept per lane (all lanes equal): plain [BLOCK_D]
+        # vectors keep loop-carried types simple for the compiler.
+        m = tl.full((BLOCK_D,), float("-inf"), dtype=tl.float32)
+        den = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        for i in range(beg, end):
+            s = tl.load(seq_slots + i).to(tl.int64)
+            lse = tl.load(part_lse + s * heads + h)
+            o = tl.load(part_out + (s * heads + h) * dim + d, mask=d_ok, other=0.0)
+            m_new = tl.maximum(m, lse)
+            a = tl.exp(m - m_new)
+            w = tl.exp(lse - m_new)
+            acc = acc * a + w * o
+            den = den * a + w
+            m = m_new
+        res = acc / den
+        tl.store(o_ptr + b * sob + h * soh + d * sod, res.to(o_ptr.dtype.element_ty), mask=d_ok)
+
+    _KERNELS[mode] = {"partials": _segment_partials, "merge": _merge}
+    return _KERNELS[mode]
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+@dataclass
+class _Plan:
+    """Host-side int tables for both kernels (see the module docstring)."""
+
+    block_table: list[int] = field(default_factory=list)
+    seqs_cat: list[int] = field(default_factory=list)
+    bt_off: list[int] = field(default_factory=list)  # per piece ...
+    start: list[int] = field(default_factory=list)
+    length: list[int] = field(default_factory=list)
+    q_off: list[int] = field(default_factory=list)
+    m: list[int] = field(default_factory=list)
+    slot0: list[int] = field(default_factory=list)
+    w_piece: list[int] = field(default_factory=list)  # per work item ...
+    w_row0: list[int] = field(default_factory=list)
+    seq_ptr: list[int] = field(default_factory=list)  # per sequence: CSR over its slots
+    seq_slots: list[int] = field(default_factory=list)
+    block_m: int = 16
+
+    def tables(self) -> list[list[int]]:
+        return [
+            self.block_table, self.seqs_cat, self.bt_off, self.start, self.length, self.q_off,
+            self.m, self.slot0, self.w_piece, self.w_row0, self.seq_ptr, self.seq_slots,
+        ]  # fmt: skip
+
+
+def _plan(
+    segments: Sequence[Segment], batch: int, block_size: int, group: int, share: bool, piece_tokens: int
+) -> _Plan:
+    if not share:  # baseline: every (segment, sequence) pair read separately
+        segments = [
+            Segment(s.block_ids, s.start, s.length, s.seqs[i : i + 1])
+            for s in segments
+            for i in range(s.seqs.numel())
+        ]
+    plan = _Plan()
+    owner: list[int] = []
+    for seg in segments:
+        bt0, q0 = len(plan.block_table), len(plan.seqs_cat)
+        plan.block_table.extend(seg.block_ids.tolist())
+        seqs = seg.seqs.tolist()
+        plan.seqs_cat.extend(seqs)
+        for a in range(0, seg.length, piece_tokens):
+            pos0 = seg.start + a
+            plan.bt_off.append(bt0 + pos0 // block_size)
+            plan.start.append(pos0 % block_size)
+            plan.length.append(min(piece_tokens, seg.length - a))
+            plan.q_off.append(q0)
+            plan.m.append(len(seqs))
+            plan.slot0.append(len(owner))
+            owner.extend(seqs)
+    plan.block_m = min(64, max(16, _next_pow2(max(m * group for m in plan.m))))
+    for p, m in enumerate(plan.m):
+        for r0 in range(0, m * group, plan.block_m):
+            plan.w_piece.append(p)
+            plan.w_row0.append(r0)
+    by_seq: list[list[int]] = [[] for _ in range(batch)]
+    for slot, b in enumerate(owner):
+        by_seq[b].append(slot)
+    plan.seq_ptr.append(0)
+    for slots in by_seq:
+        plan.seq_slots.extend(slots)
+        plan.seq_ptr.append(len(plan.seq_slots))
+    return plan
+
+
+def _upload(tables: list[list[int]], device: torch.device) -> list[Tensor]:
+    """All int tables in one host-to-device copy; returns a view per table."""
+    flat = torch.tensor([x for t in tables for x in t], dtype=torch.int32).to(device)
+    return list(flat.split([len(t) for t in tables]))
+
+
+def triton_paged_decode_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    segments: Sequence[Segment],
+    *,
+    scale: float,
+    share: bool,
+    piece_tokens: int = DEFAULT_PIECE_TOKENS,
+) -> Tensor:
+    """Triton backend of :func:`parrot.engine.attention.paged_decode_attention` (inputs already checked).
+
+    q: [B, H, D]; k_cache, v_cache: [NB, BS, KVH, D] (any strides).  Returns [B, H, D] in q's dtype.
+    Segment tensors are read on the host (keep them on the CPU to avoid device syncs).
+    """
+    if q.dtype == torch.float64:
+        raise ValueError("the triton backend supports float32/float16/bfloat16, not float64")
+    if piece_tokens < 1:
+        raise ValueError(f"piece_tokens must be >= 1, got {piece_tokens}")
+    kern = _kernels()
+    batch, heads, dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    plan = _plan(segments, batch, block_size, heads // kv_heads, share, piece_tokens)
+    (block_table, seqs_cat, bt_off, start, length, q_off, m, slot0, w_piece, w_row0, seq_ptr, seq_slots) = (
+        _upload(plan.tables(), q.device)
+    )
+    slots = len(plan.seq_slots)
+    part_out = torch.empty(slots, heads, dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(slots, heads, dtype=torch.float32, device=q.device)
+    block_d = max(16, _next_pow2(dim))
+
+    kern["partials"][(len(plan.w_piece), kv_heads)](
+        q, *q.stride(),
+        k_cache, *k_cache.stride(),
+        v_cache, *v_cache.stride(),
+        block_table, seqs_cat,
+        bt_off, start, length, q_off, m, slot0,
+        w_piece, w_row0,
+        part_out, part_lse,
+        scale, heads, dim,
+        GROUP=heads // kv_heads, BS=block_size,
+        BLOCK_M=plan.block_m, BLOCK_N=BLOCK_N, BLOCK_D=block_d, PRECISION=DOT_PRECISION,
+    )  # fmt: skip
+    out = torch.empty_like(q)
+    kern["merge"][(batch, heads)](
+        part_out, part_lse, seq_ptr, seq_slots,
+        out, *out.stride(),
+        heads, dim,
+        BLOCK_D=block_d,
+    )  # fmt: skip
+    return out
