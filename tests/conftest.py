@@ -3,6 +3,13 @@ loopback (uvicorn in a background thread, a fresh manager per test)."""
 
 from __future__ import annotations
 
+import os
+
+# Triton reads this when it is first imported, and torch may import triton on
+# its own (whenever it is installed) before any kernel test runs: set it first.
+# No test uses a GPU, so every Triton kernel here runs in the CPU interpreter.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import asyncio
 import socket
 import threading

@@ -39,22 +39,31 @@ def test_nested_forks_lineage():
     assert [(x.context_id, n) for x, n in c.lineage()] == [(1, 2), (2, 3), (3, 1)]
 
 
-def test_free_parent_keeps_storage_until_last_child_goes():
+def test_free_drops_the_context_at_once_and_children_keep_the_shared_blocks():
     table, released = make_table()
     p = table.open(1, None)
-    table.append(p, [1])
-    p.num_computed = 1
+    table.append(p, list(range(40)))
+    assert table.reserve(p, 40) == []  # fresh blocks: nothing to copy
+    p.computed_len = 40
+    shared = list(p.block_table)
+    assert len(shared) == 3
     table.open(2, 1)
-    table.open(3, 1)
+    c3 = table.open(3, 1)
+    assert [table.pool.refcount(b) for b in shared] == [3, 3, 3]
     table.free(1)
-    assert released == []
-    assert 1 not in table  # the user can no longer address it
+    assert released == [1]
+    assert 1 not in table  # the user can no longer address it ...
     with pytest.raises(NotFound):
         table.get(1)
+    assert table.open(1, None).length == 0  # ... and may reuse its id at once
+    assert [table.pool.refcount(b) for b in shared] == [2, 2, 2]  # the children's references
+    assert c3.tokens(0, 40) == list(range(40))  # tokens stay known, to recompute evicted KV
     table.free(2)
-    assert released == [2]
+    assert table.pool.num_used == 3 and table.stored_tokens() == 40
     table.free(3)
-    assert released == [2, 3, 1]
+    table.free(1)
+    assert released == [1, 2, 3, 1]
+    assert table.pool.num_used == 0
     assert table.stored_tokens() == 0
 
 

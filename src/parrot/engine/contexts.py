@@ -1,30 +1,50 @@
-"""Context tree: which tokens each context holds and which ancestor prefix it sees.
+"""Context tree and paged-KV bookkeeping: which tokens each context holds and
+which KV blocks hold them.
 
 A context is a sequence of tokens whose KV cache the engine keeps.  A child
 context is *forked* from a parent at the parent's current length: it sees the
-parent's first ``fork_len`` tokens (and, recursively, the parent's own
+parent's first ``prefix_len`` tokens (and, recursively, the parent's own
 ancestors) without copying them, then appends tokens of its own.  The parent
 may keep growing after the fork; the child never sees those later tokens.
+
+KV lives in fixed-size blocks of a :class:`~parrot.engine.block_pool.BlockPool`.
+Every context has its own *block table* covering all its computed tokens from
+position 0: token ``p`` lives in block ``block_table[p // bs]`` at row ``p % bs``.
+A fork copies the parent's table entries for the prefix and increfs them (no
+KV is copied); the first write into a block whose refcount is > 1 copies the
+block first (copy-on-write, see :meth:`ContextTable.reserve`).
 
 Invariants:
 - ``ctx.prefix_len`` (tokens visible from ancestors) is fixed at fork time;
   ``ctx.length == ctx.prefix_len + len(ctx.own_tokens)``.
-- ``0 <= ctx.num_computed <= len(ctx.own_tokens)``: own tokens before
-  ``num_computed`` have KV stored; the rest are pending.
-- A context is forked only when its parent has no pending tokens, so every
-  visible ancestor token has KV.
-- Storage of a context lives while it is referenced: by the user (until
-  ``free``) or by any live child.  ``free`` on a context with children only
-  drops the user's reference; storage goes when the last child goes.
+- ``0 <= ctx.computed_len <= ctx.length``: positions before ``computed_len``
+  have KV in the context's blocks; the rest are *pending*.  ``computed_len``
+  may drop below ``prefix_len`` when KV is evicted under memory pressure
+  (:meth:`ContextTable.truncate`): the tokens stay known (through
+  :meth:`Context.tokens`), so the KV can be recomputed.
+- Between steps, ``len(ctx.block_table) == ceil(computed_len / bs)``; during a
+  step :meth:`ContextTable.reserve` may extend it to cover the step's writes.
+- A block's refcount equals the number of block-table entries naming it, over
+  all contexts in the table.  Blocks shared by two tables form a common
+  prefix of both (sharing only ever arises from a fork), so along one table
+  refcounts never increase: a context's *private* blocks (refcount 1) are a
+  suffix of its table.
+- A context is forked only when its parent has no pending tokens.
+- ``free`` drops a context at once: its id may be reused immediately and its
+  block references go; blocks still read by children stay alive through the
+  children's references.  A child keeps a Python reference to its parent's
+  :class:`Context` only for the parent's *tokens* (needed to recompute
+  evicted KV), never for its storage.
 
-Torch-free: the KV tensors belong to the kv store, keyed by context id.
+Torch-free: the KV tensors belong to :mod:`parrot.engine.kv_store`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from parrot.engine.block_pool import BlockPool
 from parrot.protocol.errors import BadRequest, Conflict, ContextTooLong, NotFound
 
 
@@ -34,22 +54,44 @@ class Context:
     parent: Context | None
     prefix_len: int
     own_tokens: list[int] = field(default_factory=list)
-    num_computed: int = 0
-    live_children: int = 0
-    user_freed: bool = False
-    busy: bool = False  # a fill or generate is running on it
+    computed_len: int = 0
+    block_table: list[int] = field(default_factory=list)
+    busy: bool = False  # a job owns it (running, or preempted and waiting to resume)
+    last_used: int = 0  # a logical clock, for least-recently-used eviction
 
     @property
     def length(self) -> int:
         return self.prefix_len + len(self.own_tokens)
 
     @property
-    def computed_length(self) -> int:
-        return self.prefix_len + self.num_computed
+    def num_computed(self) -> int:
+        """Own tokens with KV (negative when evicted KV reaches into the prefix)."""
+        return self.computed_len - self.prefix_len
+
+    @num_computed.setter
+    def num_computed(self, value: int) -> None:
+        self.computed_len = self.prefix_len + value
+
+    @property
+    def num_pending(self) -> int:
+        return self.length - self.computed_len
 
     @property
     def pending(self) -> list[int]:
-        return self.own_tokens[self.num_computed :]
+        return self.tokens(self.computed_len, self.length)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens at positions ``[start, end)`` (``0 <= start <= end <= length``)."""
+        if start >= self.prefix_len:
+            return self.own_tokens[start - self.prefix_len : end - self.prefix_len]
+        out: list[int] = []
+        pos = 0
+        for ctx, visible in self.lineage():
+            lo, hi = max(start, pos), min(end, pos + visible)
+            if lo < hi:
+                out.extend(ctx.own_tokens[lo - pos : hi - pos])
+            pos += visible
+        return out
 
     def lineage(self) -> list[tuple[Context, int]]:
         """(context, number of its own tokens visible) from the root down to self."""
@@ -64,24 +106,38 @@ class Context:
 
 
 class ContextTable:
-    """All contexts of one engine.  ``on_release(context_id)`` is called when a
-    context's storage may be dropped."""
+    """All contexts of one engine, with their block tables.
 
-    def __init__(self, max_seq_len: int, on_release: Callable[[int], None] | None = None):
+    ``pool`` holds the KV blocks (default: room for four full-length contexts,
+    for bookkeeping-only use).  ``on_release(context_id)`` is called when a
+    context is freed.
+    """
+
+    def __init__(
+        self,
+        max_seq_len: int,
+        on_release: Callable[[int], None] | None = None,
+        *,
+        pool: BlockPool | None = None,
+    ):
         self.max_seq_len = max_seq_len
+        self.pool = pool if pool is not None else BlockPool(4 * -(-max_seq_len // 16))
+        self.block_size = self.pool.block_size
         self._contexts: dict[int, Context] = {}
         self._on_release = on_release
 
     def __len__(self) -> int:
-        return sum(1 for c in self._contexts.values() if not c.user_freed)
+        return len(self._contexts)
 
     def __contains__(self, context_id: int) -> bool:
-        ctx = self._contexts.get(context_id)
-        return ctx is not None and not ctx.user_freed
+        return context_id in self._contexts
+
+    def __iter__(self) -> Iterator[Context]:
+        return iter(self._contexts.values())
 
     def get(self, context_id: int) -> Context:
         ctx = self._contexts.get(context_id)
-        if ctx is None or ctx.user_freed:
+        if ctx is None:
             raise NotFound(f"context {context_id} does not exist", code="context_not_found")
         return ctx
 
@@ -90,7 +146,7 @@ class ContextTable:
         given) when it does not exist yet.  Naming a parent for an existing
         context is allowed only if it is that context's parent."""
         existing = self._contexts.get(context_id)
-        if existing is not None and not existing.user_freed:
+        if existing is not None:
             if parent_context_id is not None and (
                 existing.parent is None or existing.parent.context_id != parent_context_id
             ):
@@ -99,49 +155,118 @@ class ContextTable:
                     code="context_conflict",
                 )
             return existing
-        if existing is not None:
-            raise Conflict(f"context id {context_id} is still being released", code="context_conflict")
         parent: Context | None = None
         if parent_context_id is not None:
             if parent_context_id == context_id:
                 raise BadRequest("a context cannot be its own parent")
             parent = self.get(parent_context_id)
-            if parent.pending:
+            if parent.num_pending:
                 raise Conflict(
                     f"parent context {parent_context_id} has uncomputed tokens; fork after its fill ends",
                     code="context_conflict",
                 )
-            parent.live_children += 1
-        ctx = Context(context_id, parent, parent.length if parent else 0)
+        prefix = parent.length if parent else 0
+        ctx = Context(context_id, parent, prefix, computed_len=prefix)
+        if parent is not None:
+            ctx.block_table = parent.block_table[: self.pool.blocks_for(ctx.prefix_len)]
+            self.pool.incref(ctx.block_table)
         self._contexts[context_id] = ctx
         return ctx
 
-    def append(self, ctx: Context, tokens: list[int]) -> None:
-        if ctx.length + len(tokens) > self.max_seq_len:
+    def check_length(self, ctx_id: int, length: int) -> None:
+        """Raise ContextTooLong unless a context of ``length`` tokens can ever be held."""
+        if length > self.max_seq_len:
             raise ContextTooLong(
-                f"context {ctx.context_id} would hold {ctx.length + len(tokens)} tokens; "
-                f"the model's context is {self.max_seq_len}"
+                f"context {ctx_id} would hold {length} tokens; the model's context is {self.max_seq_len}"
             )
+        capacity = self.pool.num_blocks * self.block_size
+        if length > capacity:
+            raise ContextTooLong(
+                f"context {ctx_id} would hold {length} tokens; the engine's KV cache holds {capacity}",
+                code="kv_capacity_exceeded",
+            )
+
+    def append(self, ctx: Context, tokens: list[int]) -> None:
+        self.check_length(ctx.context_id, ctx.length + len(tokens))
         ctx.own_tokens.extend(tokens)
 
     def free(self, context_id: int) -> None:
         ctx = self.get(context_id)
-        ctx.user_freed = True
-        self._release_if_unreferenced(ctx)
+        del self._contexts[context_id]
+        self.truncate(ctx, 0)
+        if self._on_release is not None:
+            self._on_release(context_id)
 
-    def _release_if_unreferenced(self, ctx: Context) -> None:
-        while ctx is not None and ctx.user_freed and ctx.live_children == 0:
-            del self._contexts[ctx.context_id]
-            if self._on_release is not None:
-                self._on_release(ctx.context_id)
-            parent = ctx.parent
-            if parent is not None:
-                parent.live_children -= 1
-            ctx = parent  # type: ignore[assignment]
+    # ------------------------------------------------------------ KV blocks
+    def blocks_needed(self, ctx: Context, n: int) -> int:
+        """Fresh blocks :meth:`reserve` would take to write ``n`` tokens at ``computed_len``."""
+        bs, table, c = self.block_size, ctx.block_table, ctx.computed_len
+        need = max(0, -(-(c + n) // bs) - len(table))
+        if c % bs and self.pool.refcount(table[c // bs]) > 1:
+            need += 1  # copy-on-write of the partially filled shared block
+        return need
+
+    def reserve(self, ctx: Context, n: int) -> list[tuple[int, int]] | None:
+        """Make ``ctx``'s table cover positions ``[computed_len, computed_len + n)``
+        with blocks it may write.  Returns the ``(src, dst)`` block copies the
+        caller must perform before writing (copy-on-write), or ``None`` when
+        the pool is short; then nothing changed."""
+        bs, table, c = self.block_size, ctx.block_table, ctx.computed_len
+        pool = self.pool
+        need = self.blocks_needed(ctx, n)
+        fresh = pool.allocate(need)
+        if fresh is None:
+            return None
+        copies: list[tuple[int, int]] = []
+        if c % bs and pool.refcount(table[c // bs]) > 1:
+            src, dst = table[c // bs], fresh.pop()
+            table[c // bs] = dst
+            pool.decref((src,))
+            copies.append((src, dst))
+        table.extend(fresh)
+        return copies
+
+    def slots(self, ctx: Context, start: int, n: int) -> list[int]:
+        """Flat cache rows (``block * bs + offset``) of positions ``[start, start + n)``."""
+        bs, table = self.block_size, ctx.block_table
+        return [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+
+    def private_from(self, ctx: Context) -> int:
+        """Index of the first block of ``ctx``'s private suffix (refcount-1 blocks)."""
+        refcount, table = self.pool.refcount, ctx.block_table
+        i = len(table)
+        while i and refcount(table[i - 1]) == 1:
+            i -= 1
+        return i
+
+    def truncate(self, ctx: Context, num_tokens: int) -> int:
+        """Forget ``ctx``'s KV from position ``num_tokens`` on (its tokens stay);
+        returns the number of blocks that went back to the pool."""
+        keep = self.pool.blocks_for(num_tokens)
+        ctx.computed_len = min(ctx.computed_len, num_tokens)
+        dropped = ctx.block_table[keep:]
+        del ctx.block_table[keep:]
+        return len(self.pool.decref(dropped))
 
     def stored_tokens(self) -> int:
-        """Tokens whose KV is stored (shared prefixes counted once)."""
-        return sum(c.num_computed for c in self._contexts.values())
+        """Tokens whose KV is stored: filled rows of used blocks, shared blocks once.
+
+        A block's fill is the largest of its holders'.  Only a table's last block
+        can be partly filled for its context, so a block is partly filled overall
+        only if *every* holder has it as a partly filled last block; this is
+        O(number of contexts).
+        """
+        bs = self.block_size
+        partial: dict[int, list[int]] = {}  # block -> [largest fill, holders with it partly filled]
+        for ctx in self._contexts.values():
+            rows = ctx.computed_len % bs
+            if rows:
+                seen = partial.setdefault(ctx.block_table[-1], [0, 0])
+                seen[0] = max(seen[0], rows)
+                seen[1] += 1
+        refcount = self.pool.refcount
+        missing = sum(bs - rows for b, (rows, holders) in partial.items() if holders == refcount(b))
+        return self.pool.num_used * bs - missing
 
     def all_ids(self) -> list[int]:
-        return [cid for cid, c in self._contexts.items() if not c.user_freed]
+        return list(self._contexts)

@@ -1,108 +1,98 @@
-"""KV storage per context and the attention backend that reads it.
+"""The paged KV cache tensors, their sizing, and dense grouped-query attention.
 
-Each context owns a tensor pair ``k, v: [num_layers, capacity, kv_heads,
-head_dim]`` holding the KV of its *own* tokens; a child context reads its
-ancestors' tensors in place (see :mod:`parrot.engine.contexts`), so a shared
-prefix is stored once however many contexts fork from it.  Capacity grows by
-doubling; only the context's own tokens are ever copied on growth.
+``k_cache, v_cache: [num_layers, num_blocks, block_size, kv_heads, head_dim]``
+are allocated once (``torch.empty``: the OS commits pages only when a block is
+first written, and the block pool reuses recently freed blocks first, so the
+resident size follows the blocks actually used).  Which block belongs to
+which context is decided by :mod:`parrot.engine.contexts`; this module only
+moves data: writing a step's new K/V into their slots and copying blocks for
+copy-on-write.
+
+Default size (:func:`default_kv_tokens`): as many tokens as fit in
+``DEFAULT_KV_CACHE_BYTES`` (2 GiB, the same budget the vLLM-CPU peer gets by
+default), capped at ``DEFAULT_KV_CACHE_MAX_TOKENS`` (256k) so tiny models do
+not get huge block tables, and never less than one full-length context.
+SmolLM2-135M (30 layers x 2 x 3 kv heads x 64 dims x 4 bytes = 45 KiB a
+token) gets ~46.6k tokens (2,912 blocks of 16).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
-from parrot.engine.contexts import Context
+from parrot.engine.model import ModelConfig
+
+DEFAULT_KV_CACHE_BYTES = 2 << 30
+DEFAULT_KV_CACHE_MAX_TOKENS = 1 << 18
 
 
-class KVStore:
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str):
-        self.num_layers = num_layers
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.dtype = dtype
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype = torch.float32) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return config.num_layers * 2 * config.num_kv_heads * config.head_dim * elem
+
+
+def default_kv_tokens(config: ModelConfig, dtype: torch.dtype = torch.float32) -> int:
+    fit = DEFAULT_KV_CACHE_BYTES // kv_bytes_per_token(config, dtype)
+    return max(config.max_seq_len, min(fit, DEFAULT_KV_CACHE_MAX_TOKENS))
+
+
+def kv_cache_blocks(
+    config: ModelConfig,
+    block_size: int,
+    *,
+    kv_cache_tokens: int | None = None,
+    kv_cache_bytes: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> int:
+    """Number of blocks for a cache of ``kv_cache_tokens`` tokens or ``kv_cache_bytes``
+    bytes (at most one may be given; neither: :func:`default_kv_tokens`)."""
+    if kv_cache_tokens is not None and kv_cache_bytes is not None:
+        raise ValueError("give kv_cache_tokens or kv_cache_bytes, not both")
+    if kv_cache_bytes is not None:
+        tokens = kv_cache_bytes // kv_bytes_per_token(config, dtype)
+    elif kv_cache_tokens is not None:
+        tokens = kv_cache_tokens
+    else:
+        tokens = default_kv_tokens(config, dtype)
+    blocks = tokens // block_size
+    if blocks < 1:
+        raise ValueError(f"a KV cache of {tokens} tokens holds no block of {block_size} tokens")
+    return blocks
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str,
+    ):
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        flat = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        self.k_rows = self.k.view(flat)  # [L, NB * BS, KVH, D]: row = block * BS + offset
+        self.v_rows = self.v.view(flat)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
         self.device = device
-        self._k: dict[int, torch.Tensor] = {}
-        self._v: dict[int, torch.Tensor] = {}
 
-    def ensure(self, context_id: int, num_tokens: int) -> None:
-        """Make room for ``num_tokens`` own tokens of ``context_id``."""
-        k = self._k.get(context_id)
-        cap = 0 if k is None else k.shape[1]
-        if num_tokens <= cap:
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks ``src -> dst`` in every layer (all sources are read first)."""
+        if not copies:
             return
-        new_cap = max(num_tokens, 2 * cap, 16)
-        shape = (self.num_layers, new_cap, self.num_kv_heads, self.head_dim)
-        new_k = torch.empty(shape, dtype=self.dtype, device=self.device)
-        new_v = torch.empty(shape, dtype=self.dtype, device=self.device)
-        if k is not None:
-            new_k[:, :cap] = k
-            new_v[:, :cap] = self._v[context_id]
-        self._k[context_id] = new_k
-        self._v[context_id] = new_v
-
-    def release(self, context_id: int) -> None:
-        self._k.pop(context_id, None)
-        self._v.pop(context_id, None)
-
-    def layer_kv(self, context_id: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._k[context_id][layer], self._v[context_id][layer]
-
-    def allocated_tokens(self) -> int:
-        return sum(k.shape[1] for k in self._k.values())
+        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.device)
+        self.k.index_copy_(1, dst, self.k.index_select(1, src))
+        self.v.index_copy_(1, dst, self.v.index_select(1, src))
 
 
-@dataclass
-class SeqSlice:
-    """The new tokens of one sequence in a step: own positions [start, start + n)."""
-
-    ctx: Context
-    start: int
-    n: int
-
-
-class StepAttention:
-    """Attention backend for one forward step over several sequences.
-
-    The step's tokens are the concatenation of each slice's ``n`` tokens in
-    order.  For every layer it writes the new K/V into each context's own
-    storage and attends each query to its context's ancestors' visible tokens
-    plus its own tokens up to and including itself (causal).
-    """
-
-    def __init__(self, store: KVStore, slices: list[SeqSlice]):
-        self.store = store
-        self.slices = slices
-        self._lineages = [s.ctx.lineage()[:-1] for s in slices]
-        self._masks: list[torch.Tensor | None] = []
-        for s in slices:
-            store.ensure(s.ctx.context_id, s.start + s.n)
-            self._masks.append(
-                _causal_mask(s.ctx.prefix_len + s.start, s.n, store.device) if s.n > 1 else None
-            )
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [T, H, D]; k, v: [T, KVH, D]
-        out = torch.empty_like(q)
-        offset = 0
-        for s, lineage, mask in zip(self.slices, self._lineages, self._masks, strict=True):
-            own_k, own_v = self.store.layer_kv(s.ctx.context_id, layer)  # [cap, KVH, D]
-            own_k[s.start : s.start + s.n] = k[offset : offset + s.n]
-            own_v[s.start : s.start + s.n] = v[offset : offset + s.n]
-            keys = [self.store.layer_kv(c.context_id, layer)[0][:vis] for c, vis in lineage]
-            vals = [self.store.layer_kv(c.context_id, layer)[1][:vis] for c, vis in lineage]
-            keys.append(own_k[: s.start + s.n])
-            vals.append(own_v[: s.start + s.n])
-            kk = torch.cat(keys) if len(keys) > 1 else keys[0]  # [L, KVH, D]
-            vv = torch.cat(vals) if len(vals) > 1 else vals[0]
-            out[offset : offset + s.n] = grouped_attention(q[offset : offset + s.n], kk, vv, mask)
-            offset += s.n
-        return out
-
-
-def _causal_mask(first_pos: int, n: int, device: str) -> torch.Tensor:
+def causal_mask(first_pos: int, n: int, device: str) -> torch.Tensor:
     """[n, first_pos + n] bool: query i (absolute position first_pos + i) sees keys <= its position."""
     keys = torch.arange(first_pos + n, device=device)
     queries = torch.arange(first_pos, first_pos + n, device=device)

@@ -9,8 +9,8 @@ Implements the engine API the manager uses (``fill`` / ``generate`` /
 - ``generate(sampling, context_id, parent_context_id)`` streams generated
   chunks; the last chunk has ``done`` set.  Closing the stream early cancels
   the generation;
-- ``free_context(context_id)`` drops the context; its storage goes when no
-  child still reads it.
+- ``free_context(context_id)`` drops the context at once; KV blocks it shares
+  with children stay alive through the children's references.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from parrot.engine.block_pool import DEFAULT_BLOCK_SIZE
 from parrot.engine.loader import LoadedModel
 from parrot.engine.runner import EngineRunner, Job
 from parrot.protocol.errors import BadRequest, ParrotError
@@ -28,9 +29,34 @@ from parrot.protocol.tokenizer import TextTokenizer
 
 
 class LocalEngine:
-    def __init__(self, loaded: LoadedModel, *, max_step_tokens: int = 512, token_capacity: int | None = None):
+    """See :class:`~parrot.engine.runner.EngineRunner` for the options: ``max_step_tokens``
+    (tokens per forward step), ``token_capacity`` (sum of running contexts' lengths;
+    see :meth:`set_token_capacity`), ``share_prefix`` (shared-prefix decode attention;
+    False for baselines), ``block_size``, and the KV pool's size as
+    ``kv_cache_tokens`` or ``kv_cache_bytes`` (default: 2 GiB worth of tokens, see
+    :mod:`parrot.engine.kv_store`)."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        max_step_tokens: int = 512,
+        token_capacity: int | None = None,
+        share_prefix: bool = True,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        kv_cache_tokens: int | None = None,
+        kv_cache_bytes: int | None = None,
+    ):
         self.loaded = loaded
-        self.runner = EngineRunner(loaded, max_step_tokens=max_step_tokens, token_capacity=token_capacity)
+        self.runner = EngineRunner(
+            loaded,
+            max_step_tokens=max_step_tokens,
+            token_capacity=token_capacity,
+            share_prefix=share_prefix,
+            block_size=block_size,
+            kv_cache_tokens=kv_cache_tokens,
+            kv_cache_bytes=kv_cache_bytes,
+        )
         self.runner.start()
 
     @property
@@ -39,7 +65,9 @@ class LocalEngine:
 
     @property
     def max_seq_len(self) -> int:
-        return self.loaded.config.max_seq_len
+        """The longest context this engine can hold: the model's context, or the whole
+        KV pool if that is smaller."""
+        return self.runner.max_seq_len
 
     @property
     def tokenizer(self) -> TextTokenizer:
@@ -122,6 +150,11 @@ class LocalEngine:
 
     async def free_context(self, context_id: int) -> None:
         await self._on_worker(lambda: self.runner.free_context(context_id))
+
+    async def set_token_capacity(self, n: int) -> None:
+        """Change the token capacity (max sum of running contexts' lengths) at run
+        time; new work is admitted against it from the next step on."""
+        await self._on_worker(lambda: self.runner.set_token_capacity(n))
 
     async def stats(self) -> EngineStats:
         return await self._on_worker(self.runner.stats)

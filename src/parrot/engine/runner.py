@@ -1,27 +1,42 @@
 """The engine's worker: one thread that owns the model, the contexts and the
-KV store, and runs iteration-level (continuous) batching.
+paged KV cache, and runs iteration-level (continuous) batching.
 
 Everything that touches contexts or tensors runs on the worker thread, so no
 locks guard them; other threads talk to it only through :meth:`EngineRunner.call`
 (run a function on the worker) and :meth:`EngineRunner.submit` (queue a job).
 
 Each step:
-1. admit waiting jobs in FIFO order; a job waits while its context (or the
-   parent it forks from) is busy, and jobs on one context never overtake;
-2. plan: every running job has pending tokens (a fill's prompt, or the last
-   sampled token of a generate); all one-token (decode) slices go in, then
-   prompt chunks up to ``max_step_tokens``;
-3. one forward over the concatenated tokens;
-4. jobs whose pending tokens are all computed get logits; fills finish,
+1. admit waiting jobs first-come first-served (by arrival; a preempted job
+   keeps its arrival, so it resumes before newer work).  A job waits while its
+   context (or the parent it forks from) is busy, and jobs on one context
+   never overtake.  Admission stops at the first job that does not fit the
+   *token capacity* (sum of the lengths of running contexts, changeable at run
+   time) or free KV memory (after evicting idle contexts' KV) — unless
+   nothing runs, so a job larger than the capacity still runs alone;
+2. plan: every running job has pending tokens (a fill's prompt, the last
+   sampled token of a generate, or KV to recompute); all one-token (decode)
+   slices go in, then prompt chunks up to ``max_step_tokens``;
+3. reserve KV blocks for the plan in arrival order; when the pool is short,
+   make room (:mod:`parrot.engine.memory`): evict idle contexts' KV, then
+   preempt the newest running jobs (their private blocks go back to the pool;
+   their KV is recomputed from their tokens when they resume);
+4. one forward over the concatenated tokens (:mod:`parrot.engine.paged`);
+5. jobs whose pending tokens are all computed get logits; fills finish,
    generates sample their next token (or finish on a stop condition).
 
 The last token a generate samples stays *pending* in its context: it is
 computed by the next fill on that context, or by an internal flush before a
 child forks from it — never by a wasted step when the context is freed next.
+
+Progress: a request that fits the KV pool at all is never failed for lack of
+memory; it waits or is preempted.  The oldest running job can always proceed,
+because making room may evict or preempt everything else.  A context longer
+than the whole pool is rejected (``kv_capacity_exceeded``).
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import queue
 import threading
@@ -31,9 +46,12 @@ from typing import Any
 
 import torch
 
+from parrot.engine.block_pool import DEFAULT_BLOCK_SIZE, BlockPool
 from parrot.engine.contexts import Context, ContextTable
-from parrot.engine.kv_store import KVStore, SeqSlice, StepAttention
+from parrot.engine.kv_store import PagedKVCache, kv_cache_blocks
 from parrot.engine.loader import LoadedModel
+from parrot.engine.memory import MemoryManager
+from parrot.engine.paged import PagedStepAttention, SeqSlice
 from parrot.engine.sampler import make_generator, sample
 from parrot.engine.stopping import StopStringFilter
 from parrot.protocol.errors import BadRequest, ParrotError
@@ -58,8 +76,10 @@ class Job:
     on_chunk: ChunkCallback | None = None
     on_finish: FinishCallback | None = None
     internal: bool = False  # a flush the runner made itself
-    ctx: Context | None = None
+    ctx: Context | None = None  # set once admitted; the job then owns ``ctx.busy``
     cancelled: bool = False
+    arrival: int = 0  # first-come first-served order, kept across preemptions
+    preempted: bool = False  # waiting again after preemption (``ctx`` still set and busy)
     # generate state
     generated: int = 0
     generator: torch.Generator | None = None
@@ -71,27 +91,82 @@ class Job:
         return self.sampling is not None
 
 
+@dataclass(frozen=True)
+class StepInfo:
+    """What one forward step ran (passed to :attr:`EngineRunner.on_step`)."""
+
+    num_seqs: int
+    num_tokens: int
+    num_running: int
+    token_load: int
+    kv_blocks_used: int
+
+
 class EngineRunner:
-    def __init__(self, loaded: LoadedModel, *, max_step_tokens: int = 512, token_capacity: int | None = None):
+    """Options: ``max_step_tokens`` — tokens of one forward step (decodes always go
+    in; prompt chunks fill the rest); ``token_capacity`` — the most total tokens
+    (sum of context lengths) of running work admission allows (default: the KV
+    pool's size, so memory is what binds; :meth:`set_token_capacity` changes it at
+    run time); ``share_prefix`` — decode attention reads a shared prefix once for
+    all sequences under it (False: plain per-sequence paged attention, for
+    baselines); ``block_size`` and ``kv_cache_tokens`` / ``kv_cache_bytes`` — the
+    KV pool (see :func:`~parrot.engine.kv_store.kv_cache_blocks`)."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        max_step_tokens: int = 512,
+        token_capacity: int | None = None,
+        share_prefix: bool = True,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        kv_cache_tokens: int | None = None,
+        kv_cache_bytes: int | None = None,
+    ):
         if max_step_tokens < 1:
             raise ValueError("max_step_tokens must be >= 1")
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         cfg = loaded.config
-        self.max_seq_len = cfg.max_seq_len
-        self.max_step_tokens = max_step_tokens
-        self.token_capacity = token_capacity or max(cfg.max_seq_len, 4 * max_step_tokens)
         param = next(self.model.parameters())
-        self.store = KVStore(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, param.dtype, str(param.device))
-        self.contexts = ContextTable(cfg.max_seq_len, on_release=self._on_release)
+        num_blocks = kv_cache_blocks(
+            cfg, block_size, kv_cache_tokens=kv_cache_tokens, kv_cache_bytes=kv_cache_bytes, dtype=param.dtype
+        )
+        self.pool = BlockPool(num_blocks, block_size)
+        self.cache = PagedKVCache(
+            cfg.num_layers,
+            num_blocks,
+            block_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            param.dtype,
+            str(param.device),
+        )
+        self.contexts = ContextTable(cfg.max_seq_len, on_release=self._on_release, pool=self.pool)
+        self.memory = MemoryManager(self.contexts)
+        self.max_seq_len = min(cfg.max_seq_len, num_blocks * block_size)  # the longest context it can hold
+        self.max_step_tokens = max_step_tokens
+        self.token_capacity = self._check_capacity(
+            token_capacity or max(cfg.max_seq_len, 4 * max_step_tokens, num_blocks * block_size)
+        )
+        self.share_prefix = share_prefix
+        self.on_step: Callable[[StepInfo], None] | None = None  # called on the worker after each forward
         self._logits: dict[int, tuple[int, torch.Tensor]] = {}  # context -> (length, logits at that length)
-        self._waiting: list[Job] = []
+        self._waiting: list[Job] = []  # sorted by arrival
         self._running: list[Job] = []
+        self._arrivals = 0
         self._inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._stopped = False
-        self.counters = {"fills": 0, "filled_tokens": 0, "generates": 0, "generated_tokens": 0, "steps": 0}
+        self.counters = {
+            "fills": 0,
+            "filled_tokens": 0,
+            "generates": 0,
+            "generated_tokens": 0,
+            "steps": 0,
+            "preemptions": 0,
+        }
 
     # ------------------------------------------------------------ threading
     def start(self) -> None:
@@ -119,32 +194,54 @@ class EngineRunner:
         self._inbox.put(command)
 
     def submit(self, job: Job) -> None:
-        self._inbox.put(lambda: self._waiting.append(job))
+        self._inbox.put(lambda: self._enqueue(job))
 
     # --------------------------------------------------- worker-only methods
+    def _enqueue(self, job: Job) -> None:
+        self._arrivals += 1
+        job.arrival = self._arrivals
+        self._waiting.append(job)
+
     def cancel(self, job: Job) -> None:
         job.cancelled = True
+        self._reap_cancelled()  # at once, so stats read next see it gone
+
+    @staticmethod
+    def _check_capacity(n: Any) -> int:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise BadRequest(f"token capacity must be a positive integer, got {n!r}", code="invalid_capacity")
+        return n
+
+    def set_token_capacity(self, n: int) -> None:
+        """Change the token capacity; it applies to admissions from the next step on
+        (running work is never preempted for it)."""
+        self.token_capacity = self._check_capacity(n)
 
     def free_context(self, context_id: int) -> None:
         ctx = self.contexts.get(context_id)
         for job in self._running + self._waiting:
-            if job.context_id == context_id:
+            if job.context_id == context_id or job.ctx is ctx:
                 job.cancelled = True
         self._reap_cancelled()
-        if ctx.busy:  # an internal flush: harmless to drop
-            self._running = [j for j in self._running if j.ctx is not ctx]
-            ctx.busy = False
         self.contexts.free(context_id)
 
+    def token_load(self) -> int:
+        return sum(j.ctx.length for j in self._running if j.ctx is not None)
+
     def stats(self) -> EngineStats:
+        bs = self.pool.block_size
         return EngineStats(
             num_contexts=len(self.contexts),
             num_running=sum(1 for j in self._running if not j.internal),
             num_waiting=len(self._waiting),
-            token_load=sum(j.ctx.length for j in self._running if j.ctx is not None),
+            token_load=self.token_load(),
             token_capacity=self.token_capacity,
             kv_tokens_used=self.contexts.stored_tokens(),
-            kv_tokens_total=self.store.allocated_tokens(),
+            kv_tokens_total=self.pool.num_blocks * bs,
+            kv_blocks_used=self.pool.num_used,
+            kv_blocks_total=self.pool.num_blocks,
+            kv_block_size=bs,
+            preemptions=self.counters["preemptions"],
             fills=self.counters["fills"],
             filled_tokens=self.counters["filled_tokens"],
             generates=self.counters["generates"],
@@ -152,7 +249,6 @@ class EngineRunner:
         )
 
     def _on_release(self, context_id: int) -> None:
-        self.store.release(context_id)
         self._logits.pop(context_id, None)
 
     def _loop(self) -> None:
@@ -200,56 +296,111 @@ class EngineRunner:
     # ------------------------------------------------------------- stepping
     def _step(self) -> None:
         self._reap_cancelled()
-        ready_to_sample = self._admit()
-        if self._running:
-            ready_to_sample += self._forward()
-        if ready_to_sample:
-            self._sample(ready_to_sample)
+        self.memory.tick()
+        ready = self._admit()
+        jobs, logits = self._forward() if self._running else ([], None)
+        ready = [(j, lg) for j, lg in ready if not j.preempted and not j.cancelled]
+        if ready:  # rare: generates sampling from stored logits
+            stored = torch.stack([lg for _, lg in ready])
+            logits = stored if logits is None else torch.cat((logits, stored))
+            jobs = jobs + [j for j, _ in ready]
+        if jobs:
+            assert logits is not None
+            self._sample(jobs, logits)
 
     def _reap_cancelled(self) -> None:
+        if not any(j.cancelled for j in self._running) and not any(j.cancelled for j in self._waiting):
+            return
         for job in [j for j in self._running + self._waiting if j.cancelled]:
-            if job.ctx is not None and job in self._running:
-                job.ctx.busy = False
+            if job.ctx is not None:
+                self._release_ctx(job.ctx)
             self._finish(job, None, finish_reason="cancelled")
         self._running = [j for j in self._running if not j.cancelled]
         self._waiting = [j for j in self._waiting if not j.cancelled]
 
+    def _release_ctx(self, ctx: Context) -> None:
+        ctx.busy = False
+        self.memory.touch(ctx)
+
+    # ------------------------------------------------------------ admission
     def _admit(self) -> list[tuple[Job, torch.Tensor]]:
-        """Move admissible jobs to running.  Returns generates whose first
-        token can be sampled from stored logits without a forward."""
+        """Move admissible jobs to running, first-come first-served.  Returns
+        generates whose next token can be sampled from stored logits."""
         ready: list[tuple[Job, torch.Tensor]] = []
         blocked: set[int] = set()
         still_waiting: list[Job] = []
+        load = self.token_load()
+        full = False  # a job did not fit: everything behind it waits (no starvation)
         for job in self._waiting:
-            if job.context_id in blocked or not self._admissible(job):
+            if job.cancelled:
+                continue
+            if full or job.context_id in blocked:
+                blocked.add(job.context_id)
+                still_waiting.append(job)
+                continue
+            if job.preempted:
+                assert job.ctx is not None
+                if not self._fits(job, job.ctx.length, self.memory.blocks_to_compute(job.ctx), load):
+                    full = True
+                    still_waiting.append(job)
+                    continue
+                job.preempted = False
+                self._running.append(job)
+                load += job.ctx.length
+                if job.is_generate and not job.ctx.num_pending:
+                    self._logits_or_recompute(job, ready)
+                continue
+            if not self._admissible(job):
                 blocked.add(job.context_id)
                 still_waiting.append(job)
                 continue
             if job.is_generate and job.parent_context_id is None and job.context_id not in self.contexts:
                 self._finish(job, BadRequest(f"context {job.context_id} has no tokens to generate from"))
                 continue
+            length, blocks = self.memory.prospective(job.context_id, job.parent_context_id, len(job.tokens))
+            if not self._fits(job, length, blocks, load):
+                full = True
+                still_waiting.append(job)
+                continue
+            created = job.context_id not in self.contexts
             try:
                 ctx = self.contexts.open(job.context_id, job.parent_context_id)
-                self.contexts.append(ctx, job.tokens)
+                try:
+                    self.contexts.append(ctx, job.tokens)
+                except ParrotError:
+                    if created:
+                        self.contexts.free(ctx.context_id)
+                    raise
             except ParrotError as exc:
                 self._finish(job, exc)
                 continue
+            if created and ctx.parent is not None:
+                hit = self._logits.get(ctx.parent.context_id)
+                if hit is not None and hit[0] == ctx.prefix_len:
+                    self._logits[ctx.context_id] = hit  # a child generating at once samples from them
             job.ctx = ctx
             ctx.busy = True
             self._running.append(job)
+            load += ctx.length
             if job.is_generate:
                 self._start_generate(job)
-                if not ctx.pending:
-                    logits = self._stored_logits(ctx)
-                    if logits is None:
-                        self._recompute_last(job)
-                    else:
-                        ready.append((job, logits))
+                if not ctx.num_pending:
+                    self._logits_or_recompute(job, ready)
             else:
                 self.counters["fills"] += 1
                 self.counters["filled_tokens"] += len(job.tokens)
-        self._waiting = [j for j in still_waiting if j.ctx is None and not j.cancelled]
-        return [(j, lg) for j, lg in ready if j.ctx is not None and not j.cancelled]
+        self._waiting = still_waiting
+        return ready
+
+    def _fits(self, job: Job, length: int, blocks: int, load: int) -> bool:
+        """Whether ``job`` may start now: within the token capacity and KV memory
+        (evicting idle contexts' KV if needed), or alone."""
+        if not self._running:
+            return True  # alone it always fits: making room may evict everything else
+        if load + length > self.token_capacity:
+            return False
+        exclude = {j.context_id for j in self._running} | {job.context_id, job.parent_context_id}
+        return self.memory.make_room(blocks + self.memory.watermark, exclude)
 
     def _admissible(self, job: Job) -> bool:
         if job.context_id in self.contexts:
@@ -262,8 +413,8 @@ class EngineRunner:
         parent = self.contexts.get(pid)
         if parent.busy:
             return False
-        if parent.pending:  # compute the parent's last sampled token before forking
-            flush = Job(pid, None, internal=True, ctx=parent)
+        if parent.num_pending:  # compute the parent's pending tokens before forking
+            flush = Job(pid, None, internal=True, ctx=parent, arrival=job.arrival)
             parent.busy = True
             self._running.append(flush)
             return False
@@ -276,95 +427,164 @@ class EngineRunner:
         job.decoder = self.tokenizer.incremental_decoder()
         job.stops = StopStringFilter(job.sampling.stop)
 
-    def _stored_logits(self, ctx: Context) -> torch.Tensor | None:
-        hit = self._logits.get(ctx.context_id)
-        if hit is not None and hit[0] == ctx.length:
-            return hit[1]
-        if not ctx.own_tokens and ctx.parent is not None:
-            hit = self._logits.get(ctx.parent.context_id)
-            if hit is not None and hit[0] == ctx.prefix_len:
-                return hit[1]
-        return None
-
-    def _recompute_last(self, job: Job) -> None:
+    def _logits_or_recompute(self, job: Job, ready: list[tuple[Job, torch.Tensor]]) -> None:
+        """A running generate with nothing pending: sample from stored logits, or
+        recompute the last token to get them."""
         ctx = job.ctx
         assert ctx is not None
-        if ctx.num_computed == 0:
-            ctx.busy = False
+        hit = self._logits.get(ctx.context_id)
+        if hit is not None and hit[0] == ctx.length:
+            ready.append((job, hit[1]))
+            return
+        if ctx.length == 0:
+            self._release_ctx(ctx)
             self._running.remove(job)
             self._finish(job, BadRequest(f"context {ctx.context_id} has no tokens to generate from"))
             return
-        ctx.num_computed -= 1  # its KV slot is rewritten by the next forward
+        self.contexts.truncate(ctx, ctx.length - 1)  # its KV slot is rewritten by the next forward
 
+    # ------------------------------------------------------------- planning
     def _plan(self) -> list[tuple[Job, SeqSlice]]:
-        plan: list[tuple[Job, SeqSlice]] = []
-        budget = self.max_step_tokens
+        """Decode slices (one token) first, then prompt chunks within ``max_step_tokens``."""
+        decodes: list[tuple[Job, SeqSlice]] = []
+        chunks: list[tuple[Job, SeqSlice]] = []
         for job in self._running:
             ctx = job.ctx
             assert ctx is not None
-            if len(ctx.pending) == 1:
-                plan.append((job, SeqSlice(ctx, ctx.num_computed, 1)))
-                budget -= 1
+            if ctx.num_pending == 1:
+                decodes.append((job, SeqSlice(ctx, ctx.computed_len, 1)))
+        budget = self.max_step_tokens - len(decodes)
         for job in self._running:
             ctx = job.ctx
             assert ctx is not None
-            pending = len(ctx.pending)
-            if pending > 1 and (budget > 0 or not plan):
+            pending = ctx.num_pending
+            if pending > 1 and (budget > 0 or not (decodes or chunks)):
                 n = min(pending, max(budget, 1))
-                plan.append((job, SeqSlice(ctx, ctx.num_computed, n)))
+                (decodes if n == 1 else chunks).append((job, SeqSlice(ctx, ctx.computed_len, n)))
                 budget -= n
-        return plan
+        return decodes + chunks
 
-    def _forward(self) -> list[tuple[Job, torch.Tensor]]:
-        for job in [j for j in self._running if not j.is_generate and not j.ctx.pending]:  # type: ignore[union-attr]
+    def _reserve(self, plan: list[tuple[Job, SeqSlice]]) -> list[tuple[Job, SeqSlice]]:
+        """Give every planned slice writable blocks, oldest job first, making room by
+        evicting non-running contexts' KV and then preempting the newest running
+        jobs; a job that still cannot get room is preempted itself (so older work
+        can grow).  Performs the copy-on-write copies; returns the slices that got
+        their blocks, in plan order."""
+        copies: list[tuple[int, int]] = []
+        reserved: set[int] = set()
+        for job, s in sorted(plan, key=lambda p: p[0].arrival):
+            if job.preempted:
+                continue
+            need = self.contexts.blocks_needed(s.ctx, s.n)
+            if not self.pool.can_allocate(need):
+                self._make_room(job, need)
+            done = self.contexts.reserve(s.ctx, s.n)
+            if done is None:
+                self._preempt(job)
+                continue
+            copies.extend(done)
+            reserved.add(id(job))
+        self.cache.copy_blocks(copies)
+        return [(j, s) for j, s in plan if id(j) in reserved]
+
+    def _make_room(self, job: Job, need: int) -> None:
+        """Free ``need`` blocks for ``job``: evict non-running contexts' KV, then
+        preempt running jobs newer than ``job``, newest first.  For the oldest
+        running job, finally drop every non-running context's KV: some blocks it
+        needs may be shared with them (a copy-on-write that is no longer needed
+        once the others let go), and the oldest job must always progress."""
+        running = {j.context_id for j in self._running}
+        if self.memory.make_room(need, running):
+            return
+        for victim in sorted(self._running, key=lambda j: j.arrival, reverse=True):
+            if victim.arrival <= job.arrival:
+                break
+            self._preempt(victim)
+            running = {j.context_id for j in self._running}
+            if self.memory.make_room(need, running):
+                return
+        if min(j.arrival for j in self._running) == job.arrival:
+            self.memory.make_room(need, running, force=True)
+
+    def _preempt(self, job: Job) -> None:
+        """Recompute preemption: keep the job's shared blocks, return its private ones,
+        and send it back to the waiting queue (it keeps its context and state)."""
+        assert job.ctx is not None
+        self.memory.drop_private(job.ctx)
+        self._running.remove(job)
+        job.preempted = True
+        bisect.insort(self._waiting, job, key=lambda j: j.arrival)
+        self.counters["preemptions"] += 1
+
+    # -------------------------------------------------------------- forward
+    def _forward(self) -> tuple[list[Job], torch.Tensor | None]:
+        """One step over the planned slices.  Returns the generates whose pending
+        tokens are all computed, with their logits [N, V]."""
+        for job in [j for j in self._running if not j.is_generate and not j.ctx.num_pending]:  # type: ignore[union-attr]
             self._complete_fill(job, None)  # e.g. a fill of zero tokens
-        plan = self._plan()
+        plan = self._reserve(self._plan())
         if not plan:
-            return []
+            return [], None
         ids: list[int] = []
         positions: list[int] = []
+        slots: list[int] = []
         for _, s in plan:
-            ids.extend(s.ctx.own_tokens[s.start : s.start + s.n])
-            base = s.ctx.prefix_len + s.start
-            positions.extend(range(base, base + s.n))
-        device = self.store.device
+            ids.extend(s.ctx.tokens(s.start, s.start + s.n))
+            positions.extend(range(s.start, s.start + s.n))
+            slots.extend(self.contexts.slots(s.ctx, s.start, s.n))
+        device = self.cache.device
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)
         pos = torch.tensor(positions, dtype=torch.long, device=device)
-        with torch.inference_mode():
-            hidden = self.model(input_ids, pos, StepAttention(self.store, [s for _, s in plan]))
+        slices = [s for _, s in plan]
+        try:
+            with torch.inference_mode():
+                attn = PagedStepAttention(self.cache, slices, slots, share_prefix=self.share_prefix)
+                hidden = self.model(input_ids, pos, attn)
+        except BaseException:
+            for s in slices:  # give back the blocks reserved for this step
+                self.contexts.truncate(s.ctx, s.ctx.computed_len)
+            raise
         self.counters["steps"] += 1
         finishing: list[tuple[Job, int]] = []
         row = 0
         for job, s in plan:
             row += s.n
-            s.ctx.num_computed += s.n
-            if not s.ctx.pending:
+            s.ctx.computed_len += s.n
+            if not s.ctx.num_pending:
                 finishing.append((job, row - 1))
+        if self.on_step is not None:
+            self.on_step(
+                StepInfo(len(plan), len(ids), len(self._running), self.token_load(), self.pool.num_used)
+            )
         if not finishing:
-            return []
+            return [], None
         with torch.inference_mode():
             logits = self.model.compute_logits(hidden[[r for _, r in finishing]])
-        ready: list[tuple[Job, torch.Tensor]] = []
-        for (job, _), lg in zip(finishing, logits, strict=True):
+        generates: list[Job] = []
+        rows: list[int] = []
+        for i, ((job, _), lg) in enumerate(zip(finishing, logits, strict=True)):
             ctx = job.ctx
             assert ctx is not None
             self._logits[ctx.context_id] = (ctx.length, lg)
             if job.is_generate:
-                ready.append((job, lg))
+                generates.append(job)
+                rows.append(i)
             else:
                 self._complete_fill(job, None)
-        return ready
+        if not generates:
+            return [], None
+        return generates, logits if len(rows) == len(finishing) else logits[rows]
 
     def _complete_fill(self, job: Job, error: ParrotError | None) -> None:
         assert job.ctx is not None
-        job.ctx.busy = False
+        self._release_ctx(job.ctx)
         self._running.remove(job)
         self._finish(job, error)
 
-    def _sample(self, ready: list[tuple[Job, torch.Tensor]]) -> None:
-        jobs = [j for j, _ in ready]
+    # ------------------------------------------------------------- sampling
+    def _sample(self, jobs: list[Job], logits: torch.Tensor) -> None:
         tokens = sample(
-            torch.stack([lg for _, lg in ready]),
+            logits,
             [j.sampling for j in jobs],  # type: ignore[misc]
             [j.generator for j in jobs],
         ).tolist()
@@ -393,7 +613,7 @@ class EngineRunner:
 
     def _end_generate(self, job: Job, token_ids: list[int], reason: str, text: str = "") -> None:
         assert job.ctx is not None
-        job.ctx.busy = False
+        self._release_ctx(job.ctx)
         self._running.remove(job)
         if job.on_chunk is not None:
             job.on_chunk(GenerateChunk(token_ids=token_ids, text=text, done=True, finish_reason=reason))

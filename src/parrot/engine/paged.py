@@ -1,0 +1,132 @@
+"""Attention backend of one forward step over the paged KV cache.
+
+A step's tokens are the concatenation of its slices' tokens: first every
+*decode* slice (one new token), then every *prefill* chunk (several new
+tokens of one sequence).  Everything that does not depend on the layer is
+computed once in the constructor and reused by all layers:
+
+- the slot mapping: the flat cache row of every new token, so that each layer
+  writes all its new K and V with one ``index_copy_`` each;
+- for the decode slices, the prefix tree of their block tables as
+  :class:`~parrot.engine.attention.Segment` s (shared runs once, private tails
+  per sequence; see :mod:`parrot.engine.prefix_tree`), read by
+  :func:`~parrot.engine.attention.paged_decode_attention`;
+- for each prefill chunk, the blocks holding its sequence's keys (one
+  ``index_select`` per layer gathers them) and its causal mask.
+
+Invariant (the caller's): before the step, every slice's context table covers
+its new positions with blocks it may write (:meth:`ContextTable.reserve`, with
+copy-on-write copies already done), and all positions before a slice's start
+hold that sequence's KV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from parrot.engine.attention import Segment, paged_decode_attention
+from parrot.engine.contexts import Context
+from parrot.engine.kv_store import PagedKVCache, causal_mask, grouped_attention
+from parrot.engine.prefix_tree import decode_runs
+
+
+@dataclass
+class SeqSlice:
+    """The new tokens of one sequence in a step: absolute positions [start, start + n)."""
+
+    ctx: Context
+    start: int
+    n: int
+
+
+@dataclass
+class _Chunk:
+    rows: slice  # rows of the step's tokens
+    blocks: torch.Tensor  # LongTensor: blocks holding positions [0, total)
+    total: int  # keys the chunk's queries read (its sequence's length after the chunk)
+    mask: torch.Tensor  # [n, total] bool, causal
+
+
+def decode_segments(
+    tables: list[list[int]], lengths: list[int], block_size: int, share: bool, device: str
+) -> list[Segment]:
+    """The decode batch's prefix tree as Segments (index tensors built in two calls)."""
+    runs = decode_runs(tables, lengths, block_size, share=share)
+    flat_blocks = [b for r in runs for b in r.blocks]
+    flat_seqs = [s for r in runs for s in r.seqs]
+    blocks = torch.tensor(flat_blocks, dtype=torch.long, device=device).split([len(r.blocks) for r in runs])
+    seqs = torch.tensor(flat_seqs, dtype=torch.long, device=device).split([len(r.seqs) for r in runs])
+    return [Segment(b, r.start, r.length, s) for r, b, s in zip(runs, blocks, seqs, strict=True)]
+
+
+class PagedStepAttention:
+    """The :class:`~parrot.engine.model.AttentionBackend` of one step."""
+
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        slices: list[SeqSlice],
+        slots: list[int],
+        *,
+        share_prefix: bool = True,
+    ):
+        bs, device = cache.block_size, cache.device
+        self.cache = cache
+        self.share = share_prefix
+        self.slots = torch.tensor(slots, dtype=torch.long, device=device)
+        decodes = [s for s in slices if s.n == 1]
+        self.num_decode = len(decodes)
+        if any(s.n != 1 for s in slices[: self.num_decode]):
+            raise ValueError("decode slices must come first")
+        self.segments = (
+            decode_segments(
+                [s.ctx.block_table for s in decodes], [s.start + 1 for s in decodes], bs, share_prefix, device
+            )
+            if decodes
+            else []
+        )
+        self.chunks: list[_Chunk] = []
+        row = self.num_decode
+        for s in slices[self.num_decode :]:
+            total = s.start + s.n
+            blocks = s.ctx.block_table[: -(-total // bs)]
+            self.chunks.append(
+                _Chunk(
+                    slice(row, row + s.n),
+                    torch.tensor(blocks, dtype=torch.long, device=device),
+                    total,
+                    causal_mask(s.start, s.n, device),
+                )
+            )
+            row += s.n
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [T, H, D]; k, v: [T, KVH, D]
+        cache = self.cache
+        cache.k_rows[layer].index_copy_(0, self.slots, k)
+        cache.v_rows[layer].index_copy_(0, self.slots, v)
+        k_layer, v_layer = cache.k[layer], cache.v[layer]  # [NB, BS, KVH, D]
+        nd = self.num_decode
+        decoded = None
+        if nd:
+            decoded = paged_decode_attention(
+                q[:nd] if self.chunks else q,
+                k_layer,
+                v_layer,
+                self.segments,
+                share=self.share,
+                validate=False,
+            )
+            if not self.chunks:
+                return decoded
+        out = torch.empty_like(q)
+        if decoded is not None:
+            out[:nd] = decoded
+        kv_heads, dim = k.shape[1], k.shape[2]
+        for c in self.chunks:
+            kk = k_layer.index_select(0, c.blocks).view(-1, kv_heads, dim)[: c.total]
+            vv = v_layer.index_select(0, c.blocks).view(-1, kv_heads, dim)[: c.total]
+            out[c.rows] = grouped_attention(q[c.rows], kk, vv, c.mask)
+        return out
