@@ -44,7 +44,9 @@ class InstantEngine:
     def tokenizer(self) -> TextTokenizer:
         return self._tokenizer
 
-    async def fill(self, tokens: Sequence[int], context_id: int, parent_context_id: int | None = None) -> None:
+    async def fill(
+        self, tokens: Sequence[int], context_id: int, parent_context_id: int | None = None
+    ) -> None:
         return None
 
     async def generate(
@@ -129,10 +131,14 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=10_000)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores (the manager uses one), "
-          f"Python {platform.python_version()}")
-    print(f"{args.calls} calls in {args.sessions} sessions over {args.engines} fake engines, "
-          f"map-reduce groups of {GROUP}+1")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores (the manager uses one), "
+        f"Python {platform.python_version()}"
+    )
+    print(
+        f"{args.calls} calls in {args.sessions} sessions over {args.engines} fake engines, "
+        f"map-reduce groups of {GROUP}+1"
+    )
     results = [asyncio.run(run_once(args.engines, args.sessions, args.calls)) for _ in range(args.repeats)]
     print("| run | calls/s | submit->dispatch p50 (ms) | p99 (ms) | scheduling rounds |")
     print("|---|---|---|---|---|")
