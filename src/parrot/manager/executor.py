@@ -263,18 +263,23 @@ class Executor:
     def _estimate(self, ticket: _Ticket) -> int:
         if ticket.tokens is None:
             call = ticket.call
-            longest = self.pool.longest_context(call.model)
-            if longest is None:
-                return 1  # no engine yet: unservable() says so
-            rendered = self._rendered(ticket, longest)
             new_tokens = sum(o.sampling.max_tokens for o in call.outputs.values())
-            ticket.tokens = max(1, min(rendered.prompt_tokens + new_tokens, longest.max_seq_len))
+            if call.rendered is not None:  # rendered at submit for the longest-context engine
+                _, pre, max_len = call.rendered
+                prompt = pre.prompt_tokens  # type: ignore[attr-defined]
+            else:
+                longest = self.pool.longest_context(call.model)
+                if longest is None:
+                    return 1  # no engine yet: unservable() says so
+                prompt, max_len = self._rendered(ticket, longest).prompt_tokens, longest.max_seq_len
+            # engines stop generating at their context: a call never holds more than that
+            ticket.tokens = max(1, min(prompt + new_tokens, max_len))
         return ticket.tokens
 
     def _rendered(self, ticket: _Ticket, handle: EngineHandle) -> Rendered:
         pre = ticket.call.rendered  # done at submit, when the inputs were already known
         if pre is not None and pre[0] == handle.model and handle.model not in ticket.rendered:
-            ticket.rendered[handle.model] = pre[1]
+            ticket.rendered[handle.model] = pre[1]  # type: ignore[assignment]
         cached = ticket.rendered.get(handle.model)  # one model, one tokenizer: the same tokens
         if cached is None:
             cached = render(ticket.call, handle.api.tokenizer, handle.max_seq_len)

@@ -93,7 +93,8 @@ class Call:
     objective: str | None = None  # deduced: "latency" | "throughput"
     task_group: str | None = None
     placement: str | None = None  # the scheduler's reason for its engine
-    rendered: tuple[str, object] | None = None  # (model, Rendered) when rendered at submit
+    # (model, Rendered, that engine's max_seq_len) when rendered at submit
+    rendered: tuple[str, object, int] | None = None
     prompt_tokens: int | None = None
     generated_tokens: int = 0
     submitted_at: float = field(default_factory=time.time)

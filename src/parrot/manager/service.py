@@ -14,7 +14,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from parrot.manager.engines import EnginePool
+from parrot.manager.engines import EngineHandle, EnginePool
 from parrot.manager.executor import Executor
 from parrot.manager.graph import (
     Call,
@@ -152,8 +152,10 @@ class Manager:
             raise NotFound(f"call {call_id} does not exist in this session", code="call_not_found")
         return call
 
-    def _check_value_length(self, value: str, model: str | None = None) -> None:
-        longest = self.pool.longest_context(model)
+    def _check_value_length(self, value: str, longest: EngineHandle | None = None) -> None:
+        """Reject a value no engine could hold (``longest``: the live engine with
+        the longest context, if the caller already looked it up)."""
+        longest = longest or self.pool.longest_context(None)
         if longest is None:
             return
         if len(value.encode()) <= longest.max_seq_len:  # every token spans at least one UTF-8 byte
@@ -220,13 +222,14 @@ class Manager:
         if req.chat:
             check_chat_shape(template)
 
+        longest = self.pool.longest_context(req.model)  # what the prompt must fit
         inputs: dict[str, Variable | str] = {}
         outputs: dict[str, OutputSpec] = {}
         new_vars: list[Variable] = []
         for name in names:
             b = bindings[name]
             if template.direction_of(name) == "input":
-                inputs[name] = self._bind_input(session, b)
+                inputs[name] = self._bind_input(session, b, longest)
             else:
                 outputs[name] = self._bind_output(session, b, new_vars)
 
@@ -240,7 +243,7 @@ class Manager:
             model=req.model,
             chat=req.chat,
         )
-        self._check_rendered_length(call)
+        self._check_rendered_length(call, longest)
         link_call(call)  # validates (producer conflicts, cycles) before linking anything
         for name, out in outputs.items():
             if bindings[name].criteria is not None:
@@ -264,13 +267,15 @@ class Manager:
             self.executor.dispatch(call)
         return call
 
-    def _bind_input(self, session: Session, b: PlaceholderBinding) -> Variable | str:
+    def _bind_input(
+        self, session: Session, b: PlaceholderBinding, longest: EngineHandle | None
+    ) -> Variable | str:
         if (b.var_id is None) == (b.value is None):
             raise BindingError(f"input {b.name!r} needs exactly one of 'var_id' or 'value'")
         if b.sampling is not None or b.transform is not None or b.criteria is not None:
             raise BindingError(f"input {b.name!r} cannot carry sampling, transform or criteria")
         if b.value is not None:
-            self._check_value_length(b.value)
+            self._check_value_length(b.value, longest)
             return b.value
         return self.variable(session, b.var_id)  # type: ignore[arg-type]
 
@@ -286,14 +291,14 @@ class Manager:
             new_vars.append(var)
         return OutputSpec(b.name, var, sampling, transform)
 
-    def _check_rendered_length(self, call: Call) -> None:
+    def _check_rendered_length(self, call: Call, longest: EngineHandle | None) -> None:
         """Reject at submit a prompt that can never fit, when all inputs are known."""
         if not all(v.state == "ready" for v in call.input_vars()):
             return
-        longest = self.pool.longest_context(call.model)
         if longest is None:
             return
-        call.rendered = (longest.model, render(call, longest.api.tokenizer, longest.max_seq_len))
+        rendered = render(call, longest.api.tokenizer, longest.max_seq_len)
+        call.rendered = (longest.model, rendered, longest.max_seq_len)
 
     # -------------------------------------------------------- introspection
     @staticmethod
