@@ -140,7 +140,20 @@ class Procs:
         """Start ``parrot engine`` and wait until the manager lists it."""
         proc = self._start(
             f"engine-{len(self.started)}",
-            ["engine", "--manager", str(manager.url), "--model", "tiny", "--port", "0", *extra],
+            # one torch thread each: several engine processes on two cores would
+            # otherwise oversubscribe them (OpenMP threads spin against each other)
+            [
+                "engine",
+                "--manager",
+                str(manager.url),
+                "--model",
+                "tiny",
+                "--port",
+                "0",
+                "--threads",
+                "1",
+                *extra,
+            ],
         )
         proc.url = proc.wait_for_log(r"serving at (http://127\.0\.0\.1:\d+)", timeout).group(1)
         wait_until(
