@@ -160,6 +160,15 @@ class Timer:
         return end - self.start
 
 
+def print_result(final: str, n_chunks: int, elapsed: float) -> None:
+    """What both apps print at the end."""
+    print()
+    print("Final summary:")
+    print(final)
+    print()
+    print(f"chunks: {n_chunks}  wall time: {elapsed:.2f}s")
+
+
 def build_summarise(max_tokens: int) -> Callable[..., Any]:
     """The semantic function both apps start from: summarise one chunk in two sentences.
 

@@ -26,7 +26,7 @@ from typing import Any
 if str(Path(__file__).resolve().parent) not in sys.path:  # so `_common` imports however we are run
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import Timer, build_summarise, chunk_text, parse_args, read_text, word_count
+from _common import Timer, build_summarise, chunk_text, parse_args, print_result, read_text, word_count
 
 import parrot as P
 
@@ -67,11 +67,7 @@ def main() -> None:
         # The only fetch: blocks until the last link of the chain is generated.
         final = summary.get(P.LATENCY)
 
-    print()
-    print("Final summary:")
-    print(final)
-    print()
-    print(f"chunks: {len(chunks)}  wall time: {timer.elapsed:.2f}s")
+    print_result(final, len(chunks), timer.elapsed)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from parrot.protocol.engine_api import EngineAPI
-from parrot.protocol.errors import NoEngine, NotFound
+from parrot.protocol.errors import NotFound
 from parrot.protocol.schemas import EngineStats
 
 _engine_ids = itertools.count(1)
@@ -33,7 +33,6 @@ class EngineHandle:
     alive: bool = True
     last_heartbeat: float = field(default_factory=time.monotonic)
     stats: EngineStats = field(default_factory=EngineStats)
-    running_calls: int = 0
 
     @property
     def model(self) -> str:
@@ -110,16 +109,6 @@ class EnginePool:
 
     def candidates(self, model: str | None) -> list[EngineHandle]:
         return [h for h in self._engines.values() if h.alive and (model is None or h.model == model)]
-
-    def pick(self, model: str | None, exclude: set[str] | frozenset[str] = frozenset()) -> EngineHandle:
-        """The least-loaded live engine serving ``model`` (any model if None),
-        other than those in ``exclude``."""
-        engines = [h for h in self.candidates(model) if h.engine_id not in exclude]
-        if not engines:
-            known = sorted({h.model for h in self._engines.values()})
-            what = f"model {model!r}" if model else "any model"
-            raise NoEngine(f"no live engine serves {what}; registered models: {known or 'none'}")
-        return min(engines, key=lambda h: (h.running_calls, h.stats.token_load))
 
     def longest_context(self, model: str | None) -> EngineHandle | None:
         """The live engine for ``model`` with the longest context (None if there is none):

@@ -117,14 +117,6 @@ class Executor:
         self.rounds = 0
         pool.on_drop(self._engine_dropped)
 
-    @property
-    def running(self) -> int:
-        return len(self._tasks)
-
-    @property
-    def queued(self) -> int:
-        return len(self._queue)
-
     def task(self, call_id: str) -> asyncio.Task[None] | None:
         """The task running a placed call, if any."""
         return self._tasks.get(call_id)
