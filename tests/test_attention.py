@@ -30,6 +30,7 @@ import parrot.engine.attention.triton_kernel as triton_kernel
 from parrot.engine.attention import (
     Segment,
     paged_decode_attention,
+    plan_decode_attention,
     reference_decode_attention,
     validate_segments,
 )
@@ -213,6 +214,7 @@ def test_share_and_baseline_agree_on_long_prefix() -> None:
     solo=st.integers(0, 3),
     share=st.booleans(),
     split=st.booleans(),
+    pad_budget=st.sampled_from([0, 300, 1 << 22]),
 )
 def test_torch_random_trees(
     seed: int,
@@ -224,7 +226,10 @@ def test_torch_random_trees(
     solo: int,
     share: bool,
     split: bool,
+    pad_budget: int,
 ) -> None:
+    """pad_budget: 0 puts every single-query row on the piece loop, 300 batches only the
+    shortest, 4 Mi batches all of them (the padded path)."""
     if not groups and not solo:
         solo = 1
     case = make_case(
@@ -233,7 +238,37 @@ def test_torch_random_trees(
     budget = kv_heads * dim * 2 if split else torch_impl.KV_BUDGET
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch_impl, "KV_BUDGET", budget)
+        mp.setattr(torch_impl, "PAD_BUDGET", pad_budget)
         check(case, share=share)
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_a_plan_serves_every_layer_like_the_segments_do(share: bool) -> None:
+    """One plan, several layers (different q and caches of the same shapes): each result
+    equals the plain call's, and the padded path mixes with the piece loop."""
+    case = make_case(4, kv_heads=2, group=3, dim=16, groups=(5, 3), solo=3, max_len=60)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch_impl, "PAD_BUDGET", 2 * 40 * 2 * 16)  # some rows padded, the rest looped
+        plan = plan_decode_attention(case.segments, case.q, case.k, share=share)
+        assert plan.padded is not None and (plan.looped or share)
+        gen = torch.Generator().manual_seed(9)
+        for layer in range(3):
+            q = torch.randn(case.q.shape, generator=gen) if layer else case.q
+            k = torch.where(case.k.isnan(), case.k, torch.randn(case.k.shape, generator=gen))
+            v = torch.where(case.v.isnan(), case.v, torch.randn(case.v.shape, generator=gen))
+            layer_case = Case(q, k, v, case.segments, case.used)
+            with_plan = paged_decode_attention(q, k, v, plan)
+            assert torch.equal(with_plan, paged_decode_attention(q, k, v, case.segments, share=share))
+            assert rel_err(with_plan, reference_decode_attention(q, k, v, layer_case.segments)) < TOL
+
+
+def test_a_plan_for_another_batch_is_refused() -> None:
+    case = make_case(4)
+    plan = plan_decode_attention(case.segments, case.q, case.k)
+    with pytest.raises(ValueError, match="another batch"):
+        paged_decode_attention(case.q[:-1], case.k, case.v, plan)
+    with pytest.raises(ValueError, match=r"seq index \d+ outside \[0, batch_size=2\)"):
+        plan_decode_attention(case.segments, case.q[:2], case.k)  # validated when planned
 
 
 def test_custom_scale_and_low_precision() -> None:

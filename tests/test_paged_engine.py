@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import parrot.engine.paged as paged
+from parrot.engine.attention import DecodePlan
 from parrot.engine.local import LocalEngine
 from parrot.engine.prefix_tree import decode_runs
 from parrot.engine.runner import StepInfo
@@ -186,7 +187,8 @@ def test_prefix_groups_generate_the_same_with_sharing_on_off_and_alone(engines, 
     real = paged.paged_decode_attention
 
     def spy(q, k, v, segments, **kw):
-        widths.append(max(len(s.seqs) for s in segments))
+        segs = segments.segments if isinstance(segments, DecodePlan) else segments
+        widths.append(max(len(s.seqs) for s in segs))
         return real(q, k, v, segments, **kw)
 
     monkeypatch.setattr(paged, "paged_decode_attention", spy)

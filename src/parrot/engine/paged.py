@@ -10,7 +10,9 @@ computed once in the constructor and reused by all layers:
 - for the decode slices, the prefix tree of their block tables as
   :class:`~parrot.engine.attention.Segment` s (shared runs once, private tails
   per sequence; see :mod:`parrot.engine.prefix_tree`), read by
-  :func:`~parrot.engine.attention.paged_decode_attention`;
+  :func:`~parrot.engine.attention.paged_decode_attention`, and on CPU their
+  :class:`~parrot.engine.attention.DecodePlan` (token indices, padding; built
+  by the first layer that runs, since it needs the layer's shapes);
 - for each prefill chunk, the blocks holding its sequence's keys (one
   ``index_select`` per layer gathers them) and its causal mask.
 
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from parrot.engine.attention import Segment, paged_decode_attention
+from parrot.engine.attention import DecodePlan, Segment, paged_decode_attention, plan_decode_attention
 from parrot.engine.contexts import Context
 from parrot.engine.kv_store import PagedKVCache, causal_mask, grouped_attention
 from parrot.engine.prefix_tree import decode_runs
@@ -87,6 +89,7 @@ class PagedStepAttention:
             if decodes
             else []
         )
+        self._plan: DecodePlan | None = None  # built by the first layer, reused by the rest
         self.chunks: list[_Chunk] = []
         row = self.num_decode
         for s in slices[self.num_decode :]:
@@ -111,13 +114,13 @@ class PagedStepAttention:
         nd = self.num_decode
         decoded = None
         if nd:
+            qd = q[:nd] if self.chunks else q
+            if self._plan is None and qd.device.type == "cpu":
+                self._plan = plan_decode_attention(
+                    self.segments, qd, k_layer, share=self.share, validate=False
+                )
             decoded = paged_decode_attention(
-                q[:nd] if self.chunks else q,
-                k_layer,
-                v_layer,
-                self.segments,
-                share=self.share,
-                validate=False,
+                qd, k_layer, v_layer, self._plan or self.segments, share=self.share, validate=False
             )
             if not self.chunks:
                 return decoded

@@ -5,14 +5,22 @@ Public API: :class:`Segment`, :func:`validate_segments`, :func:`paged_decode_att
 :func:`reference_decode_attention`.  See docs/attention.md.
 """
 
-from parrot.engine.attention.api import Backend, paged_decode_attention, triton_available
+from parrot.engine.attention.api import (
+    Backend,
+    DecodePlan,
+    paged_decode_attention,
+    plan_decode_attention,
+    triton_available,
+)
 from parrot.engine.attention.reference import reference_decode_attention
 from parrot.engine.attention.segments import Segment, validate_segments
 
 __all__ = [
     "Backend",
+    "DecodePlan",
     "Segment",
     "paged_decode_attention",
+    "plan_decode_attention",
     "reference_decode_attention",
     "triton_available",
     "validate_segments",

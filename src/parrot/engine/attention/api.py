@@ -10,10 +10,12 @@ import torch
 from torch import Tensor
 
 from parrot.engine.attention.segments import Segment, validate_segments
-from parrot.engine.attention.torch_impl import torch_paged_decode_attention
+from parrot.engine.attention.torch_impl import TorchDecodePlan, torch_paged_decode_attention
 from parrot.engine.attention.triton_kernel import interpret_requested, triton_paged_decode_attention
 
-__all__ = ["Backend", "paged_decode_attention", "triton_available"]
+__all__ = ["Backend", "DecodePlan", "paged_decode_attention", "plan_decode_attention", "triton_available"]
+
+DecodePlan = TorchDecodePlan
 
 Backend = Literal["auto", "torch", "triton"]
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -70,11 +72,45 @@ def _resolve_backend(backend: str, q: Tensor) -> str:
     return backend
 
 
+def plan_decode_attention(
+    segments: Sequence[Segment],
+    q: Tensor,
+    k_cache: Tensor,
+    *,
+    share: bool = True,
+    validate: bool = True,
+) -> DecodePlan:
+    """Precompute the layer-independent work of :func:`paged_decode_attention` for one batch.
+
+    ``q`` and ``k_cache`` only give shapes, dtype and device (any layer's).  Pass the
+    plan as ``segments`` to :func:`paged_decode_attention` for every layer of the step:
+    the same result as passing the segments, without re-deriving token indices and
+    padding per layer.  The plan is valid while the segments are.
+    """
+    _check_tensors(q, k_cache, k_cache)
+    if not isinstance(share, bool) or not isinstance(validate, bool):
+        raise ValueError("share and validate must be bools")
+    batch, heads, dim = q.shape
+    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    if validate:
+        validate_segments(segments, batch, num_blocks, block_size)
+    return TorchDecodePlan(
+        segments,
+        batch=batch,
+        block_size=block_size,
+        kv_heads=kv_heads,
+        dim=dim,
+        group=heads // kv_heads,
+        share=share,
+        device=q.device,
+    )
+
+
 def paged_decode_attention(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    segments: Sequence[Segment],
+    segments: Sequence[Segment] | DecodePlan,
     *,
     scale: float | None = None,
     share: bool = True,
@@ -94,6 +130,8 @@ def paged_decode_attention(
 
     backend: "auto" (triton for CUDA tensors when triton is importable, else torch),
     "torch", or "triton" (CUDA, or CPU under TRITON_INTERPRET=1).
+    segments may be a :func:`plan_decode_attention` plan for this batch (its ``share``
+    then wins).
     validate: run :func:`validate_segments` first (cheap: ~0.3 ms for 65 segments; the hot
     path may pass False — malformed segments then give unspecified results, e.g. NaN rows
     for sequences no segment lists).  Tensor shapes, dtypes and devices are always checked
@@ -109,10 +147,15 @@ def paged_decode_attention(
         raise ValueError(f"scale must be a finite number, got {scale!r}")
     scale = float(scale)
     which = _resolve_backend(backend, q)
-    if validate:
+    plan = segments if isinstance(segments, DecodePlan) else None
+    if plan is not None:
+        segments, share = plan.segments, plan.share  # validated when the plan was made
+    elif validate:
         validate_segments(segments, batch, num_blocks, block_size)
     if batch == 0:
         return torch.empty_like(q)
     if which == "triton":
         return triton_paged_decode_attention(q, k_cache, v_cache, segments, scale=scale, share=share)
+    if plan is not None:
+        return torch_paged_decode_attention(q, k_cache, v_cache, plan, scale=scale, share=share)
     return torch_paged_decode_attention(q, k_cache, v_cache, segments, scale=scale, share=share)

@@ -18,9 +18,13 @@ the gathered ``[T, KVH, D]`` read through strides, no transposing copy), a
 stable in-place softmax, one batched matmul for ``P V``.  Only the piece's own
 tokens are gathered, so cache rows outside every segment are never read.
 
-(Padding many short single-query rows into one batched matmul was measured and
-rejected: 4-D matmul over permuted gathers copies, and was ~12x slower than
-this loop for 32 rows x 100 keys.)
+Short single-query rows (every sequence's private tail; with ``share=False``
+every sequence) are batched instead: their token indices are padded to one
+width and all of them run as one gather and two batched matmuls, with padding
+masked out.  Long rows keep the piece loop above (their padded K/V would not
+stay in cache).  Which rows go where depends only on the batch, not on the
+layer, so a :class:`TorchDecodePlan` computes it once per step and every layer
+reuses it (:mod:`parrot.engine.paged`).
 
 Every piece produces per-query unnormalised partials (out, max, den) that are
 merged exactly by :func:`merge_partials`.
@@ -37,7 +41,7 @@ from torch import Tensor
 from parrot.engine.attention.merge import merge_partials
 from parrot.engine.attention.segments import Segment, segment_token_index
 
-__all__ = ["torch_paged_decode_attention"]
+__all__ = ["TorchDecodePlan", "torch_paged_decode_attention"]
 
 # Budgets, in elements, for the gathered K (and V) of one piece and for its score
 # matrix.  1 Mi fp32 elements = 4 MiB (256 tokens of 32 x 128 heads): the gathered
@@ -46,6 +50,10 @@ __all__ = ["torch_paged_decode_attention"]
 # 2^19, 2^21, 2^22 and 2^23 for both modes (per-sequence: 315 ms vs 514 ms at 2^22).
 KV_BUDGET = 1 << 20
 SCORE_BUDGET = 1 << 20
+# Budget, in elements, for the padded K (and V) of all batched single-query rows
+# (rows x padded width x KVH x D); rows beyond it take the piece loop.  4 Mi fp32
+# elements = 16 MiB: 32 rows of 680 tokens of SmolLM2's 3 x 64 kv heads.
+PAD_BUDGET = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -105,21 +113,18 @@ def _rows_per_sequence(
 
 
 class _Partials:
-    """Slot-indexed unnormalised partials (see :mod:`merge`): out [S, H, D], max [S, H],
-    den [S, H], and the owning sequence of every slot."""
+    """Slot-indexed unnormalised partials (see :mod:`merge`): out [S, H, D], max [S, H], den [S, H]."""
 
     def __init__(self, slots: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device):
         self.out = torch.empty(slots, heads, dim, dtype=dtype, device=device)
         self.max = torch.empty(slots, heads, dtype=dtype, device=device)
         self.den = torch.empty(slots, heads, dtype=dtype, device=device)
-        self.owners: list[Tensor] = []
         self.next = 0
 
     def take(self, seqs: Tensor) -> slice:
-        """Reserve len(seqs) consecutive slots owned by ``seqs``."""
+        """Reserve len(seqs) consecutive slots (owned by ``seqs``, as the plan's ``owner`` says)."""
         sl = slice(self.next, self.next + seqs.numel())
         self.next = sl.stop
-        self.owners.append(seqs)
         return sl
 
 
@@ -200,38 +205,165 @@ def _run_shared(row: _Row, qs: Tensor, kf: Tensor, vf: Tensor, bufs: _Buffers, p
     parts.den[sl].view(m, kv_heads, group).copy_(run_den.view(kv_heads, m, group).transpose(0, 1))
 
 
+@dataclass(frozen=True)
+class _Padded:
+    """Single-query rows batched: row r reads ``tok.view(rows, width)[r, :lengths[r]]``.
+
+    Padding repeats the row's own first token (a real key of that row, so padding
+    never reads another sequence's or an unwritten cache row) and ``pad`` masks it.
+    """
+
+    seqs: Tensor  # LongTensor [rows]
+    tok: Tensor  # LongTensor [rows * width]
+    pad: Tensor | None  # bool [rows, 1, 1, width], True at padding; None if no row is padded
+    rows: int
+    width: int
+
+
+def _pad_rows(rows: list[_Row], device: torch.device) -> _Padded:
+    width = max(r.tok.numel() for r in rows)
+    tok = torch.empty(len(rows), width, dtype=torch.int64, device=device)
+    lengths = []
+    for i, r in enumerate(rows):
+        n = r.tok.numel()
+        tok[i, :n] = r.tok
+        tok[i, n:] = r.tok[0]
+        lengths.append(n)
+    pad = None
+    if min(lengths) < width:
+        lens = torch.tensor(lengths, device=device)
+        pad = (torch.arange(width, device=device) >= lens.unsqueeze(1)).view(len(rows), 1, 1, width)
+    seqs = torch.cat([r.seqs for r in rows])
+    return _Padded(seqs, tok.view(-1), pad, len(rows), width)
+
+
+def _split_singles(singles: list[_Row], kv_heads: int, dim: int) -> tuple[list[_Row], list[_Row]]:
+    """(batched, looped): the shortest rows whose padded K fits PAD_BUDGET are batched."""
+    order = sorted(singles, key=lambda r: r.tok.numel())
+    fit = 0
+    for i, r in enumerate(order):
+        if (i + 1) * r.tok.numel() * kv_heads * dim > PAD_BUDGET:
+            break
+        fit = i + 1
+    return order[:fit], order[fit:]
+
+
+class TorchDecodePlan:
+    """The layer-independent part of one decode batch's attention (built once per step).
+
+    Invariants: every partial slot has an owner; slots are filled in the order
+    batched rows, looped single rows (one slot per piece), shared rows (one slot per
+    query); ``direct`` is True exactly when each sequence has one slot and slot i
+    belongs to sequence i, so outputs need no merge.
+    """
+
+    def __init__(
+        self,
+        segments: Sequence[Segment],
+        *,
+        batch: int,
+        block_size: int,
+        kv_heads: int,
+        dim: int,
+        group: int,
+        share: bool,
+        device: torch.device,
+    ):
+        self.segments = segments
+        self.batch = batch
+        self.share = share
+        self.shape = (kv_heads, dim, group)
+        if share:
+            rows = _rows_for_segments(segments, block_size, device)
+        else:
+            rows = _rows_per_sequence(segments, batch, block_size, device)
+        singles = [r for r in rows if r.m == 1]
+        self.shared = [r for r in rows if r.m > 1]
+        batched, self.looped = _split_singles(singles, kv_heads, dim)
+        self.padded = _pad_rows(batched, device) if batched else None
+        owners = [] if self.padded is None else [self.padded.seqs]
+        for r in self.looped:
+            owners.append(r.seqs.expand(_row_slots(r, kv_heads, dim, group)))
+        owners.extend(r.seqs for r in self.shared)
+        self.owner = torch.cat(owners) if owners else torch.empty(0, dtype=torch.int64, device=device)
+        self.slots = self.owner.numel()
+        self.direct = (
+            not self.looped
+            and not self.shared
+            and self.padded is not None
+            and self.padded.rows == batch
+            and bool((self.padded.seqs == torch.arange(batch, device=device)).all())
+        )
+
+
+def _run_padded(pad: _Padded, qs: Tensor, kf: Tensor, vf: Tensor, parts: _Partials) -> None:
+    """All batched single-query rows at once: one gather, two batched matmuls."""
+    _, kv_heads, dim = kf.shape
+    group = qs.shape[1] // kv_heads
+    cdt = qs.dtype
+    q = qs.index_select(0, pad.seqs).view(pad.rows, kv_heads, group, dim)
+    k = kf.index_select(0, pad.tok).view(pad.rows, pad.width, kv_heads, dim).to(cdt)
+    v = vf.index_select(0, pad.tok).view(pad.rows, pad.width, kv_heads, dim).to(cdt)
+    s = torch.matmul(q, k.permute(0, 2, 3, 1))  # [R, KVH, G, W]
+    if pad.pad is not None:
+        s.masked_fill_(pad.pad, -torch.inf)
+    sl = parts.take(pad.seqs)
+    mx = torch.amax(s, dim=-1, keepdim=True)  # finite: every row has >= 1 real key
+    parts.max[sl].view(pad.rows, kv_heads, group).copy_(mx.squeeze(-1))
+    s.sub_(mx).exp_()  # padding: exp(-inf) = 0
+    parts.den[sl].view(pad.rows, kv_heads, group).copy_(s.sum(dim=-1))
+    torch.matmul(s, v.transpose(1, 2), out=parts.out[sl].view(pad.rows, kv_heads, group, dim))
+
+
 def torch_paged_decode_attention(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, segments: Sequence[Segment], *, scale: float, share: bool
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    segments: Sequence[Segment] | TorchDecodePlan,
+    *,
+    scale: float,
+    share: bool,
 ) -> Tensor:
     """See :func:`parrot.engine.attention.paged_decode_attention`; inputs are already checked.
 
     q: [B, H, D]; k_cache, v_cache: [NB, BS, KVH, D] with token dims mergeable.
-    Returns [B, H, D] in q's dtype.
+    ``segments`` may be a :class:`TorchDecodePlan` built for this batch and layout
+    (then ``share`` is the plan's).  Returns [B, H, D] in q's dtype.
     """
     batch, heads, dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
     device = q.device
+    if isinstance(segments, TorchDecodePlan):
+        plan = segments
+        if plan.batch != batch or plan.shape != (kv_heads, dim, group):
+            raise ValueError("the decode plan was built for another batch or head layout")
+    else:
+        plan = TorchDecodePlan(
+            segments,
+            batch=batch,
+            block_size=block_size,
+            kv_heads=kv_heads,
+            dim=dim,
+            group=group,
+            share=share,
+            device=device,
+        )
     kf = k_cache.view(num_blocks * block_size, kv_heads, dim)
     vf = v_cache.view(num_blocks * block_size, kv_heads, dim)
     cdt = _compute_dtype(q.dtype)
     qs = q.to(cdt) * scale  # [B, H, D]
 
-    if share:
-        rows = _rows_for_segments(segments, block_size, device)
-    else:
-        rows = _rows_per_sequence(segments, batch, block_size, device)
-
-    slots = sum(_row_slots(r, kv_heads, dim, group) for r in rows)
-    parts = _Partials(slots, heads, dim, cdt, device)
+    parts = _Partials(plan.slots, heads, dim, cdt, device)
     bufs = _Buffers(cdt, device)
-    for r in rows:
-        if r.m == 1:
-            _run_single(r, qs, kf, vf, bufs, parts)
-        else:
-            _run_shared(r, qs, kf, vf, bufs, parts)
-    if parts.next != slots:  # internal invariant, not input validation
-        raise RuntimeError(f"partial slot accounting mismatch: {parts.next} != {slots}")
-
-    owner = torch.cat(parts.owners)
-    return merge_partials(parts.out, parts.max, parts.den, owner, batch).to(q.dtype)
+    if plan.padded is not None:
+        _run_padded(plan.padded, qs, kf, vf, parts)
+    for r in plan.looped:
+        _run_single(r, qs, kf, vf, bufs, parts)
+    for r in plan.shared:
+        _run_shared(r, qs, kf, vf, bufs, parts)
+    if parts.next != plan.slots:  # internal invariant, not input validation
+        raise RuntimeError(f"partial slot accounting mismatch: {parts.next} != {plan.slots}")
+    if plan.direct:
+        return parts.out.div_(parts.den.unsqueeze(-1)).to(q.dtype)
+    return merge_partials(parts.out, parts.max, parts.den, plan.owner, batch).to(q.dtype)
