@@ -341,6 +341,12 @@ def test_engine_http_api(procs: Procs, tiny_model: LoadedModel, tiny_engine: Loc
     after = httpx.get(f"{eng.url}/stats", timeout=10).json()
     assert after["fills"] == stats["fills"] and after["filled_tokens"] == stats["filled_tokens"]
 
+    for bad in ({"token_capacity": "many"}, {"token_capacity": 1.5}, {}, {"token_capacity": 8, "x": 1}):
+        resp = _post(eng, "/token_capacity", bad)
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_request", resp.text
+    resp = _post(eng, "/token_capacity", {"token_capacity": 4096})
+    assert resp.status_code == 200 and resp.json()["token_capacity"] == 4096, resp.text
+
     # ---- free: a is gone for new forks, but its child b keeps reading the shared prefix
     assert _post(eng, "/free_context", {"context_id": a}).json() == {"ok": True}
     resp = _post(eng, "/fill", {"tokens": [1], "context_id": 10_006, "parent_context_id": a})
@@ -366,7 +372,23 @@ def test_engine_http_api(procs: Procs, tiny_model: LoadedModel, tiny_engine: Loc
                 async for _ in remote.generate(P.SamplingParams(max_tokens=2), 10_008, 99_999):
                     pass
             assert info.value.code == "context_not_found"
+            # token capacity: switched at run time; bad values rejected, the old one kept
+            await remote.set_token_capacity(300)
+            assert (await remote.stats()).token_capacity == 300
+            for bad in (0, -5):
+                with pytest.raises(P.BadRequest) as info:
+                    await remote.set_token_capacity(bad)
+                assert info.value.code == "invalid_capacity"
+            assert (await remote.stats()).token_capacity == 300
         finally:
             await remote.close()
 
     asyncio.run(through_remote_engine())
+
+
+def test_engine_cli_sets_capacity_and_kv_pool(procs: Procs):
+    mgr = procs.manager()
+    eng = procs.engine(mgr, "--token-capacity", "1234", "--kv-cache-tokens", "4096")
+    stats = httpx.get(f"{eng.url}/stats", timeout=10).json()
+    assert stats["token_capacity"] == 1234
+    assert stats["kv_tokens_total"] == 4096 and stats["kv_blocks_total"] == 4096 // stats["kv_block_size"]

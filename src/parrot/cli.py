@@ -24,6 +24,24 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--max-step-tokens", type=int, default=512, help="tokens per engine step (prompt chunking)"
     )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    p.add_argument(
+        "--token-capacity",
+        type=int,
+        default=None,
+        help="most KV tokens the running work may hold at once (default: the whole KV pool); "
+        "changeable at run time with POST /token_capacity on an engine process",
+    )
+    p.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=None,
+        help="size of the KV block pool in tokens (default: 2 GiB worth)",
+    )
+    p.add_argument(
+        "--no-shared-attention",
+        action="store_true",
+        help="plain per-sequence decode attention (forks still share KV blocks); for A/B runs",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -88,7 +106,13 @@ def _load_engine(args: argparse.Namespace):
     t0 = time.perf_counter()
     loaded = load_model(args.model)
     logging.getLogger("parrot").info("model %s loaded in %.2fs", loaded.name, time.perf_counter() - t0)
-    return LocalEngine(loaded, max_step_tokens=args.max_step_tokens)
+    return LocalEngine(
+        loaded,
+        max_step_tokens=args.max_step_tokens,
+        token_capacity=args.token_capacity,
+        kv_cache_tokens=args.kv_cache_tokens,
+        share_prefix=not args.no_shared_attention,
+    )
 
 
 def _bind(host: str, port: int) -> socket.socket:

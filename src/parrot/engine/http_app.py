@@ -23,6 +23,7 @@ from parrot.protocol.schemas import (
     FreeContextRequest,
     GenerateChunk,
     GenerateRequest,
+    TokenCapacityRequest,
 )
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,12 @@ def create_engine_app(engine: LocalEngine, *, max_body_bytes: int = 64 * 1024 * 
     async def free_context(body: FreeContextRequest) -> dict:
         await engine.free_context(body.context_id)
         return {"ok": True}
+
+    @app.post("/token_capacity", response_model=EngineStats)
+    async def token_capacity(body: TokenCapacityRequest) -> EngineStats:
+        """Switch the engine's token capacity at run time; answers with the new stats."""
+        await engine.set_token_capacity(body.token_capacity)
+        return await engine.stats()
 
     @app.get("/stats", response_model=EngineStats)
     async def stats() -> EngineStats:

@@ -101,6 +101,10 @@ class RemoteEngine:
     async def stats(self) -> EngineStats:
         return EngineStats.model_validate(await _request(self._client, "GET", "/stats"))
 
+    async def set_token_capacity(self, n: int) -> None:
+        """Change the engine's token capacity (see ``LocalEngine.set_token_capacity``)."""
+        await _request(self._client, "POST", "/token_capacity", {"token_capacity": n})
+
 
 _NO_READ_TIMEOUT = httpx.Timeout(30.0, read=None)
 

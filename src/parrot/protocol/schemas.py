@@ -174,6 +174,13 @@ class FreeContextRequest(_Strict):
     context_id: int
 
 
+class TokenCapacityRequest(_Strict):
+    """Set an engine's token capacity (the most KV tokens its running work may hold
+    at once; small = low per-token latency, large = high throughput)."""
+
+    token_capacity: int
+
+
 class GenerateChunk(BaseModel):
     """One line of a generate stream.  The last line has ``done`` set."""
 
