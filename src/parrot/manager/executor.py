@@ -3,14 +3,18 @@
 A call that becomes ready joins the executor's queue.  A scheduling round
 (run on every event that may change a decision — a call ready or finished,
 an engine joining — and on a short tick while calls wait) deduces each
-session's objectives from its DAG (:mod:`parrot.manager.objectives`),
-snapshots the engines, and asks the pure scheduler
-(:mod:`parrot.manager.scheduler`, the paper's Algorithm 1) where queued calls
-go.  A placed call renders its prompt from the materialised inputs and drives
-its engine: fill the text before each output (forking from a shared prefix
-context when the engine holds one), generate the output (streaming it into
-the variable), apply the output's transform, materialise it — which may make
-consumer calls ready.  No value travels to the client on the way.
+session's objectives from its DAG (:mod:`parrot.manager.objectives`; only
+sessions that changed are deduced again), snapshots the engines, and asks the
+scheduler (:mod:`parrot.manager.scheduler`, the paper's Algorithm 1) where
+queued calls go.  The scheduler's engine state is kept between rounds
+(:class:`~parrot.manager.scheduler.Scheduler`): only engines whose load,
+prefix contexts or pool state changed get a new snapshot, and the placements
+are those of the pure ``schedule(queue, snapshots, config)``.  A placed call
+renders its prompt from the materialised inputs and drives its engine: fill
+the text before each output (forking from a shared prefix context when the
+engine holds one), generate the output (streaming it into the variable),
+apply the output's transform, materialise it — which may make consumer calls
+ready.  No value travels to the client on the way.
 
 Guarantees: every call ends ``done`` or ``failed``; a failure fails the
 call's outputs and everything downstream; a call no engine can ever serve
@@ -35,8 +39,16 @@ from parrot.manager.graph import Call, fail_call, materialise
 from parrot.manager.objectives import CallObjective, deduce
 from parrot.manager.prefix import PrefixEntry, PrefixIndex, prefix_keys
 from parrot.manager.render import FillStep, Rendered, render
-from parrot.manager.scheduler import EngineSnapshot, QueuedCall, SchedulerConfig, schedule, unservable
-from parrot.protocol.errors import CallFailed, ContextTooLong, EngineError, NoEngine, ParrotError, Timeout
+from parrot.manager.scheduler import EngineSnapshot, QueuedCall, Scheduler, SchedulerConfig
+from parrot.protocol.errors import (
+    CallFailed,
+    ContextTooLong,
+    EngineError,
+    NoEngine,
+    NotFound,
+    ParrotError,
+    Timeout,
+)
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +65,10 @@ class _EngineLost(str):
 class _Usage:
     """Manager-side load of one engine: what the calls placed there will hold."""
 
-    version: int = 0  # bumped on every change
     load: int = 0
     kinds: dict[str, int] = field(default_factory=dict)  # objective -> running calls
     groups: dict[str, int] = field(default_factory=dict)  # task group -> running calls
+    group_set: frozenset[str] = frozenset()  # the keys of ``groups``, rebuilt when they change
 
     @property
     def mode(self) -> str | None:
@@ -78,6 +90,9 @@ class _Ticket:
     lost: str | None = None  # why the last engine was lost
     retry_deadline: float | None = None
     engine: EngineHandle | None = None
+    prefix_keys: tuple[str, ...] = ()
+    started: bool = False  # its task began running (a task cancelled before that never runs at all)
+    queued: QueuedCall | None = None  # what the last round saw (reused while nothing changes)
 
 
 class Executor:
@@ -106,13 +121,20 @@ class Executor:
         self._queue: dict[str, _Ticket] = {}
         self._placed: dict[str, _Ticket] = {}
         self._usage: dict[str, _Usage] = {}  # engine id -> load of the calls placed there
-        self._snap_cache: dict[str, tuple[tuple, EngineSnapshot]] = {}
+        # Scheduler state kept between rounds (the fast path of scheduler.schedule): it is told
+        # of engines whose snapshot changed — their usage or prefixes (_stale), or what the pool
+        # says of them (_seen: handle, alive, capacity, as of the last round).
+        self._sched: Scheduler | None = None
+        self._pool_seen: list[tuple[EngineHandle, bool, int]] = []
+        self._seen: dict[str, tuple[EngineHandle, bool, int]] = {}
+        self._stale: set[str] = set()
         self._last_round = 0.0
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._ranks = itertools.count()
         self._kicked = False
         self._ticker: asyncio.Task[None] | None = None
-        self._objectives: dict[str, CallObjective] = {}  # by call id, valid for clean sessions
+        # session id -> call id -> objective, for sessions whose graph did not change since
+        self._objectives: dict[str, dict[str, CallObjective]] = {}
         self._dirty: set[str] = set()  # sessions whose DAG or criteria changed since deduction
         self.rounds = 0
         pool.on_drop(self._engine_dropped)
@@ -133,8 +155,9 @@ class Executor:
         call.state = "ready"
         # registered now, before any round runs, so calls made ready together
         # see each other's interest in a shared prefix
-        self.prefixes.add_interest(call, prefix_keys(call))
-        self._queue[call.call_id] = _Ticket(call, next(self._ranks))
+        keys = prefix_keys(call)
+        self.prefixes.add_interest(call, keys)
+        self._queue[call.call_id] = _Ticket(call, next(self._ranks), prefix_keys=tuple(keys))
         self.kick()
 
     def graph_changed(self, session_id: str) -> None:
@@ -169,6 +192,7 @@ class Executor:
         fail_call(call, error)
         if task is not None:
             task.cancel()
+            self._cancelled_before_start(call.call_id, None)
 
     async def drain(self) -> None:
         if self._ticker is not None:
@@ -181,10 +205,22 @@ class Executor:
     def _engine_dropped(self, handle: EngineHandle, reason: str) -> None:
         self.prefixes.forget_engine(handle.engine_id)
         self._usage.pop(handle.engine_id, None)
+        self._stale.add(handle.engine_id)
         for ticket in list(self._placed.values()):
             task = self._tasks.get(ticket.call.call_id)
             if ticket.engine is handle and task is not None:
-                task.cancel(_EngineLost(f"engine {handle.engine_id} dropped: {reason}"))
+                lost = _EngineLost(f"engine {handle.engine_id} dropped: {reason}")
+                task.cancel(lost)
+                self._cancelled_before_start(ticket.call.call_id, str(lost))
+
+    def _cancelled_before_start(self, call_id: str, lost: str | None) -> None:
+        """A task cancelled before its first step never runs ``_run`` (not even its
+        ``finally``): do its bookkeeping here, or the call would stay placed for ever."""
+        ticket = self._placed.get(call_id)
+        if ticket is not None and not ticket.started:
+            self._finish(ticket, lost, kick=False)
+            with contextlib.suppress(RuntimeError):  # no running loop: nothing to schedule
+                self.kick()
 
     # ------------------------------------------------------------- rounds
     def _round(self) -> None:
@@ -195,7 +231,8 @@ class Executor:
             call = ticket.call
             if call.state != "ready":  # failed meanwhile (session closed, input failed)
                 del self._queue[call.call_id]
-                self._objectives.pop(call.call_id, None)
+                self._forget_objective(call)
+                call.rendered = None
             elif self.queue_timeout_s is not None and now - ticket.queued_at > self.queue_timeout_s:
                 del self._queue[call.call_id]
                 fail_call(
@@ -204,7 +241,8 @@ class Executor:
                 )
         if not self._queue:
             return
-        objectives = self._deduce()
+        self._deduce()
+        objectives = self._objectives
         queue: list[QueuedCall] = []
         for ticket in list(self._queue.values()):
             call = ticket.call
@@ -214,43 +252,65 @@ class Executor:
                 del self._queue[call.call_id]
                 fail_call(call, exc)
                 continue
-            objective = objectives.get(call.call_id, _LATENCY_DEFAULT)
+            objective = objectives[call.session_id].get(call.call_id, _LATENCY_DEFAULT)
             call.objective, call.task_group = objective.kind, objective.task_group
-            queue.append(
-                QueuedCall(call.call_id, call.model, objective, tuple(prefix_keys(call)), tokens, ticket.rank)
-            )
-        engines = self._snapshots()
-        for call_id, reason in unservable(queue, engines):
+            queued = ticket.queued
+            if queued is None or queued.objective is not objective or queued.tokens != tokens:
+                queued = ticket.queued = QueuedCall(
+                    call.call_id, call.model, objective, ticket.prefix_keys, tokens, ticket.rank
+                )
+            queue.append(queued)
+        sched = self._sync_engines()
+        failed = False
+        for call_id, reason in sched.unservable(queue):
             ticket = self._queue[call_id]
             if ticket.retry_deadline is not None and now < ticket.retry_deadline:
                 continue  # its engine was lost: wait a while for another one
             del self._queue[call_id]
+            failed = True
             why = f" lost its engine ({ticket.lost}) and" if ticket.lost else ""
             fail_call(ticket.call, NoEngine(f"call {call_id}{why} cannot be served: {reason}"))
-        queue = [q for q in queue if q.call_id in self._queue]
-        for placement in schedule(queue, engines, self.scheduler):
+        if failed:
+            queue = [q for q in queue if q.call_id in self._queue]
+        for placement in sched.schedule(queue):
             ticket = self._queue.pop(placement.call_id)
             ticket.engine = self.pool.get(placement.engine_id)
             ticket.call.placement = placement.reason
             ticket.call.dispatched_at = time.time()
             self._start(ticket)
 
-    def _deduce(self) -> dict[str, CallObjective]:
-        """Objectives of every queued call.  Deduction runs per session over its
-        unfinished calls, only for sessions whose graph changed (or that have a
-        queued call not deduced yet); other sessions keep their results."""
-        stale = set(self._dirty)
-        stale.update(
-            t.call.session_id for t in self._queue.values() if t.call.call_id not in self._objectives
-        )
-        self._dirty.clear()
+    def _deduce(self) -> None:
+        """Deduce the objectives of every queued call.  Deduction runs per session
+        over its unfinished calls, only for sessions with a queued call that were
+        changed since (or never deduced); other sessions keep their results.  A
+        changed session without queued calls only loses its results: it is deduced
+        again when one of its calls is queued."""
+        dirty = self._dirty
+        known = self._objectives
+        stale: set[str] = set()
+        for t in self._queue.values():
+            call = t.call
+            sid = call.session_id
+            if sid in dirty or call.call_id not in known.get(sid, ()):
+                stale.add(sid)
+        for sid in dirty:
+            if sid not in stale:
+                known.pop(sid, None)
+        dirty.clear()
         for sid in stale:
             if self._calls_of_session is None:
                 calls = [t.call for t in self._queue.values() if t.call.session_id == sid]
             else:
                 calls = list(self._calls_of_session(sid))
-            self._objectives.update(deduce(calls))
-        return self._objectives
+            known[sid] = deduce(calls)
+
+    def _forget_objective(self, call: Call) -> None:
+        """A call ended: drop its objective (and its session's entry once empty)."""
+        of_session = self._objectives.get(call.session_id)
+        if of_session is not None:
+            of_session.pop(call.call_id, None)
+            if not of_session:
+                del self._objectives[call.session_id]
 
     def _estimate(self, ticket: _Ticket) -> int:
         if ticket.tokens is None:
@@ -283,49 +343,93 @@ class Executor:
             )
         return cached
 
-    def _snapshots(self) -> list[EngineSnapshot]:
-        """One snapshot per engine, rebuilt only when what it shows changed."""
-        snaps = []
-        for h in self.pool:
-            use = self._usage.get(h.engine_id) or _Usage()
-            capacity = h.stats.token_capacity or self.engine_token_capacity
-            key = (use.version, self.prefixes.version(h.engine_id), h.alive, capacity)
-            cached = self._snap_cache.get(h.engine_id)
-            if cached is None or cached[0] != key:
-                snap = EngineSnapshot(
-                    engine_id=h.engine_id,
-                    model=h.model,
-                    max_seq_len=h.max_seq_len,
-                    token_capacity=capacity,
-                    token_load=use.load,
-                    mode=use.mode,  # type: ignore[arg-type]
-                    task_groups=frozenset(use.groups),
-                    prefixes=self.prefixes.keys_on(h.engine_id),
-                    alive=h.alive,
-                )
-                cached = (key, snap)
-                self._snap_cache[h.engine_id] = cached
-            snaps.append(cached[1])
-        return snaps
+    def _sync_engines(self) -> Scheduler:
+        """Bring the scheduler's engine snapshots up to date; rebuild only those that changed.
+
+        The round then sees exactly what :meth:`snapshots` returns, as if the
+        pure ``schedule(queue, self.snapshots(), self.scheduler)`` were called.
+        """
+        sched = self._sched
+        if sched is None or sched.config is not self.scheduler:  # (re)configured: start over
+            sched = self._sched = Scheduler(self.scheduler)
+            self._pool_seen = []
+            self._seen.clear()
+        stale = self._stale
+        stale.update(self.prefixes.take_changed())
+        # What the pool says of each engine; an engine joining or leaving, suspected or back,
+        # or reporting another capacity changes this list.
+        default = self.engine_token_capacity
+        pool_now = [(h, h.alive, h.stats.token_capacity or default) for h in self.pool]
+        if pool_now != self._pool_seen:
+            self._pool_seen = pool_now
+            seen = self._seen
+            for polled in pool_now:
+                eid = polled[0].engine_id
+                if seen.get(eid) != polled:
+                    seen[eid] = polled
+                    stale.add(eid)
+            if len(seen) != len(pool_now):
+                live = {h.engine_id for h, _, _ in pool_now}
+                for eid in [eid for eid in seen if eid not in live]:
+                    del seen[eid]
+                    sched.remove_engine(eid)
+                    stale.discard(eid)
+        if stale:
+            for eid in stale:
+                try:
+                    h = self.pool.get(eid)
+                except NotFound:  # dropped
+                    self._seen.pop(eid, None)
+                    sched.remove_engine(eid)
+                    continue
+                sched.set_engine(self._snapshot(h))
+            stale.clear()
+        return sched
+
+    def _snapshot(self, h: EngineHandle) -> EngineSnapshot:
+        use = self._usage.get(h.engine_id) or _Usage()
+        return EngineSnapshot(
+            engine_id=h.engine_id,
+            model=h.model,
+            max_seq_len=h.max_seq_len,
+            token_capacity=h.stats.token_capacity or self.engine_token_capacity,
+            token_load=use.load,
+            mode=use.mode,  # type: ignore[arg-type]
+            task_groups=use.group_set,
+            prefixes=self.prefixes.keys_on(h.engine_id),
+            alive=h.alive,
+        )
+
+    def snapshots(self) -> list[EngineSnapshot]:
+        """What the scheduler knows of each engine in the pool, built afresh."""
+        return [self._snapshot(h) for h in self.pool]
 
     def _account(self, ticket: _Ticket, sign: int) -> None:
         """Add (+1) or remove (-1) a placed call's share of its engine's load."""
         if ticket.engine is None:
             return
-        use = self._usage.setdefault(ticket.engine.engine_id, _Usage())
-        use.version += 1
+        eid = ticket.engine.engine_id
+        use = self._usage.get(eid)
+        if use is None:
+            use = self._usage[eid] = _Usage()
+        self._stale.add(eid)
         use.load += sign * (ticket.tokens or 0)
         kind = ticket.call.objective or "latency"
         use.kinds[kind] = use.kinds.get(kind, 0) + sign
         group = ticket.call.task_group
         if group:
-            use.groups[group] = use.groups.get(group, 0) + sign
-            if use.groups[group] <= 0:
-                del use.groups[group]
+            count = use.groups.get(group, 0) + sign
+            if count > 0:
+                use.groups[group] = count
+            else:
+                use.groups.pop(group, None)
+            if (count > 0) != (group in use.group_set):
+                use.group_set = frozenset(use.groups)
 
     # ------------------------------------------------------------ running
     def _start(self, ticket: _Ticket) -> None:
         call = ticket.call
+        ticket.started = False
         self._placed[call.call_id] = ticket
         self._account(ticket, +1)
         self._tasks[call.call_id] = asyncio.get_running_loop().create_task(
@@ -333,19 +437,26 @@ class Executor:
         )
 
     async def _run(self, ticket: _Ticket) -> None:
-        call = ticket.call
+        ticket.started = True
         ticket.attempts += 1
         lost = None
         try:
             lost = await self._attempt(ticket)
         finally:
-            self._tasks.pop(call.call_id, None)
-            if self._placed.pop(call.call_id, None) is not None:
-                self._account(ticket, -1)
-            if call.state in ("done", "failed"):
-                self._objectives.pop(call.call_id, None)
-            if lost is not None:
-                self._requeue(ticket, lost)
+            self._finish(ticket, lost)
+
+    def _finish(self, ticket: _Ticket, lost: str | None, kick: bool = True) -> None:
+        """A placed call's run ended (``lost``: why its engine was lost, to re-run it)."""
+        call = ticket.call
+        self._tasks.pop(call.call_id, None)
+        if self._placed.pop(call.call_id, None) is not None:
+            self._account(ticket, -1)
+        if call.state in ("done", "failed"):
+            self._forget_objective(call)
+            call.rendered = None  # its engine steps are not needed any more
+        if lost is not None:
+            self._requeue(ticket, lost)
+        if kick:
             self.kick()
 
     def _requeue(self, ticket: _Ticket, lost: str) -> None:

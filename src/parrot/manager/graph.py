@@ -48,10 +48,14 @@ class Variable:
     consumers: list[Call] = field(default_factory=list)
     criteria: Criteria | None = None
     partial: list[str] = field(default_factory=list)  # streamed text of a running producer
-    _waiters: list[asyncio.Future[None]] = field(default_factory=list, repr=False)
+    # futures of wait_change() callers; None while nobody waits (most variables, most of the time)
+    _waiters: list[asyncio.Future[None]] | None = field(default=None, repr=False)
 
     def notify(self) -> None:
-        waiters, self._waiters = self._waiters, []
+        waiters = self._waiters
+        if waiters is None:
+            return
+        self._waiters = None
         for w in waiters:
             if not w.done():
                 w.set_result(None)
@@ -59,14 +63,18 @@ class Variable:
     async def wait_change(self, timeout: float) -> None:
         """Wait until the variable changes (state or partial text) or ``timeout`` passes."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
+        if self._waiters is None:
+            self._waiters = [fut]
+        else:
+            self._waiters.append(fut)
         try:
             await asyncio.wait_for(fut, timeout)
         except TimeoutError:
             pass
         finally:
-            if fut in self._waiters:
-                self._waiters.remove(fut)
+            waiters = self._waiters
+            if waiters is not None and fut in waiters:
+                waiters.remove(fut)
 
 
 @dataclass(eq=False)
@@ -93,8 +101,11 @@ class Call:
     objective: str | None = None  # deduced: "latency" | "throughput"
     task_group: str | None = None
     placement: str | None = None  # the scheduler's reason for its engine
-    # (model, Rendered, that engine's max_seq_len) when rendered at submit
+    # (model, Rendered, that engine's max_seq_len) when rendered at submit; dropped once the
+    # call ends (the executor has its own copy while it runs)
     rendered: tuple[str, object, int] | None = None
+    # its prefix keys, once final (see parrot.manager.prefix.prefix_keys)
+    prefix_cache: tuple[str, ...] | None = field(default=None, repr=False)
     prompt_tokens: int | None = None
     generated_tokens: int = 0
     submitted_at: float = field(default_factory=time.time)

@@ -138,6 +138,7 @@ def _extract(call: CallLike | CallNode) -> tuple[str, list[str] | tuple[str, ...
 
 # Internal labels (plain ints for speed).
 _LAT, _GROUP, _THR, _DEFAULT = 0, 1, 2, 3
+_DEFAULT_OBJECTIVE = CallObjective("latency", None, DEFAULT_REASON)  # immutable: shared by every default call
 
 
 def deduce(calls: Iterable[CallLike | CallNode]) -> dict[str, CallObjective]:
@@ -274,5 +275,5 @@ def deduce(calls: Iterable[CallLike | CallNode]) -> dict[str, CallObjective]:
         elif lab == _THR:
             result[cid] = CallObjective("throughput", None, thr_why[i])  # type: ignore[arg-type]
         else:
-            result[cid] = CallObjective("latency", None, DEFAULT_REASON)
+            result[cid] = _DEFAULT_OBJECTIVE
     return result

@@ -58,7 +58,12 @@ def user_pieces(call: Call) -> list[Piece]:
 def prefix_keys(call: Call) -> list[str]:
     """Keys of the call's prompt at each constant->variable boundary before its
     first output, as far as its inputs are known (stops at the first input
-    without a value).  Outermost first."""
+    without a value).  Outermost first.
+
+    Once every input it reads is known the keys are final (templates and
+    values never change), so they are computed once and kept on the call."""
+    if call.prefix_cache is not None:
+        return list(call.prefix_cache)
     keys: list[str] = []
     h = _chain(b"", b"C" if call.chat else b"R", "")
     pieces = user_pieces(call)
@@ -74,9 +79,10 @@ def prefix_keys(call: Call) -> list[str]:
         value = call.inputs[piece.name]
         if isinstance(value, Variable):
             if value.value is None:
-                break
+                return keys  # not final: an input is still pending
             value = value.value
         h = _chain(h, b"V", value)
+    call.prefix_cache = tuple(keys)
     return keys
 
 
@@ -98,6 +104,9 @@ class PrefixIndex:
         self._by_engine: dict[str, OrderedDict[str, PrefixEntry]] = {}
         self._interest: dict[str, set[Call]] = {}
         self._versions: dict[str, int] = {}  # engine id -> bumped when its entries change
+        self._keys_on: dict[str, frozenset[str]] = {}  # engine id -> keys_on(), until it changes
+        # engines whose entries changed since the executor last took this set (see take_changed)
+        self._changed_engines: set[str] = set()
 
     # ------------------------------------------------------------ interest
     def add_interest(self, call: Call, keys: list[str]) -> None:
@@ -136,9 +145,20 @@ class PrefixIndex:
 
     def _changed(self, engine_id: str) -> None:
         self._versions[engine_id] = self._versions.get(engine_id, 0) + 1
+        self._keys_on.pop(engine_id, None)
+        self._changed_engines.add(engine_id)
+
+    def take_changed(self) -> set[str]:
+        """Engines whose entries changed since the last call (and forget them)."""
+        changed, self._changed_engines = self._changed_engines, set()
+        return changed
 
     def keys_on(self, engine_id: str) -> frozenset[str]:
-        return frozenset(self._by_engine.get(engine_id, ()))
+        """The keys held on an engine; the same object until they change."""
+        keys = self._keys_on.get(engine_id)
+        if keys is None:
+            keys = self._keys_on[engine_id] = frozenset(self._by_engine.get(engine_id, ()))
+        return keys
 
     def add(self, entry: PrefixEntry) -> None:
         if (entry.key, entry.engine_id) in self._entries:

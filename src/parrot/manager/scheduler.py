@@ -63,11 +63,17 @@ Cost: O(Q log Q) for the sort plus, per call, O(H + log E) where H is the
 number of (model, mode, capacity, max_seq_len) classes of engines (a handful)
 — engines of one class share a cap, so a heap ordered by load answers "least
 loaded that fits" from its top.  Affinity look-ups are dict hits.  No O(Q²).
+Building those heaps and indexes costs O(E log E + affinity keys) per call of
+``schedule``; :class:`Scheduler` keeps them between rounds and is told which
+engines changed, so a round of a busy manager (few calls, a few changed
+engines, many engines) costs O(changed engines · log E) before its first
+decision.  It runs the same code and returns the same placements.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -166,71 +172,36 @@ class Placement:
 
 # ------------------------------------------------------------------ helpers
 class _Eng:
-    """Mutable working copy of a snapshot for one round."""
+    """Working copy of one live engine's snapshot: what a round has placed on it so far."""
 
-    __slots__ = ("blocked", "id", "load", "mode", "snap", "version")
+    __slots__ = ("blocked", "id", "load", "mode", "snap", "touched", "version")
 
     def __init__(self, snap: EngineSnapshot):
         self.snap = snap
         self.id = snap.engine_id
+        # New on every change, unique within a Scheduler (an engine that leaves and comes back
+        # gets a new _Eng): heap entries of other versions are stale, and two entries never tie.
+        self.version = -1
+        self.blocked = False
+        self.touched = False  # changed by the running round (undone when it ends)
         self.load = snap.token_load
         self.mode: str | None = snap.mode if snap.token_load > 0 else None
-        self.version = 0
-        self.blocked = False
 
-
-class _Affinity:
-    """key -> engines holding it: from the snapshots' ``attr`` sets, and from this round's placements."""
-
-    def __init__(self, engs: list[_Eng], attr: str, queue_len: int):
-        self.engs = engs
-        self.attr = attr
-        self.round: dict[object, dict[str, _Eng]] = {}
-        total = sum(len(getattr(e.snap, attr)) for e in engs)
-        # Build the inverse index only when it is cheaper than scanning per look-up.
-        self.index: dict[object, list[_Eng]] | None = None
-        if total and total <= queue_len * len(engs):
-            self.index = {}
-            for e in engs:
-                for k in getattr(e.snap, attr):
-                    self.index.setdefault(k, []).append(e)
-        self.empty = total == 0
-
-    def from_snapshot(self, key: object) -> list[_Eng]:
-        if self.empty:
-            return []
-        if self.index is not None:
-            return self.index.get(key, [])
-        attr = self.attr
-        return [e for e in self.engs if key in getattr(e.snap, attr)]
-
-    def this_round(self, key: object) -> list[_Eng]:
-        got = self.round.get(key)
-        return [] if got is None else list(got.values())
-
-    def add(self, key: object, eng: _Eng) -> None:
-        got = self.round.get(key)
-        if got is None:
-            self.round[key] = {eng.id: eng}
-        else:
-            got[eng.id] = eng
+    def reset(self) -> None:
+        snap = self.snap
+        self.load = snap.token_load
+        self.mode = snap.mode if snap.token_load > 0 else None
 
 
 def _matches(model: str | None, eng_model: str) -> bool:
     return model is None or model == eng_model
 
 
-def unservable(queue: Sequence[QueuedCall], engines: Sequence[EngineSnapshot]) -> list[tuple[str, str]]:
-    """Calls no live engine could ever run, with a reason (so the manager can fail them fast).
+def _rank(c: QueuedCall) -> int:
+    return c.topo_rank
 
-    A call is unservable when no live engine serves its model, or its tokens
-    exceed the ``max_seq_len`` of every live engine serving its model.  Dead
-    engines do not count.  O(Q + E).
-    """
-    longest: dict[str, int] = {}
-    for e in engines:
-        if e.alive:
-            longest[e.model] = max(longest.get(e.model, 0), e.max_seq_len)
+
+def _unservable(queue: Sequence[QueuedCall], longest: dict[str, int]) -> list[tuple[str, str]]:
     overall = max(longest.values(), default=0)
     out: list[tuple[str, str]] = []
     for c in queue:
@@ -246,6 +217,20 @@ def unservable(queue: Sequence[QueuedCall], engines: Sequence[EngineSnapshot]) -
     return out
 
 
+def unservable(queue: Sequence[QueuedCall], engines: Sequence[EngineSnapshot]) -> list[tuple[str, str]]:
+    """Calls no live engine could ever run, with a reason (so the manager can fail them fast).
+
+    A call is unservable when no live engine serves its model, or its tokens
+    exceed the ``max_seq_len`` of every live engine serving its model.  Dead
+    engines do not count.  O(Q + E).
+    """
+    longest: dict[str, int] = {}
+    for e in engines:
+        if e.alive:
+            longest[e.model] = max(longest.get(e.model, 0), e.max_seq_len)
+    return _unservable(queue, longest)
+
+
 # ---------------------------------------------------------------- schedule
 def schedule(
     queue: Sequence[QueuedCall], engines: Sequence[EngineSnapshot], config: SchedulerConfig | None = None
@@ -255,26 +240,38 @@ def schedule(
     Returns placements in decision order.  Raises ValueError on duplicate
     call or engine ids.
     """
-    return _Round(queue, engines, config or SchedulerConfig()).run()
+    scheduler = Scheduler(config)
+    scheduler.sync(engines)
+    return scheduler.schedule(queue)
 
 
-class _Round:
-    def __init__(
-        self, queue: Sequence[QueuedCall], engines: Sequence[EngineSnapshot], config: SchedulerConfig
-    ) -> None:
-        seen: set[str] = set()
-        for e in engines:
-            if e.engine_id in seen:
-                raise ValueError(f"duplicate engine id {e.engine_id!r}")
-            seen.add(e.engine_id)
-        calls_seen: set[str] = set()
-        for c in queue:
-            if c.call_id in calls_seen:
-                raise ValueError(f"duplicate call id {c.call_id!r}")
-            calls_seen.add(c.call_id)
+def _discard(index: dict[object, dict[str, _Eng]], key: object, engine_id: str) -> None:
+    got = index.get(key)
+    if got is not None:
+        got.pop(engine_id, None)
+        if not got:
+            del index[key]
 
+
+class Scheduler:
+    """Algorithm 1 over engine state kept from one round to the next.
+
+    :func:`schedule` builds its per-engine structures (load heaps, affinity
+    indexes) from the snapshots on every call.  A ``Scheduler`` keeps them:
+    :meth:`set_engine`, :meth:`remove_engine` and :meth:`sync` tell it what
+    changed (O(1) per engine whose snapshot is unchanged, O(log E + keys)
+    per changed one), and :meth:`schedule` runs one round over that state,
+    then undoes the round's own bookkeeping (placements are not kept: the
+    caller reports each engine's new load with its next snapshot).  For any
+    sequence of updates, ``Scheduler(config).schedule(queue)`` returns what
+    ``schedule(queue, <its current snapshots>, config)`` returns — it is the
+    same code; :func:`schedule` is a fresh ``Scheduler`` used once.
+    """
+
+    def __init__(self, config: SchedulerConfig | None = None) -> None:
+        config = config or SchedulerConfig()
+        self.config = config
         policy = config.policy
-        self.queue = sorted(queue, key=lambda c: c.topo_rank)
         self.baseline = policy.startswith("baseline")
         self.affinity = policy in ("parrot", "no-deduction")
         self.deduction = policy in ("parrot", "no-affinity")
@@ -282,16 +279,147 @@ class _Round:
         self.thr_cap = config.throughput_cap
         self.fixed_kind = {"baseline-latency": "latency", "baseline-throughput": "throughput"}.get(policy)
 
-        self.engs = [_Eng(s) for s in engines if s.alive]
+        self._snaps: dict[str, EngineSnapshot] = {}  # every engine it was told of, live or not
+        self._engs: dict[str, _Eng] = {}  # live engines
+        self._by_model: dict[str, dict[str, _Eng]] = {}  # live engines by model
+        # model -> {(token_capacity, max_seq_len): live engines of that shape}
+        self._shapes: dict[str, dict[tuple[int, int], int]] = {}
         # heaps[cls] = [(load, engine_id, version, eng)]; cls = (model, mode, token_capacity, max_seq_len)
-        self.heaps: dict[tuple, list] = {}
-        self.classes: dict[str | None, dict[str | None, list[tuple]]] = {}
-        self.unblocked: dict[str, set[_Eng]] = {}
-        for e in self.engs:
-            self._push(e)
-            self.unblocked.setdefault(e.snap.model, set()).add(e)
-        self.groups = _Affinity(self.engs, "task_groups", len(self.queue)) if self.affinity else None
-        self.prefixes = _Affinity(self.engs, "prefixes", len(self.queue)) if self.affinity else None
+        self._heaps: dict[tuple, list] = {}
+        self._classes: dict[str | None, dict[str | None, list[tuple]]] = {}
+        self._pushes = 0  # heap entries pushed since the heaps were last rebuilt
+        self._versions = itertools.count()
+        # key -> {engine id: engine}: snapshots' task groups / prefixes, and this round's placements
+        self._groups: dict[object, dict[str, _Eng]] = {}
+        self._prefixes: dict[object, dict[str, _Eng]] = {}
+        self._round_groups: dict[object, dict[str, _Eng]] = {}
+        self._round_prefixes: dict[object, dict[str, _Eng]] = {}
+        self._touched: list[_Eng] = []
+
+    # -- what it knows of the engines
+    @property
+    def engines(self) -> list[EngineSnapshot]:
+        """The current snapshots (live or not), in the order they were first set."""
+        return list(self._snaps.values())
+
+    def sync(self, engines: Sequence[EngineSnapshot]) -> None:
+        """Make ``engines`` the whole engine set (unchanged snapshot objects cost O(1)).
+
+        Raises ValueError on a duplicate engine id, before changing anything.
+        """
+        ids: set[str] = set()
+        for s in engines:
+            if s.engine_id in ids:
+                raise ValueError(f"duplicate engine id {s.engine_id!r}")
+            ids.add(s.engine_id)
+        if not self._snaps:  # a fresh state (as in schedule()): index everything, heapify once
+            for s in engines:
+                self._snaps[s.engine_id] = s
+                if s.alive:
+                    self._add(s)
+            self._rebuild_heaps()
+            return
+        for s in engines:
+            self.set_engine(s)
+        if len(self._snaps) != len(ids):
+            for eid in [eid for eid in self._snaps if eid not in ids]:
+                self.remove_engine(eid)
+
+    def set_engine(self, snap: EngineSnapshot) -> None:
+        """Add an engine, or replace what is known of one (by ``engine_id``)."""
+        eid = snap.engine_id
+        previous = self._snaps.get(eid)
+        if previous is snap:
+            return
+        self._snaps[eid] = snap
+        e = None if previous is None else self._engs.get(eid)
+        if e is not None and (not snap.alive or snap.model != e.snap.model):
+            self._drop(e)
+            e = None
+        if not snap.alive:
+            return
+        if e is None:
+            e = self._add(snap)
+        else:
+            old = e.snap
+            if old.token_capacity != snap.token_capacity or old.max_seq_len != snap.max_seq_len:
+                self._add_shape(old, -1)
+                self._add_shape(snap, 1)
+            if self.affinity:
+                if old.task_groups is not snap.task_groups:
+                    self._reindex(self._groups, e, old.task_groups, snap.task_groups)
+                if old.prefixes is not snap.prefixes:
+                    self._reindex(self._prefixes, e, old.prefixes, snap.prefixes)
+            e.snap = snap
+            e.reset()
+            e.version = next(self._versions)
+        self._push(e)
+
+    def _add(self, snap: EngineSnapshot) -> _Eng:
+        """Index a live engine that was not (its heap entry is the caller's to push)."""
+        eid = snap.engine_id
+        e = _Eng(snap)
+        e.version = next(self._versions)
+        self._engs[eid] = e
+        same_model = self._by_model.get(snap.model)
+        if same_model is None:
+            same_model = self._by_model[snap.model] = {}
+        same_model[eid] = e
+        self._add_shape(snap, 1)
+        if self.affinity:
+            if snap.task_groups:
+                for k in snap.task_groups:
+                    self._groups.setdefault(k, {})[eid] = e
+            if snap.prefixes:
+                for k in snap.prefixes:
+                    self._prefixes.setdefault(k, {})[eid] = e
+        return e
+
+    def remove_engine(self, engine_id: str) -> None:
+        self._snaps.pop(engine_id, None)
+        e = self._engs.get(engine_id)
+        if e is not None:
+            self._drop(e)
+
+    def _drop(self, e: _Eng) -> None:
+        snap = e.snap
+        del self._engs[e.id]
+        same_model = self._by_model[snap.model]
+        del same_model[e.id]
+        if not same_model:
+            del self._by_model[snap.model]
+        self._add_shape(snap, -1)
+        if self.affinity:
+            for k in snap.task_groups:
+                _discard(self._groups, k, e.id)
+            for k in snap.prefixes:
+                _discard(self._prefixes, k, e.id)
+        e.version = next(self._versions)  # its heap entries are stale for good
+
+    def _add_shape(self, snap: EngineSnapshot, n: int) -> None:
+        shapes = self._shapes.get(snap.model)
+        if shapes is None:
+            shapes = self._shapes[snap.model] = {}
+        shape = (snap.token_capacity, snap.max_seq_len)
+        count = shapes.get(shape, 0) + n
+        if count:
+            shapes[shape] = count
+        else:
+            del shapes[shape]
+            if not shapes:
+                del self._shapes[snap.model]
+
+    @staticmethod
+    def _reindex(index: dict[object, dict[str, _Eng]], e: _Eng, old: frozenset, new: frozenset) -> None:
+        for k in old - new:
+            _discard(index, k, e.id)
+        for k in new - old:
+            index.setdefault(k, {})[e.id] = e
+
+    def unservable(self, queue: Sequence[QueuedCall]) -> list[tuple[str, str]]:
+        """:func:`unservable` over the current snapshots."""
+        longest = {model: max(msl for _, msl in shapes) for model, shapes in self._shapes.items()}
+        return _unservable(queue, longest)
 
     # -- caps and fit
     def _cap(self, kind: str, mode: str | None, capacity: int) -> int:
@@ -317,13 +445,33 @@ class _Round:
         s = e.snap
         mode = None if self.baseline else e.mode  # baselines ignore modes: one tier
         cls = (s.model, mode, s.token_capacity, s.max_seq_len)
-        if cls not in self.heaps:
-            self.heaps[cls] = []
-            self.classes.setdefault(s.model, {}).setdefault(mode, []).append(cls)
-        heapq.heappush(self.heaps[cls], (e.load, e.id, e.version, e))
+        heap = self._heaps.get(cls)
+        if heap is None:
+            heap = self._heaps[cls] = []
+            self._classes.setdefault(s.model, {}).setdefault(mode, []).append(cls)
+        heapq.heappush(heap, (e.load, e.id, e.version, e))
+        self._pushes += 1
+
+    def _rebuild_heaps(self) -> None:
+        """One current entry per live engine: drops stale entries (and classes no live engine has)."""
+        heaps: dict[tuple, list] = {}
+        classes: dict[str | None, dict[str | None, list[tuple]]] = {}
+        baseline = self.baseline
+        for e in self._engs.values():
+            s = e.snap
+            mode = None if baseline else e.mode
+            cls = (s.model, mode, s.token_capacity, s.max_seq_len)
+            heap = heaps.get(cls)
+            if heap is None:
+                heap = heaps[cls] = []
+                classes.setdefault(s.model, {}).setdefault(mode, []).append(cls)
+            heap.append((e.load, e.id, e.version, e))
+        for heap in heaps.values():
+            heapq.heapify(heap)
+        self._heaps, self._classes, self._pushes = heaps, classes, 0
 
     def _top(self, cls: tuple) -> tuple | None:
-        heap = self.heaps[cls]
+        heap = self._heaps[cls]
         while heap:
             top = heap[0]
             e = top[3]
@@ -335,9 +483,9 @@ class _Round:
     def _least_loaded(self, c: QueuedCall, kind: str, modes: tuple) -> _Eng | None:
         """Least-loaded engine (ties by id) in one of ``modes`` that ``c`` fits."""
         best = None
-        models = self.classes if c.model is None else (c.model,)
+        models = self._classes if c.model is None else (c.model,)
         for model in models:
-            by_mode = self.classes.get(model)
+            by_mode = self._classes.get(model)
             if by_mode is None:
                 continue
             for mode in modes:
@@ -354,48 +502,80 @@ class _Round:
                         best = top
         return None if best is None else best[3]
 
-    def _pick(self, candidates: list[_Eng], c: QueuedCall, kind: str) -> _Eng | None:
+    def _pick(self, held: dict[str, _Eng] | None, placed: dict[str, _Eng] | None, c: QueuedCall, kind: str):
+        """Least-loaded engine (ties by id) among ``held`` and ``placed`` that ``c`` fits."""
         best = None
-        for e in candidates:
-            if self._fits(e, c, kind) and (best is None or (e.load, e.id) < (best.load, best.id)):
-                best = e
+        for group in (held, placed):
+            if group is None:
+                continue
+            for e in group.values():
+                if self._fits(e, c, kind) and (best is None or (e.load, e.id) < (best.load, best.id)):
+                    best = e
         return best
 
     # -- the round
-    def run(self) -> list[Placement]:
+    def schedule(self, queue: Sequence[QueuedCall]) -> list[Placement]:
+        """One round over the current snapshots; see the module docstring.
+
+        Returns placements in decision order and leaves the state as it was
+        (the round's placements are not remembered).  Raises ValueError on a
+        duplicate call id.
+        """
+        calls_seen: set[str] = set()
+        for c in queue:
+            if c.call_id in calls_seen:
+                raise ValueError(f"duplicate call id {c.call_id!r}")
+            calls_seen.add(c.call_id)
         out: list[Placement] = []
-        for c in self.queue:
-            if self.baseline:
-                kind = self.fixed_kind or "latency"
-                group = None
-            elif self.deduction:
-                kind = c.objective.kind
-                group = c.objective.task_group
-            else:
-                kind, group = "latency", None
-            eng, reason = self._choose(c, kind, group)
-            if eng is None:
-                self._blocked(c, kind)
-                continue
-            self._place(eng, c, kind, group)
-            out.append(Placement(c.call_id, eng.id, reason))
+        try:
+            for c in sorted(queue, key=_rank):
+                if self.baseline:
+                    kind = self.fixed_kind or "latency"
+                    group = None
+                elif self.deduction:
+                    kind = c.objective.kind
+                    group = c.objective.task_group
+                else:
+                    kind, group = "latency", None
+                eng, reason = self._choose(c, kind, group)
+                if eng is None:
+                    self._blocked(c, kind)
+                    continue
+                self._place(eng, c, kind, group)
+                out.append(Placement(c.call_id, eng.id, reason))
+        finally:
+            self._end_round()
         return out
+
+    def _end_round(self) -> None:
+        for e in self._touched:
+            e.touched = e.blocked = False
+            e.reset()
+            e.version = next(self._versions)
+            self._push(e)
+        self._touched.clear()
+        self._round_groups.clear()
+        self._round_prefixes.clear()
+        if self._pushes > 4 * len(self._engs) + 64:
+            self._rebuild_heaps()
 
     def _choose(self, c: QueuedCall, kind: str, group: str | None) -> tuple[_Eng | None, Reason]:
         if self.baseline:
             return self._least_loaded(c, kind, (None,)), "fifo"
         if self.affinity:
             if group is not None:
-                cands = self.groups.from_snapshot(group) + self.groups.this_round(group)
-                eng = self._pick(cands, c, kind)
+                eng = self._pick(self._groups.get(group), self._round_groups.get(group), c, kind)
                 if eng is not None:
                     return eng, "task-group"
             for h in reversed(c.prefix_hashes):
-                on_engine = self.prefixes.from_snapshot(h)
-                this_round = self.prefixes.this_round(h)
-                eng = self._pick(on_engine + this_round, c, kind)
+                on_engine = self._prefixes.get(h)
+                this_round = self._round_prefixes.get(h)
+                if on_engine is None and this_round is None:
+                    continue
+                eng = self._pick(on_engine, this_round, c, kind)
                 if eng is not None:
-                    return eng, ("prefix-engine" if eng in on_engine else "prefix-queued")
+                    held = on_engine is not None and eng.id in on_engine
+                    return eng, ("prefix-engine" if held else "prefix-queued")
         if kind == "latency":
             preferred, other = ("latency", None), ("throughput",)
         else:
@@ -405,39 +585,50 @@ class _Round:
             return eng, "find-engine"
         return self._least_loaded(c, kind, other), "find-engine-mixed"
 
+    def _touch(self, e: _Eng) -> None:
+        if not e.touched:
+            e.touched = True
+            self._touched.append(e)
+
     def _place(self, e: _Eng, c: QueuedCall, kind: str, group: str | None) -> None:
+        self._touch(e)
         e.load += c.tokens
         if kind == "latency":
             e.mode = "latency"
         elif e.mode is None:
             e.mode = "throughput"
-        e.version += 1
+        e.version = next(self._versions)
         self._push(e)
         if self.affinity:
             if group is not None:
-                self.groups.add(group, e)
+                self._round_groups.setdefault(group, {})[e.id] = e
             for h in c.prefix_hashes:
-                self.prefixes.add(h, e)
+                self._round_prefixes.setdefault(h, {})[e.id] = e
 
     def _block(self, e: _Eng) -> None:
+        self._touch(e)
         e.blocked = True
-        e.version += 1
-        self.unblocked[e.snap.model].discard(e)
+        e.version = next(self._versions)
 
     def _blocked(self, c: QueuedCall, kind: str) -> None:
         """Called for a call that was not placed: FIFO blocking / drain reservation."""
-        models = self.unblocked if c.model is None else (c.model,)
+        models = self._by_model if c.model is None else (c.model,)
         if self.baseline:  # FIFO: nobody overtakes c on the engines it waits for
             for m in models:
-                for e in [e for e in self.unblocked.get(m, ()) if c.tokens <= e.snap.max_seq_len]:
-                    self._block(e)
+                for e in self._by_model.get(m, {}).values():
+                    if not e.blocked and c.tokens <= e.snap.max_seq_len:
+                        self._block(e)
             return
         # Drain reservation, only for a call over the cap of every engine that could run it.
         for m in models:
-            for by_mode in self.classes.get(m, {}).values():
-                for cls in by_mode:
-                    if c.tokens <= cls[3] and c.tokens <= self._cap(kind, None, cls[2]):
-                        return  # it fits some engine's cap: it waits like any call
-        usable = [e for m in models for e in self.unblocked.get(m, ()) if c.tokens <= e.snap.max_seq_len]
+            for capacity, max_seq_len in self._shapes.get(m, ()):
+                if c.tokens <= max_seq_len and c.tokens <= self._cap(kind, None, capacity):
+                    return  # it fits some engine's cap: it waits like any call
+        usable = [
+            e
+            for m in models
+            for e in self._by_model.get(m, {}).values()
+            if not e.blocked and c.tokens <= e.snap.max_seq_len
+        ]
         if usable:
             self._block(min(usable, key=lambda e: (e.load, e.id)))
