@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from parrot.engine.packed_linear import PackedLinear, packed_linear_available, prepack_linears
 from parrot.protocol.tokenizer import TINY_VOCAB_SIZE
 
 SUPPORTED_ARCHITECTURES = {
@@ -371,6 +372,7 @@ class LlamaModel(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self._inv_freq = rope_inv_freq(config)  # [Dh/2], plain attribute: not a checkpoint entry
+        self._packed_logits: PackedLinear | None = None  # set by prepack()
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
         """Hidden states [T, hidden_size] (after the final norm) of the T new tokens."""
@@ -398,8 +400,22 @@ class LlamaModel(nn.Module):
         """Logits [N, vocab_size] float32 from hidden states [N, hidden_size]."""
         if hidden.dim() != 2 or hidden.shape[1] != self.config.hidden_size:
             raise ValueError(f"hidden must be [N, {self.config.hidden_size}], got {tuple(hidden.shape)}")
+        if self._packed_logits is not None:
+            return self._packed_logits(hidden).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [V, D]
         return F.linear(hidden, weight).float()  # [N, D] @ [D, V] -> [N, V]
+
+    def prepack(self) -> bool:
+        """Run every projection (and the logits) through oneDNN-packed weights when this
+        model's weights allow it (CPU, fp32/bf16); see :mod:`parrot.engine.packed_linear`.
+        Idempotent; returns whether the model now runs packed."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if not packed_linear_available(weight):
+            return False
+        prepack_linears(self)
+        if self._packed_logits is None:
+            self._packed_logits = PackedLinear(weight)
+        return True
 
     # -- construction ------------------------------------------------------
 

@@ -1,0 +1,75 @@
+"""oneDNN-packed projections: same results as the plain model (up to fp32 rounding),
+idempotent, and skipped where they cannot apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from parrot.engine.model import LlamaModel, ModelConfig
+from parrot.engine.packed_linear import PackedLinear, packed_linear_available, prepack_linears
+
+pytestmark = pytest.mark.skipif(
+    not packed_linear_available(torch.empty(2, 2)), reason="this torch build has no oneDNN CPU ops"
+)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 200])
+def test_packed_linear_matches_plain(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    lin = nn.Linear(48, 80, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(80, 48, generator=gen))
+        lin.bias.copy_(torch.randn(80, generator=gen))
+    x = torch.randn(rows, 48, generator=gen)
+    with torch.no_grad():
+        exact = x.double() @ lin.weight.double().T + lin.bias.double()
+        packed = PackedLinear(lin.weight, lin.bias)(x)
+    assert packed.shape == (rows, 80) and packed.dtype == torch.float32
+    assert rel_err(packed, exact) < 1e-6
+    with pytest.raises(ValueError, match="expected last dim 48"):
+        PackedLinear(lin.weight)(torch.randn(2, 47))
+
+
+def test_prepacked_model_gives_the_plain_models_logits_and_greedy_tokens() -> None:
+    config = ModelConfig.tiny()
+    plain = LlamaModel.random_init(config, 3)
+    packed = LlamaModel.random_init(config, 3)
+    assert packed.prepack() is True and packed.prepack() is True  # idempotent
+    linears = [m for m in packed.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(isinstance(m.__dict__.get("forward"), PackedLinear) for m in linears)
+    assert prepack_linears(packed) == len(linears)
+
+    class Full:  # causal attention over the whole sequence: enough to compare two models
+        def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            out = nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
+            )
+            return out.transpose(0, 1)
+
+    ids = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(40)
+    with torch.no_grad():
+        a = plain.compute_logits(plain(ids, pos, Full()))
+        b = packed.compute_logits(packed(ids, pos, Full()))
+    assert rel_err(b, a) < 1e-5
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    # the checkpoint is untouched: same parameters, nothing packed in the state dict
+    assert plain.state_dict().keys() == packed.state_dict().keys()
+    for k, v in plain.state_dict().items():
+        assert torch.equal(v, packed.state_dict()[k])
+
+
+def test_prepack_is_skipped_where_it_cannot_apply() -> None:
+    model = LlamaModel.random_init(ModelConfig.tiny(), 0).double()
+    assert model.prepack() is False
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert not packed_linear_available(torch.empty(2, 2, dtype=torch.float64))
+    assert not packed_linear_available(torch.empty(2, 2, 2))
