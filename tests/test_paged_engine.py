@@ -433,6 +433,33 @@ def test_token_capacity_changes_at_run_time_and_never_deadlocks(engines, tiny_mo
         asyncio.run(eng.set_token_capacity(0))
 
 
+def test_token_capacity_counts_a_shared_prefix_once(engines, tiny_model):
+    """Four forks of a 200-token prefix need 200 + 4 x (5 + 12) distinct tokens: a capacity of
+    300 runs them together.  Counting the prefix per fork (4 x 217) would run them one by one."""
+    vocab = tiny_model.config.vocab_size
+    eng = engines("shared-capacity", share_prefix=True, token_capacity=300)
+    steps: list[StepInfo] = []
+
+    async def run() -> list[list[int]]:
+        await eng.fill(prompt(7, 200, vocab), 5_000)
+        kids = [5_001 + i for i in range(4)]
+        for i, k in enumerate(kids):
+            await eng.fill(prompt(80 + i, 5, vocab), k, 5_000)
+        eng.runner.on_step = steps.append
+        outs = list(await asyncio.gather(*(gen(eng, k) for k in kids)))
+        eng.runner.on_step = None
+        for k in [*kids, 5_000]:
+            await eng.free_context(k)
+        return outs
+
+    outs = asyncio.run(run())
+    assert all(len(o) == GREEDY.max_tokens for o in outs)
+    assert max(s.num_running for s in steps) == 4
+    # the load is the distinct tokens: the prefix once, each fork's own tokens once
+    assert max(s.token_load for s in steps) <= 200 + 4 * (5 + GREEDY.max_tokens)
+    assert max(s.token_load for s in steps) > 200 + 4 * 5
+
+
 # ------------------------------------------------------------------ memory
 
 

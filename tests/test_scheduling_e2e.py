@@ -71,3 +71,26 @@ def test_a_call_waiting_past_the_queue_deadline_fails_with_timeout(live):
         with pytest.raises(P.Timeout, match=r"waited more than 0\.5s"):
             short("2").get(timeout=30)
         assert busy.is_ready is False  # the long call was not disturbed
+
+
+SYSTEM = "You answer questions about lighthouses. " * 8  # 320 bytes: 320 tokens of the tiny model
+
+
+@pytest.mark.parametrize("manager_config", [ManagerConfig(latency_cap_tokens=420)])
+def test_a_shared_system_prompt_counts_once_against_the_latency_cap(live):
+    """Four latency calls share a 320-token system prompt and have ~20 tokens of their own:
+    320 + 4 x 20 fits a 420-token cap, so one round places all four on the engine at once.
+    Counting the prompt per call (4 x 340) would admit one call at a time."""
+    ask = P.template_function(
+        SYSTEM + "{{input:q}} => {{output:a}}", name="ask", a=P.Output(max_tokens=8, ignore_eos=True)
+    )
+    with P.connect(live.url) as s:
+        gate = s.variable(name="gate")
+        outs = [ask(q=gate) for _ in range(4)]
+        gate.set("Why?")  # every call becomes ready at once
+        assert all(o.get(timeout=60) is not None for o in outs)
+        calls = httpx.get(
+            f"{live.url}/v1/sessions/{s.session_id}/graph", headers={"Authorization": f"Bearer {s.token}"}
+        ).json()["calls"]
+    assert len(calls) == 4 and {c["objective"] for c in calls} == {"latency"}
+    assert max(c["dispatched_at"] for c in calls) < min(c["finished_at"] for c in calls)

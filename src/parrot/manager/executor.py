@@ -68,6 +68,7 @@ class _Usage:
     load: int = 0
     kinds: dict[str, int] = field(default_factory=dict)  # objective -> running calls
     groups: dict[str, int] = field(default_factory=dict)  # task group -> running calls
+    prefixes: dict[str, int] = field(default_factory=dict)  # shared prefix key -> running calls
     group_set: frozenset[str] = frozenset()  # the keys of ``groups``, rebuilt when they change
 
     @property
@@ -84,7 +85,11 @@ class _Ticket:
     call: Call
     rank: int
     queued_at: float = field(default_factory=time.monotonic)
-    tokens: int | None = None  # estimated KV tokens: prompt + max new tokens
+    # Estimated KV tokens of its own: prompt + max new tokens, less ``shared_prefix``'s.
+    tokens: int | None = None
+    # (key, tokens) of its leading constant text when long enough to be shared (a system
+    # prompt): an engine's load counts it once however many calls there fork from it.
+    shared_prefix: tuple[str, int] | None = None
     rendered: dict[str, Rendered] = field(default_factory=dict)  # by model
     attempts: int = 0
     lost: str | None = None  # why the last engine was lost
@@ -317,15 +322,19 @@ class Executor:
             call = ticket.call
             new_tokens = sum(o.sampling.max_tokens for o in call.outputs.values())
             if call.rendered is not None:  # rendered at submit for the longest-context engine
-                _, pre, max_len = call.rendered
-                prompt = pre.prompt_tokens  # type: ignore[attr-defined]
+                _, rendered, max_len = call.rendered
             else:
                 longest = self.pool.longest_context(call.model)
                 if longest is None:
                     return 1  # no engine yet: unservable() says so
-                prompt, max_len = self._rendered(ticket, longest).prompt_tokens, longest.max_seq_len
+                rendered, max_len = self._rendered(ticket, longest), longest.max_seq_len
+            prefixes = rendered.prefixes  # type: ignore[attr-defined]
+            if prefixes and prefixes[0][1] >= self.min_prefix_tokens:
+                ticket.shared_prefix = prefixes[0]
+            shared = ticket.shared_prefix[1] if ticket.shared_prefix else 0
             # engines stop generating at their context: a call never holds more than that
-            ticket.tokens = max(1, min(prompt + new_tokens, max_len))
+            total = min(rendered.prompt_tokens + new_tokens, max_len)  # type: ignore[attr-defined]
+            ticket.tokens = max(1, total - shared)
         return ticket.tokens
 
     def _rendered(self, ticket: _Ticket, handle: EngineHandle) -> Rendered:
@@ -414,6 +423,15 @@ class Executor:
             use = self._usage[eid] = _Usage()
         self._stale.add(eid)
         use.load += sign * (ticket.tokens or 0)
+        if ticket.shared_prefix is not None:
+            key, n = ticket.shared_prefix
+            count = use.prefixes.get(key, 0) + sign
+            if count > 0:
+                use.prefixes[key] = count
+            else:
+                use.prefixes.pop(key, None)
+            if (sign > 0 and count == 1) or (sign < 0 and count == 0):
+                use.load += sign * n  # the first call of an engine brings the prefix, the last takes it
         kind = ticket.call.objective or "latency"
         use.kinds[kind] = use.kinds.get(kind, 0) + sign
         group = ticket.call.task_group
