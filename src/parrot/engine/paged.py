@@ -14,7 +14,9 @@ computed once in the constructor and reused by all layers:
   :class:`~parrot.engine.attention.DecodePlan` (token indices, padding; built
   by the first layer that runs, since it needs the layer's shapes);
 - for each prefill chunk, the blocks holding its sequence's keys (one
-  ``index_select`` per layer gathers them) and its causal mask.
+  ``index_select`` per layer gathers them); its attention is
+  :func:`~parrot.engine.prefill_attention.prefill_attention` (causal from the
+  chunk's start).
 
 Invariant (the caller's): before the step, every slice's context table covers
 its new positions with blocks it may write (:meth:`ContextTable.reserve`, with
@@ -30,7 +32,8 @@ import torch
 
 from parrot.engine.attention import DecodePlan, Segment, paged_decode_attention, plan_decode_attention
 from parrot.engine.contexts import Context
-from parrot.engine.kv_store import PagedKVCache, causal_mask, grouped_attention
+from parrot.engine.kv_store import PagedKVCache
+from parrot.engine.prefill_attention import prefill_attention
 from parrot.engine.prefix_tree import decode_runs
 
 
@@ -48,7 +51,7 @@ class _Chunk:
     rows: slice  # rows of the step's tokens
     blocks: torch.Tensor  # LongTensor: blocks holding positions [0, total)
     total: int  # keys the chunk's queries read (its sequence's length after the chunk)
-    mask: torch.Tensor  # [n, total] bool, causal
+    start: int  # absolute position of the chunk's first token
 
 
 def decode_segments(
@@ -100,7 +103,7 @@ class PagedStepAttention:
                     slice(row, row + s.n),
                     torch.tensor(blocks, dtype=torch.long, device=device),
                     total,
-                    causal_mask(s.start, s.n, device),
+                    s.start,
                 )
             )
             row += s.n
@@ -131,5 +134,5 @@ class PagedStepAttention:
         for c in self.chunks:
             kk = k_layer.index_select(0, c.blocks).view(-1, kv_heads, dim)[: c.total]
             vv = v_layer.index_select(0, c.blocks).view(-1, kv_heads, dim)[: c.total]
-            out[c.rows] = grouped_attention(q[c.rows], kk, vv, c.mask)
+            out[c.rows] = prefill_attention(q[c.rows], kk, vv, c.start)
         return out

@@ -33,7 +33,7 @@ merged exactly by :func:`merge_partials`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -205,7 +205,7 @@ def _run_shared(row: _Row, qs: Tensor, kf: Tensor, vf: Tensor, bufs: _Buffers, p
     parts.den[sl].view(m, kv_heads, group).copy_(run_den.view(kv_heads, m, group).transpose(0, 1))
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Padded:
     """Single-query rows batched: row r reads ``tok.view(rows, width)[r, :lengths[r]]``.
 
@@ -218,6 +218,18 @@ class _Padded:
     pad: Tensor | None  # bool [rows, 1, 1, width], True at padding; None if no row is padded
     rows: int
     width: int
+    _additive: dict[torch.dtype, Tensor] = field(default_factory=dict)
+
+    def additive(self, dtype: torch.dtype) -> Tensor:
+        """``pad`` as an additive mask (0 / -inf) of ``dtype``, built once per dtype."""
+        got = self._additive.get(dtype)
+        if got is None:
+            assert self.pad is not None
+            got = torch.zeros(self.pad.shape, dtype=dtype, device=self.pad.device).masked_fill_(
+                self.pad, -torch.inf
+            )
+            self._additive[dtype] = got
+        return got
 
 
 def _pad_rows(rows: list[_Row], device: torch.device) -> _Padded:
@@ -280,6 +292,7 @@ class TorchDecodePlan:
         singles = [r for r in rows if r.m == 1]
         self.shared = [r for r in rows if r.m > 1]
         batched, self.looped = _split_singles(singles, kv_heads, dim)
+        batched.sort(key=lambda r: int(r.seqs[0]))  # in batch order: the common case needs no merge
         self.padded = _pad_rows(batched, device) if batched else None
         owners = [] if self.padded is None else [self.padded.seqs]
         for r in self.looped:
@@ -296,23 +309,43 @@ class TorchDecodePlan:
         )
 
 
+def _flash_op():  # PyTorch's fused CPU attention kernel; it also returns each row's log-sum-exp
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
 def _run_padded(pad: _Padded, qs: Tensor, kf: Tensor, vf: Tensor, parts: _Partials) -> None:
-    """All batched single-query rows at once: one gather, two batched matmuls."""
+    """All batched single-query rows at once: one gather, then attention as a batch of
+    R sequences with KVH heads and G queries each (the G query heads sharing a kv head).
+
+    On CPU that attention is one call of PyTorch's fused flash kernel with the padding
+    as an additive -inf mask; it returns normalised rows and their log-sum-exp, i.e.
+    partials with ``max = lse`` and ``den = 1`` (the merge is indifferent to the split).
+    Elsewhere: two batched matmuls and an explicit softmax.
+    """
     _, kv_heads, dim = kf.shape
     group = qs.shape[1] // kv_heads
     cdt = qs.dtype
     q = qs.index_select(0, pad.seqs).view(pad.rows, kv_heads, group, dim)
     k = kf.index_select(0, pad.tok).view(pad.rows, pad.width, kv_heads, dim).to(cdt)
     v = vf.index_select(0, pad.tok).view(pad.rows, pad.width, kv_heads, dim).to(cdt)
+    sl = parts.take(pad.seqs)
+    out = parts.out[sl].view(pad.rows, kv_heads, group, dim)
+    flash = _flash_op()
+    if flash is not None and q.device.type == "cpu" and cdt in (torch.float32, torch.bfloat16):
+        mask = None if pad.pad is None else pad.additive(cdt)
+        o, lse = flash(q, k.transpose(1, 2), v.transpose(1, 2), 0.0, False, attn_mask=mask, scale=1.0)
+        out.copy_(o)
+        parts.max[sl].view(pad.rows, kv_heads, group).copy_(lse)
+        parts.den[sl].fill_(1.0)
+        return
     s = torch.matmul(q, k.permute(0, 2, 3, 1))  # [R, KVH, G, W]
     if pad.pad is not None:
         s.masked_fill_(pad.pad, -torch.inf)
-    sl = parts.take(pad.seqs)
     mx = torch.amax(s, dim=-1, keepdim=True)  # finite: every row has >= 1 real key
     parts.max[sl].view(pad.rows, kv_heads, group).copy_(mx.squeeze(-1))
     s.sub_(mx).exp_()  # padding: exp(-inf) = 0
     parts.den[sl].view(pad.rows, kv_heads, group).copy_(s.sum(dim=-1))
-    torch.matmul(s, v.transpose(1, 2), out=parts.out[sl].view(pad.rows, kv_heads, group, dim))
+    torch.matmul(s, v.transpose(1, 2), out=out)
 
 
 def torch_paged_decode_attention(

@@ -1,0 +1,67 @@
+"""Attention of a prefill chunk: ``n`` new tokens of one sequence over all its keys.
+
+The chunk's queries sit at absolute positions ``[start, start + n)`` and read
+keys ``[0, start + n)``: every key before ``start`` fully, the chunk's own keys
+causally.  A single masked attention over all ``start + n`` keys materialises
+an ``[n, start + n]`` score matrix per head (158 ms a layer for a 2,000-token
+prompt on this 2-core CPU).  On CPU this module instead makes two calls to
+PyTorch's fused flash-attention kernel, which never materialises the scores and
+also returns each row's log-sum-exp:
+
+* the past, keys ``[0, start)``, with no mask;
+* the chunk itself, keys ``[start, start + n)``, with ``is_causal`` (aligned
+  top-left, which is right for a square block);
+
+and merges them exactly: with ``m = max(lse_a, lse_b)``,
+``out = (out_a e^(lse_a - m) + out_b e^(lse_b - m)) / (e^(lse_a - m) + e^(lse_b - m))``.
+(33 ms a layer for the 2,000-token prompt; the same result up to fp32 rounding.)
+Elsewhere (CUDA, other dtypes, a PyTorch without the kernel) it falls back to
+the masked :func:`~parrot.engine.kv_store.grouped_attention`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from parrot.engine.kv_store import causal_mask, grouped_attention
+
+__all__ = ["fused_prefill_available", "prefill_attention"]
+
+
+def _flash_op():  # the CPU kernel behind F.scaled_dot_product_attention, which also returns the LSE
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def fused_prefill_available(q: Tensor) -> bool:
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and _flash_op() is not None
+
+
+def prefill_attention(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
+    """q: [n, H, D], the chunk's queries (positions start .. start + n - 1); k, v:
+    [start + n, KVH, D], every key of the sequence up to the chunk's end; H a multiple
+    of KVH.  Returns [n, H, D]: causal attention, scale 1/sqrt(D)."""
+    n, heads, dim = q.shape
+    total, kv_heads, _ = k.shape
+    if total != start + n or start < 0:
+        raise ValueError(f"keys must cover positions [0, start + n): {total} != {start} + {n}")
+    if not fused_prefill_available(q):
+        return grouped_attention(q, k, v, causal_mask(start, n, str(q.device)))
+    flash = _flash_op()
+    scale = 1.0 / math.sqrt(dim)
+    group = heads // kv_heads
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+    # the kernel wants as many kv heads as query heads: repeat each kv head G times
+    kh = k.transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)  # [1, H, total, D]
+    vh = v.transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)
+    out_b, lse_b = flash(qh, kh[:, :, start:], vh[:, :, start:], 0.0, True, scale=scale)
+    if start == 0:
+        return out_b[0].transpose(0, 1)
+    out_a, lse_a = flash(qh, kh[:, :, :start], vh[:, :, :start], 0.0, False, scale=scale)
+    top = torch.maximum(lse_a, lse_b)
+    w_a = (lse_a - top).exp_().unsqueeze(-1)  # [1, H, n, 1], each in (0, 1]
+    w_b = (lse_b - top).exp_().unsqueeze(-1)
+    out = out_a.mul_(w_a).add_(out_b.mul_(w_b)).div_(w_a + w_b)
+    return out[0].transpose(0, 1)
