@@ -243,6 +243,14 @@ def test_torch_random_trees(
 
 
 @pytest.mark.parametrize("share", [True, False])
+def test_padded_rows_without_the_fused_kernel(share: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batched matmul path that replaces the fused CPU kernel elsewhere (e.g. CUDA)."""
+    monkeypatch.setattr(torch_impl, "_flash_op", lambda: None)
+    for seed in range(3):
+        check(make_case(seed, kv_heads=2, group=3, groups=(4, 2), solo=3), share=share)
+
+
+@pytest.mark.parametrize("share", [True, False])
 def test_a_plan_serves_every_layer_like_the_segments_do(share: bool) -> None:
     """One plan, several layers (different q and caches of the same shapes): each result
     equals the plain call's, and the padded path mixes with the piece loop."""
