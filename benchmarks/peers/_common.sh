@@ -3,9 +3,10 @@
 
 PEERS_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PEERS_DIR="${PEERS_DIR:-$PEERS_ROOT/.peers}"
+mkdir -p "$PEERS_DIR/logs" "$PEERS_DIR/run"
+PEERS_DIR="$(cd "$PEERS_DIR" && pwd)"  # absolute: launch() runs servers from the logs folder
 PEERS_LOGS="$PEERS_DIR/logs"
 PEERS_RUN="$PEERS_DIR/run"
-mkdir -p "$PEERS_LOGS" "$PEERS_RUN"
 
 die() { echo "error: $*" >&2; exit 1; }
 log() { echo "[$(date +%H:%M:%S)] $*" >&2; }
@@ -24,7 +25,8 @@ launch() {
     local pidfile="$1" logfile="$2"
     shift 2
     echo "### $(date -Is) $*" >>"$logfile"
-    setsid "$@" >>"$logfile" 2>&1 </dev/null &
+    # Run from the logs folder: FastChat's worker writes model_worker_*.log into its cwd.
+    (cd "$PEERS_LOGS" && exec setsid "$@" >>"$logfile" 2>&1 </dev/null) &
     echo $! >"$pidfile"
 }
 
