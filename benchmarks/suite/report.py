@@ -1,0 +1,785 @@
+"""Build the suite's markdown report (tables + PNG plots) from the runner's raw records.
+
+Input: ``raw``, a list of ``dataclasses.asdict(RunRecord)`` dicts (one per
+system x workload x repeat, as in ``RESULTS_DIR/raw.json``) and ``header``, a
+dict describing the machine and versions (``RESULTS_DIR/header.json``).
+
+Conventions:
+
+* an app's latency is ``end_s - arrival_s``; its per-token (normalised) latency
+  is that divided by its output tokens: the ``output_tokens`` of its last-ending
+  call record when the system reported it, else ``params["app_output_tokens"]
+  [app_id]``, else ``params["output_tokens"]``;
+* a run's metric is the mean over the apps it concerns that have no ``error``;
+  apps with an ``error`` are counted in the ``errors`` column (and listed), and a
+  run whose concerned apps all failed has no value (shown as ``error``);
+* per (workload, system): the mean over repeats and the min–max over repeats;
+* ``Parrot ×`` compares each other system with the system named ``parrot``:
+  for time metrics ``system / parrot`` (Parrot's speedup), for rates
+  ``parrot / system``, so > 1 always means Parrot is better.  The value is the
+  ratio of the means over repeats; its range is the min–max of the per-repeat
+  ratios, pairing runs with the same ``repeat`` index.
+
+Systems whose name starts with ``parrot`` are Parrot and its ablations; the rest are baselines.
+
+Metrics: fig11/fig12a/fig14/fig18 mean latency of the non-chat apps; fig12b mean
+and per-app latency; fig15_16 mean request latency and mean per-output-token
+latency; fig17 per-rate normalised latency and the highest rate whose mean
+(and every lower rate's) stays at or under ``fig17_bound_s``; fig19 chat
+normalised latency and map-reduce completion time.
+
+CLI: ``python -m benchmarks.suite.report RESULTS_DIR [--no-plots] [--fig17-bound S]``
+rewrites ``RESULTS_DIR/report.md`` (and the PNGs) from ``raw.json`` and ``header.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .breakdown import breakdown_lines
+
+__all__ = ["PARROT", "Metric", "Stat", "build_report", "load_results", "main", "metrics_for"]
+
+PARROT = "parrot"
+DEFAULT_FIG17_BOUND_S = 0.5
+
+_RUN_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "system": str,
+    "workload": str,
+    "figure": str,
+    "params": dict,
+    "repeat": int,
+    "apps": list,
+}
+_APP_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "app_id": str,
+    "kind": str,
+    "arrival_s": (int, float),
+    "end_s": (int, float),
+}
+_MAX_LISTED_ERRORS = 20
+
+Run = Mapping[str, Any]
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_fields(obj: Any, fields: Mapping[str, type | tuple[type, ...]], where: str) -> None:
+    if not isinstance(obj, Mapping):
+        raise ValueError(f"{where}: expected an object, got {type(obj).__name__}")
+    for key, kind in fields.items():
+        if key not in obj:
+            raise ValueError(f"{where}: missing field {key!r}")
+        value = obj[key]
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise ValueError(f"{where}: field {key!r} has the wrong type ({type(value).__name__})")
+
+
+def validate_raw(raw: Any) -> list[Run]:
+    """Check ``raw`` is a non-empty list of RunRecord-shaped dicts with unique (system, workload, repeat)."""
+    if not isinstance(raw, list) or not raw:
+        raise ValueError("raw results must be a non-empty list of run records")
+    seen: set[tuple[str, str, int]] = set()
+    for i, run in enumerate(raw):
+        _check_fields(run, _RUN_FIELDS, f"raw[{i}]")
+        where = f"raw[{i}] ({run['system']}, {run['workload']}, repeat {run['repeat']})"
+        for j, app in enumerate(run["apps"]):
+            _check_fields(app, _APP_FIELDS, f"{where} apps[{j}]")
+        key = (run["system"], run["workload"], run["repeat"])
+        if key in seen:
+            raise ValueError(f"{where}: duplicate run for this system, workload and repeat")
+        seen.add(key)
+    return raw
+
+
+# --------------------------------------------------------------------------- per-app quantities
+
+
+def app_latency(app: Mapping[str, Any]) -> float:
+    """End-to-end latency of one app record: ``end_s - arrival_s``."""
+    return float(app["end_s"]) - float(app["arrival_s"])
+
+
+def app_output_tokens(app: Mapping[str, Any], params: Mapping[str, Any]) -> int | None:
+    """Output tokens of a (single-call) app, from its records or else from the workload params."""
+    calls = [c for c in app.get("calls") or [] if isinstance(c, Mapping)]
+    if calls:
+        last = max(calls, key=lambda c: c.get("end_s") or 0.0)
+        if isinstance(last.get("output_tokens"), int) and last["output_tokens"] > 0:
+            return last["output_tokens"]
+    per_app = params.get("app_output_tokens")
+    if isinstance(per_app, Mapping) and isinstance(per_app.get(app["app_id"]), int):
+        return per_app[app["app_id"]]
+    out = params.get("output_tokens")
+    return out if isinstance(out, int) and not isinstance(out, bool) and out > 0 else None
+
+
+def _ok(apps: Iterable[Mapping[str, Any]], kinds: Callable[[str], bool]) -> list[Mapping[str, Any]]:
+    return [a for a in apps if kinds(a["kind"]) and not a.get("error")]
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def _mean_latency(kinds: Callable[[str], bool]) -> Callable[[Run], float | None]:
+    def metric(run: Run) -> float | None:
+        return _mean([app_latency(a) for a in _ok(run["apps"], kinds)])
+
+    return metric
+
+
+def _mean_per_token(kinds: Callable[[str], bool]) -> Callable[[Run], float | None]:
+    def metric(run: Run) -> float | None:
+        values = []
+        for app in _ok(run["apps"], kinds):
+            tokens = app_output_tokens(app, run["params"])
+            if tokens:
+                values.append(app_latency(app) / tokens)
+        return _mean(values)
+
+    return metric
+
+
+def _any(kind: str) -> bool:
+    return True
+
+
+def _not_chat(kind: str) -> bool:
+    return kind != "chat"
+
+
+def _is(name: str) -> Callable[[str], bool]:
+    return lambda kind: kind == name
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One number per run; ``lower_is_better`` decides the direction of ``Parrot ×``."""
+
+    key: str
+    label: str  # table caption
+    axis: str  # short plot axis label
+    fn: Callable[[Run], float | None]
+    lower_is_better: bool = True
+
+
+_TITLES = {
+    "fig11": "Figure 11: chain summary of one document",
+    "fig12a": "Figure 12a: chain summary under background chat",
+    "fig12b": "Figures 12b/13: concurrent chain summaries",
+    "fig14": "Figure 14: map-reduce summary",
+    "fig15_16": "Figures 15/16: shared system prompt (Bing Copilot)",
+    "fig17": "Figure 17: GPTs applications on several engines",
+    "fig18": "Figure 18: multi-agent programming",
+    "fig19": "Figure 19: chat + map-reduce",
+}
+_APP_LATENCY = Metric(
+    "latency_s",
+    "mean end-to-end latency of the non-chat apps (s)",
+    "E2E latency (s)",
+    _mean_latency(_not_chat),
+)
+_ALL_LATENCY = Metric(
+    "latency_s", "mean end-to-end latency of the apps (s)", "latency (s)", _mean_latency(_any)
+)
+_PER_TOKEN = Metric(
+    "per_token_s",
+    "mean normalised latency (s per output token)",
+    "latency per output token (s)",
+    _mean_per_token(_any),
+)
+_METRICS: dict[str, tuple[Metric, ...]] = {
+    "fig11": (_APP_LATENCY,),
+    "fig12a": (_APP_LATENCY,),
+    "fig12b": (_ALL_LATENCY,),
+    "fig14": (_APP_LATENCY,),
+    "fig15_16": (_ALL_LATENCY, _PER_TOKEN),
+    "fig17": (_PER_TOKEN,),
+    "fig18": (_APP_LATENCY,),
+    "fig19": (
+        Metric(
+            "chat_per_token_s",
+            "chat: mean normalised latency (s per output token)",
+            "chat latency per output token (s)",
+            _mean_per_token(_is("chat")),
+        ),
+        Metric(
+            "mr_jct_s",
+            "map-reduce: mean completion time (s)",
+            "map-reduce completion time (s)",
+            _mean_latency(_is("map_reduce")),
+        ),
+    ),
+}
+
+
+def metrics_for(figure: str) -> tuple[Metric, ...]:
+    """The metrics reported for ``figure`` (mean app latency for an unknown figure)."""
+    return _METRICS.get(figure, (_ALL_LATENCY,))
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+@dataclass(frozen=True)
+class Stat:
+    """Mean and min–max of some values (all ``None`` when there are none)."""
+
+    mean: float | None
+    lo: float | None
+    hi: float | None
+    n: int
+
+    @classmethod
+    def of(cls, values: Iterable[float | None]) -> Stat:
+        vals = [v for v in values if v is not None and math.isfinite(v)]
+        if not vals:
+            return cls(None, None, None, 0)
+        return cls(statistics.fmean(vals), min(vals), max(vals), len(vals))
+
+
+def _divide(num: float | None, den: float | None) -> float | None:
+    if num is None or den is None or den == 0:
+        return None
+    return num / den
+
+
+def parrot_ratio(
+    system: Mapping[int, float | None], parrot: Mapping[int, float | None], lower_is_better: bool
+) -> Stat:
+    """``Parrot ×`` of ``system`` (per-repeat values) against ``parrot``: ratio of means, per-pair range."""
+    if not lower_is_better:
+        system, parrot = parrot, system
+    pairs = [_divide(system[r], parrot[r]) for r in sorted(set(system) & set(parrot))]
+    pairs = [p for p in pairs if p is not None]
+    mean = _divide(Stat.of(system.values()).mean, Stat.of(parrot.values()).mean)
+    if mean is None or not pairs:
+        return Stat(mean, None, None, len(pairs))
+    return Stat(mean, min(pairs), max(pairs), len(pairs))
+
+
+def _fmt(value: float | None, missing: str = "—") -> str:
+    return missing if value is None else f"{value:.4g}"
+
+
+def _fmt_range(stat: Stat) -> str:
+    return "—" if stat.lo is None else f"{stat.lo:.4g}–{stat.hi:.4g}"
+
+
+def _fmt_ratio(stat: Stat) -> str:
+    return "—" if stat.mean is None else f"{stat.mean:.2f}×"
+
+
+def _fmt_ratio_range(stat: Stat) -> str:
+    return "—" if stat.lo is None else f"{stat.lo:.2f}–{stat.hi:.2f}"
+
+
+# --------------------------------------------------------------------------- grouping
+
+
+@dataclass
+class Cell:
+    """All repeats of one system on one workload."""
+
+    runs: dict[int, Run]
+
+    def values(self, metric: Metric) -> dict[int, float | None]:
+        return {r: metric.fn(run) for r, run in self.runs.items()}
+
+    def error_count(self) -> tuple[int, int]:
+        apps = [a for run in self.runs.values() for a in run["apps"]]
+        return sum(1 for a in apps if a.get("error")), len(apps)
+
+
+@dataclass
+class Point:
+    """One workload (one x-axis point of a figure) and its cells by system."""
+
+    workload: str
+    params: Mapping[str, Any]
+    cells: dict[str, Cell]
+
+    def sort_key(self) -> tuple[float, str]:
+        x = self.params.get("x")
+        return (float(x) if _is_number(x) else math.inf, self.workload)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def system_order(systems: Iterable[str]) -> list[str]:
+    """``parrot`` first, then its ablations, then the baselines, each alphabetically."""
+    return sorted(set(systems), key=lambda s: (s != PARROT, not s.startswith(PARROT), s))
+
+
+def group_runs(runs: Sequence[Run]) -> dict[str, list[Point]]:
+    """``{figure: [Point, ...]}``: figures and sweeps in first-seen order, then points by (x, name)."""
+    figures: dict[str, dict[str, Point]] = {}
+    sweeps: dict[str, int] = {}
+    for run in runs:
+        points = figures.setdefault(run["figure"], {})
+        point = points.setdefault(run["workload"], Point(run["workload"], run["params"], {}))
+        point.cells.setdefault(run["system"], Cell({})).runs[run["repeat"]] = run
+        sweeps.setdefault(str(run["params"].get("sweep", "")), len(sweeps))
+
+    def key(point: Point) -> tuple[int, float, str]:
+        return (sweeps[str(point.params.get("sweep", ""))], *point.sort_key())
+
+    return {fig: sorted(points.values(), key=key) for fig, points in figures.items()}
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines
+
+
+def metric_table(points: Sequence[Point], metric: Metric, systems: Sequence[str]) -> list[str]:
+    """Markdown rows: workload, x, system, repeats, errors, mean, min–max, Parrot ×, its range."""
+    header = ["workload", "x", "system", "repeats", "errors", "mean", "min–max", "Parrot ×", "Parrot × range"]
+    rows = []
+    for point in points:
+        parrot = point.cells.get(PARROT)
+        parrot_values = parrot.values(metric) if parrot else None
+        for system in systems:
+            cell = point.cells.get(system)
+            if cell is None:
+                continue
+            values = cell.values(metric)
+            stat = Stat.of(values.values())
+            errors, total = cell.error_count()
+            ratio = Stat(None, None, None, 0)
+            if parrot_values is not None and system != PARROT:
+                ratio = parrot_ratio(values, parrot_values, metric.lower_is_better)
+            rows.append(
+                [
+                    point.workload,
+                    _fmt(point.params.get("x")) if _is_number(point.params.get("x")) else "",
+                    system,
+                    str(len(values)),
+                    f"{errors}/{total}",
+                    _fmt(stat.mean, missing="error"),
+                    _fmt_range(stat),
+                    "" if system == PARROT else _fmt_ratio(ratio),
+                    "" if system == PARROT else _fmt_ratio_range(ratio),
+                ]
+            )
+    return _table(header, rows)
+
+
+def per_app_latencies(cell: Cell) -> dict[str, dict[int, float | None]]:
+    """``{app_id: {repeat: latency or None if it failed}}`` for one cell."""
+    out: dict[str, dict[int, float | None]] = defaultdict(dict)
+    for r, run in cell.runs.items():
+        for app in run["apps"]:
+            out[app["app_id"]][r] = None if app.get("error") else app_latency(app)
+    return out
+
+
+def per_app_table(point: Point, systems: Sequence[str]) -> list[str]:
+    """fig12b/13: per-app mean latency for each system and ``Parrot ×`` per app."""
+    by_system = {s: per_app_latencies(point.cells[s]) for s in systems if s in point.cells}
+    apps = sorted({a for lat in by_system.values() for a in lat})
+    others = [s for s in by_system if s != PARROT]
+    header = ["app", *(f"{s} mean (s)" for s in by_system)]
+    if PARROT in by_system:
+        header += [f"Parrot × vs {s}" for s in others]
+    rows = []
+    for app in apps:
+        row = [app.rsplit("/", 1)[-1]]
+        row += [_fmt(Stat.of(lat.get(app, {}).values()).mean, missing="error") for lat in by_system.values()]
+        if PARROT in by_system:
+            mine = by_system[PARROT].get(app, {})
+            row += [_fmt_ratio(parrot_ratio(by_system[s].get(app, {}), mine, True)) for s in others]
+        rows.append(row)
+    return _table(header, rows)
+
+
+def max_rate_under(rate_values: Mapping[float, float | None], bound: float) -> float:
+    """Highest rate such that it and every lower rate have a value <= ``bound`` (0.0 if the lowest fails)."""
+    best = 0.0
+    for rate in sorted(rate_values):
+        value = rate_values[rate]
+        if value is None or value > bound:
+            break
+        best = rate
+    return best
+
+
+def fig17_max_rates(points: Sequence[Point], metric: Metric, bound: float) -> dict[str, dict[int, float]]:
+    """``{system: {repeat: highest sustainable rate}}`` from the per-rate normalised latencies."""
+    per: dict[str, dict[int, dict[float, float | None]]] = defaultdict(lambda: defaultdict(dict))
+    for point in points:
+        rate = point.params.get("x")
+        if not _is_number(rate):
+            continue
+        for system, cell in point.cells.items():
+            for r, value in cell.values(metric).items():
+                per[system][r][float(rate)] = value
+    return {s: {r: max_rate_under(v, bound) for r, v in reps.items()} for s, reps in per.items()}
+
+
+def fig17_table(
+    max_rates: Mapping[str, Mapping[int, float]], systems: Sequence[str], bound: float
+) -> list[str]:
+    header = ["system", "repeats", f"max rate with mean ≤ {bound:g} s/token (req/s)", "min–max", "Parrot ×"]
+    parrot = max_rates.get(PARROT)
+    rows = []
+    for system in systems:
+        if system not in max_rates:
+            continue
+        values = dict(max_rates[system])
+        stat = Stat.of(values.values())
+        ratio = "" if system == PARROT or parrot is None else _fmt_ratio(parrot_ratio(values, parrot, False))
+        rows.append([system, str(len(values)), _fmt(stat.mean), _fmt_range(stat), ratio])
+    return _table(header, rows)
+
+
+def error_lines(runs: Sequence[Run]) -> list[str]:
+    """Bullet lines naming the failed apps (at most a few, then a count)."""
+    failed = [(run, app) for run in runs for app in run["apps"] if app.get("error")]
+    lines = [
+        f"- {run['system']} / {run['workload']} / repeat {run['repeat']} / {app['app_id']}: "
+        f"{str(app['error']).splitlines()[0][:200] if str(app['error']) else 'error'}"
+        for run, app in failed[:_MAX_LISTED_ERRORS]
+    ]
+    if len(failed) > _MAX_LISTED_ERRORS:
+        lines.append(f"- … and {len(failed) - _MAX_LISTED_ERRORS} more")
+    return lines
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _series(points: Sequence[Point], metric: Metric, system: str) -> tuple[list[float], list[Stat]]:
+    xs, stats = [], []
+    for point in points:
+        x = point.params.get("x")
+        if system in point.cells and _is_number(x):
+            stat = Stat.of(point.cells[system].values(metric).values())
+            if stat.mean is not None:
+                xs.append(float(x))
+                stats.append(stat)
+    return xs, stats
+
+
+def _lines(ax: Any, points: Sequence[Point], metric: Metric, systems: Sequence[str], label: str = "") -> None:
+    for system in systems:
+        xs, stats = _series(points, metric, system)
+        if not xs:
+            continue
+        ys = [s.mean for s in stats]
+        err = [[s.mean - s.lo for s in stats], [s.hi - s.mean for s in stats]]
+        ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=f"{system}{label}")
+
+
+def _bars(
+    ax: Any, groups: Sequence[str], systems: Sequence[str], values: Mapping[str, Sequence[Stat]]
+) -> None:
+    width = 0.8 / max(1, len(systems))
+    for k, system in enumerate(systems):
+        stats = values[system]
+        xs = [i + k * width for i in range(len(groups))]
+        ys = [s.mean or 0.0 for s in stats]
+        err = [[(s.mean - s.lo) if s.lo is not None else 0.0 for s in stats],
+               [(s.hi - s.mean) if s.hi is not None else 0.0 for s in stats]]  # fmt: skip
+        ax.bar(xs, ys, width, yerr=err, capsize=2, label=system)
+    ax.set_xticks([i + width * (len(systems) - 1) / 2 for i in range(len(groups))])
+    ax.set_xticklabels(groups, rotation=45 if len(groups) > 6 else 0, fontsize=8)
+
+
+def _finish_axes(ax: Any, xlabel: str, ylabel: str, title: str = "") -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title, fontsize=10)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+
+
+_XLABELS = {
+    "output": "output length (tokens)",
+    "chunk": "chunk size (tokens)",
+    "chat_rate": "background chat rate (req/s)",
+    "apps": "number of apps",
+    "batch": "batch size",
+    "rate": "request rate (req/s)",
+    "files": "number of files",
+}
+
+
+def _sweeps(points: Sequence[Point]) -> dict[str, list[Point]]:
+    out: dict[str, list[Point]] = defaultdict(list)
+    for point in points:
+        out[str(point.params.get("sweep", ""))].append(point)
+    return out
+
+
+def _plot_sweeps(plt: Any, figure: str, points: Sequence[Point], systems: Sequence[str]) -> Any:
+    """One panel per (sweep, metric): metric vs x, one line per system."""
+    panels = [(s, pts, m) for s, pts in _sweeps(points).items() for m in metrics_for(figure)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (sweep, pts, metric) in zip(axes[0], panels, strict=True):
+        _lines(ax, pts, metric, systems)
+        _finish_axes(ax, _XLABELS.get(sweep, sweep or "x"), metric.axis)
+    return fig
+
+
+def _plot_fig15_16(plt: Any, points: Sequence[Point], systems: Sequence[str]) -> Any:
+    """Latency and per-token latency vs batch size, one line per (system, output length)."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), squeeze=False)
+    by_out: dict[Any, list[Point]] = defaultdict(list)
+    for point in points:
+        by_out[point.params.get("output_tokens")].append(point)
+    for ax, metric in zip(axes[0], metrics_for("fig15_16"), strict=True):
+        for out, pts in sorted(by_out.items(), key=lambda kv: str(kv[0])):
+            _lines(ax, pts, metric, systems, label=f", out={out}")
+        _finish_axes(ax, "batch size", metric.axis)
+    return fig
+
+
+def _plot_fig12b(plt: Any, points: Sequence[Point], systems: Sequence[str]) -> Any:
+    """Figure 13 style: per-app latency bars for the largest point."""
+    point = max(
+        points, key=lambda p: max(len(run["apps"]) for c in p.cells.values() for run in c.runs.values())
+    )
+    present = [s for s in systems if s in point.cells]
+    lat = {s: per_app_latencies(point.cells[s]) for s in present}
+    apps = sorted({a for v in lat.values() for a in v})
+    values = {s: [Stat.of(lat[s].get(a, {}).values()) for a in apps] for s in present}
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(apps) * len(present)), 4))
+    _bars(ax, [a.rsplit("/", 1)[-1] for a in apps], present, values)
+    _finish_axes(ax, "application", "end-to-end latency (s)", point.workload)
+    return fig
+
+
+def _plot_fig17(plt: Any, points: Sequence[Point], systems: Sequence[str], bound: float) -> Any:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    _lines(ax, points, metrics_for("fig17")[0], systems)
+    ax.axhline(bound, color="grey", linestyle="--", linewidth=1, label=f"bound {bound:g} s/token")
+    _finish_axes(ax, "request rate (req/s)", "normalised latency (s/token)")
+    return fig
+
+
+def _plot_fig19(plt: Any, points: Sequence[Point], systems: Sequence[str]) -> Any:
+    metrics = metrics_for("fig19")
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4), squeeze=False)
+    for ax, metric in zip(axes[0], metrics, strict=True):
+        present = [s for s in systems if any(s in p.cells for p in points)]
+        groups = [p.workload.split("/", 1)[-1] for p in points]
+        values = {
+            s: [Stat.of(p.cells[s].values(metric).values()) if s in p.cells else Stat.of([]) for p in points]
+            for s in present
+        }
+        _bars(ax, groups, present, values)
+        _finish_axes(ax, "", metric.axis)
+    return fig
+
+
+def plot_figure(
+    figure: str, points: Sequence[Point], systems: Sequence[str], path: Path, bound: float
+) -> bool:
+    """Write ``path`` (PNG) for ``figure``; False when there is nothing to plot."""
+    if not points or not systems:
+        return False
+    plt = _pyplot()
+    if figure == "fig12b":
+        fig = _plot_fig12b(plt, points, systems)
+    elif figure == "fig15_16":
+        fig = _plot_fig15_16(plt, points, systems)
+    elif figure == "fig17":
+        fig = _plot_fig17(plt, points, systems, bound)
+    elif figure == "fig19":
+        fig = _plot_fig19(plt, points, systems)
+    else:
+        fig = _plot_sweeps(plt, figure, points, systems)
+    fig.suptitle(_TITLES.get(figure, figure), fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _header_lines(header: Mapping[str, Any]) -> list[str]:
+    if not header:
+        return ["(no header)"]
+    return [
+        f"- **{key}**: {value if isinstance(value, str) else json.dumps(value, sort_keys=True)}"
+        for key, value in header.items()
+    ]
+
+
+def summary_lines(grouped: Mapping[str, Sequence[Point]]) -> list[str]:
+    """Headline table: per figure (its first metric) and system other than ``parrot``, the
+    geometric mean over the figure's workloads of ``Parrot ×``, with the lowest and highest."""
+    rows = []
+    for figure, points in grouped.items():
+        metric = metrics_for(figure)[0]
+        systems = [s for s in system_order(s for p in points for s in p.cells) if s != PARROT]
+        for system in systems:
+            ratios = []
+            for point in points:
+                if PARROT in point.cells and system in point.cells:
+                    stat = parrot_ratio(
+                        point.cells[system].values(metric),
+                        point.cells[PARROT].values(metric),
+                        metric.lower_is_better,
+                    )
+                    if stat.mean is not None and stat.mean > 0:
+                        ratios.append(stat.mean)
+            if ratios:
+                geo = math.exp(statistics.fmean(math.log(r) for r in ratios))
+                rows.append(
+                    [
+                        figure,
+                        system,
+                        metric.label,
+                        f"{geo:.2f}×",
+                        f"{min(ratios):.2f}–{max(ratios):.2f}",
+                        str(len(ratios)),
+                    ]
+                )
+    if not rows:
+        return []
+    return _table(
+        ["figure", "vs system", "metric", "Parrot × (geo. mean)", "lowest–highest", "workloads"], rows
+    )
+
+
+def figure_section(
+    figure: str, points: Sequence[Point], out_dir: Path, *, plots: bool, fig17_bound_s: float
+) -> list[str]:
+    """Markdown for one figure: a table per metric (+ extras), the plot link and the failed apps."""
+    systems = system_order(s for p in points for s in p.cells)
+    lines = [f"## {_TITLES.get(figure, figure)}", ""]
+    for metric in metrics_for(figure):
+        lines += [f"**{metric.label}**", "", *metric_table(points, metric, systems), ""]
+    if figure == "fig12b":
+        for point in points:
+            lines += [f"**per-app latency, {point.workload}**", "", *per_app_table(point, systems), ""]
+    if figure == "fig17":
+        rates = fig17_max_rates(points, metrics_for("fig17")[0], fig17_bound_s)
+        lines += ["**highest sustainable request rate**", "", *fig17_table(rates, systems, fig17_bound_s), ""]
+    if plots and plot_figure(figure, points, systems, out_dir / f"{figure}.png", fig17_bound_s):
+        lines += [f"![{figure}]({figure}.png)", ""]
+    failed = error_lines([run for p in points for c in p.cells.values() for run in c.runs.values()])
+    if failed:
+        lines += ["**failed apps**", "", *failed, ""]
+    return lines
+
+
+def build_report(
+    raw: list[dict],
+    header: dict,
+    out_dir: Path,
+    *,
+    plots: bool = True,
+    fig17_bound_s: float = DEFAULT_FIG17_BOUND_S,
+) -> str:
+    """Write ``out_dir/report.md`` (and ``out_dir/<figure>.png`` when ``plots``); return the markdown.
+
+    Raises ValueError when ``raw`` is empty or malformed, or ``header`` is not a dict.
+    """
+    runs = validate_raw(raw)
+    if not isinstance(header, Mapping):
+        raise ValueError(f"header must be a dict, got {type(header).__name__}")
+    if not (fig17_bound_s > 0):
+        raise ValueError(f"fig17_bound_s must be > 0, got {fig17_bound_s!r}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lines = ["# Parrot evaluation suite: results", "", "## Setup", "", *_header_lines(header), ""]
+    lines += [
+        "Each table gives, per workload and system, the mean over repeats and the min–max over repeats. "
+        "`errors` counts failed apps over all repeats (failed apps are left out of the means). "
+        "`Parrot ×` is the ratio of means against the system `parrot` (system/parrot for times, "
+        "parrot/system for rates, so > 1 means Parrot is better); its range is over per-repeat pairs.",
+        "",
+    ]
+    grouped = group_runs(runs)
+    summary = summary_lines(grouped)
+    if summary:
+        lines += ["## Summary", "", *summary, ""]
+    for figure, points in grouped.items():
+        lines += figure_section(figure, points, out_dir, plots=plots, fig17_bound_s=fig17_bound_s)
+    split = breakdown_lines(raw)
+    if split:
+        lines += [
+            "## Where the time goes",
+            "",
+            "Per figure and system, over all workloads and repeats: the mean latency of the non-chat "
+            "apps, split into time with at least one of the app's calls in service and time outside "
+            "(network delays, the client, gaps between dependent requests). Baseline calls count "
+            "from request to answer (server queueing included); Parrot calls from engine start to "
+            "finish (queueing in the manager counts as outside). See `benchmarks/suite/breakdown.py`.",
+            "",
+            *split,
+            "",
+        ]
+    text = "\n".join(lines).rstrip() + "\n"
+    (out_dir / "report.md").write_text(text, encoding="utf-8")
+    return text
+
+
+def load_results(results_dir: Path) -> tuple[list[dict], dict]:
+    """``(raw, header)`` from ``results_dir/raw.json`` and ``results_dir/header.json`` (header optional)."""
+    raw_path = Path(results_dir) / "raw.json"
+    if not raw_path.is_file():
+        raise ValueError(f"{raw_path} not found")
+    try:
+        raw = json.loads(raw_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{raw_path}: not valid JSON ({exc})") from exc
+    header_path = Path(results_dir) / "header.json"
+    header = json.loads(header_path.read_text(encoding="utf-8")) if header_path.is_file() else {}
+    return raw, header
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Rebuild RESULTS_DIR/report.md from raw.json and header.json."
+    )
+    parser.add_argument("results_dir", type=Path)
+    parser.add_argument("--no-plots", action="store_true", help="tables only")
+    parser.add_argument("--fig17-bound", type=float, default=DEFAULT_FIG17_BOUND_S, help="s per output token")
+    args = parser.parse_args(argv)
+    try:
+        raw, header = load_results(args.results_dir)
+        build_report(raw, header, args.results_dir, plots=not args.no_plots, fig17_bound_s=args.fig17_bound)
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(args.results_dir / "report.md")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

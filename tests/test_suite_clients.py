@@ -1,0 +1,386 @@
+"""The evaluation suite's clients (``benchmarks/suite/clients.py``) and its command line.
+
+The baseline client runs against a real loopback HTTP server that implements
+``/v1/completions`` and records every request; Parrot's client runs against a
+real Parrot manager with the tiny engine (the ``live`` fixture).  No model is
+downloaded and no peer server is started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.suite.clients import (  # noqa: E402 - after the sys.path line
+    Delay,
+    render_prompt,
+    run_baseline_app,
+    run_parrot_app,
+    run_workload,
+)
+from benchmarks.suite.spec import AppSpec, CallSpec, Workload, check_app  # noqa: E402
+from benchmarks.suite.systems import SystemHandle  # noqa: E402
+
+ANSWER_S = 0.1  # how long the fake server takes per completion
+
+
+def completion_of(prompt: str) -> str:
+    """The fake server's deterministic completion for ``prompt``."""
+    return f" OUT[{hashlib.sha1(prompt.encode()).hexdigest()[:8]}]"
+
+
+# ------------------------------------------------------------------ a fake OpenAI server
+@dataclass
+class Seen:
+    body: dict[str, Any]
+    start: float  # time.perf_counter() when the request arrived
+    end: float = 0.0  # ... and when its answer was ready
+
+
+@dataclass
+class FakeOpenAI:
+    url: str = ""
+    seen: list[Seen] = field(default_factory=list)
+    in_flight: int = 0
+    max_in_flight: int = 0
+
+    def reset(self) -> None:
+        self.seen.clear()
+        self.in_flight = self.max_in_flight = 0
+
+
+def _fake_app(state: FakeOpenAI) -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(body: dict[str, Any]) -> dict[str, Any]:
+        seen = Seen(body, time.perf_counter())
+        state.seen.append(seen)
+        state.in_flight += 1
+        state.max_in_flight = max(state.max_in_flight, state.in_flight)
+        try:
+            await asyncio.sleep(ANSWER_S)
+        finally:
+            state.in_flight -= 1
+        seen.end = time.perf_counter()
+        text = completion_of(body["prompt"])
+        usage = {"prompt_tokens": len(body["prompt"].split()), "completion_tokens": 3}
+        usage["total_tokens"] = usage["prompt_tokens"] + 3
+        return {"choices": [{"text": text, "index": 0, "finish_reason": "length"}], "usage": usage}
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def fake_openai() -> Iterator[FakeOpenAI]:
+    state = FakeOpenAI()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    state.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(_fake_app(state), log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "fake server did not start"
+        time.sleep(0.01)
+    yield state
+    server.should_exit = True
+    thread.join(timeout=30)
+    sock.close()
+
+
+@pytest.fixture
+def fake(fake_openai: FakeOpenAI) -> FakeOpenAI:
+    fake_openai.reset()
+    return fake_openai
+
+
+# ------------------------------------------------------------------ apps
+def chain_app(app_id: str = "chain-0", arrival_s: float = 0.0) -> AppSpec:
+    calls = (
+        CallSpec("s1", "Document: {{input:doc}}\nSummary:{{output:s1}}", 7, consts={"doc": "alpha beta"}),
+        CallSpec(
+            "s2",
+            "Summary so far:{{input:prev}}\nNext part: {{input:part}}\nNew summary:{{output:s2}}",
+            8,
+            consts={"part": "gamma {{input:not_a_placeholder}}"},
+            deps={"prev": "s1"},
+        ),
+        CallSpec("s3", "Text:{{input:prev}}\nTitle:{{output:s3}}", 9, deps={"prev": "s2"}),
+    )
+    app = AppSpec(app_id, "chain", calls, ("s3",), arrival_s=arrival_s)
+    check_app(app)
+    return app
+
+
+def map_reduce_app(n_maps: int = 4, app_id: str = "mr-0") -> AppSpec:
+    maps = tuple(
+        CallSpec(
+            f"m{i}", "Part: {{input:chunk}}\nSummary:{{output:m" + str(i) + "}}", 5, consts={"chunk": f"c{i}"}
+        )
+        for i in range(n_maps)
+    )
+    parts = "\n".join(f"{{{{input:p{i}}}}}" for i in range(n_maps))
+    reduce = CallSpec(
+        "r", f"Summaries:\n{parts}\nFinal:{{{{output:r}}}}", 6, deps={f"p{i}": f"m{i}" for i in range(n_maps)}
+    )
+    app = AppSpec(app_id, "map_reduce", (*maps, reduce), ("r",))
+    check_app(app)
+    return app
+
+
+def baseline(fake: FakeOpenAI, app: AppSpec, delay: Delay, **kw: Any):
+    async def go():
+        import httpx
+
+        async with httpx.AsyncClient(trust_env=False, timeout=30) as client:
+            return await run_baseline_app(client, fake.url, "m", app, time.perf_counter(), delay, **kw)
+
+    return asyncio.run(go())
+
+
+# ------------------------------------------------------------------ baseline client
+def test_render_prompt_substitutes_once_and_stops_before_the_output() -> None:
+    call = chain_app().calls[1]
+    prompt = render_prompt(call, {"s1": " X {{input:part}}"})
+    assert (
+        prompt
+        == "Summary so far: X {{input:part}}\nNext part: gamma {{input:not_a_placeholder}}\nNew summary:"
+    )
+
+
+def test_baseline_chain_renders_client_side_one_request_per_call(fake: FakeOpenAI) -> None:
+    record = baseline(fake, chain_app(), Delay(0, 0))
+    assert record.error is None
+    assert len(fake.seen) == 3
+    p1 = "Document: alpha beta\nSummary:"
+    p2 = f"Summary so far:{completion_of(p1)}\nNext part: gamma {{{{input:not_a_placeholder}}}}\nNew summary:"
+    p3 = f"Text:{completion_of(p2)}\nTitle:"
+    assert [s.body["prompt"] for s in fake.seen] == [p1, p2, p3]
+    for seen, max_tokens in zip(fake.seen, (7, 8, 9), strict=True):
+        assert seen.body == {
+            "model": "m",
+            "prompt": seen.body["prompt"],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        }
+    # each call was sent only after its producer answered
+    assert fake.seen[1].start >= fake.seen[0].end and fake.seen[2].start >= fake.seen[1].end
+    assert [c.name for c in record.calls] == ["s1", "s2", "s3"]
+    assert [c.output_tokens for c in record.calls] == [3, 3, 3]
+    assert record.calls[0].prompt_tokens == len(p1.split())
+    assert record.end_s == record.calls[-1].end_s >= record.start_s
+
+
+def test_baseline_without_ignore_eos_does_not_send_it(fake: FakeOpenAI) -> None:
+    record = baseline(fake, chain_app(), Delay(0, 0), ignore_eos=False)
+    assert record.error is None
+    assert all("ignore_eos" not in s.body for s in fake.seen)
+
+
+def test_baseline_map_reduce_sends_maps_concurrently_then_the_reduce(fake: FakeOpenAI) -> None:
+    app = map_reduce_app(4)
+    record = baseline(fake, app, Delay(0, 0))
+    assert record.error is None
+    assert len(fake.seen) == len(app.calls) == 5
+    maps = {s.body["prompt"]: s for s in fake.seen[:4]}
+    assert set(maps) == {f"Part: c{i}\nSummary:" for i in range(4)}
+    assert fake.max_in_flight == 4  # all maps overlapped on the server
+    reduce = fake.seen[4]
+    assert reduce.start >= max(s.end for s in maps.values())
+    parts = "\n".join(completion_of(f"Part: c{i}\nSummary:") for i in range(4))
+    assert reduce.body["prompt"] == f"Summaries:\n{parts}\nFinal:"
+    # about two answer times (maps together, then the reduce), less than five in sequence
+    assert record.latency_s < 5 * ANSWER_S
+
+
+def test_baseline_pays_one_delay_per_request(fake: FakeOpenAI) -> None:
+    delay = Delay(50, 50)
+    record = baseline(fake, chain_app(), delay)
+    assert record.error is None
+    assert delay.count == 3
+    assert record.latency_s >= 3 * 0.050 + 3 * ANSWER_S
+    # the delay is paid before sending: the first request left >= 50 ms after the app started
+    assert record.calls[0].start_s - record.start_s >= 0.049
+
+
+def test_baseline_error_is_recorded_not_raised(fake: FakeOpenAI) -> None:
+    async def go():
+        import httpx
+
+        async with httpx.AsyncClient(trust_env=False, timeout=30) as client:
+            # nothing listens on the fake's /nope path prefix: 404 for every call
+            return await run_baseline_app(
+                client, fake.url + "/nope", "m", chain_app(), time.perf_counter(), Delay(0, 0)
+            )
+
+    record = asyncio.run(go())
+    assert record.error is not None and "404" in record.error
+    assert record.calls == []
+
+
+def test_delay_is_seeded_and_bounded() -> None:
+    a, b = Delay(200, 300, seed=7), Delay(200, 300, seed=7)
+    draws = [a.sample() for _ in range(100)]
+    assert draws == [b.sample() for _ in range(100)]
+    assert all(0.2 <= d <= 0.3 for d in draws)
+    with pytest.raises(ValueError):
+        Delay(300, 200)
+
+
+def test_run_workload_honours_arrivals(fake: FakeOpenAI) -> None:
+    apps = (chain_app("a", 0.0), chain_app("b", 0.3))
+    workload = Workload("figX", "figX/test", {"sweep": "x", "x": 1}, apps)
+    system = SystemHandle("fake", "openai", fake.url, "m", 1, backend="fastchat", ignore_eos=False)
+    seen: list[str] = []
+    run = asyncio.run(
+        run_workload(system, workload, repeat=2, delay_ms=(0, 0), progress=lambda r: seen.append(r.app_id))
+    )
+    assert sorted(seen) == ["a", "b"]
+    assert (run.system, run.workload, run.figure, run.repeat) == ("fake", "figX/test", "figX", 2)
+    a, b = run.apps
+    assert a.error is None and b.error is None
+    assert b.start_s >= 0.3 and b.arrival_s == 0.3
+    assert run.wall_s == pytest.approx(max(a.end_s, b.end_s))
+    assert len(fake.seen) == 6
+    assert run.extra["system"]["name"] == "fake" and "engine_metrics" not in run.extra
+
+
+# ------------------------------------------------------------------ Parrot client
+def _parrot_app() -> AppSpec:
+    calls = (
+        CallSpec("m0", "Part one: {{input:a}}. Summary:{{output:m0}}", 5, consts={"a": "red"}),
+        CallSpec("m1", "Part two: {{input:b}}. Summary:{{output:m1}}", 6, consts={"b": "blue"}),
+        CallSpec("r", "One: {{input:x}} Two: {{input:y}} Final:{{output:r}}", 7, deps={"x": "m0", "y": "m1"}),
+    )
+    app = AppSpec("p-0", "map_reduce", calls, ("m0", "r"))
+    check_app(app)
+    return app
+
+
+_VAR_GET = re.compile(r"^/v1/sessions/[^/]+/variables/([^/]+)$")
+
+
+def test_parrot_app_submits_every_call_once_and_fetches_only_outputs(live) -> None:
+    app = _parrot_app()
+    delay = Delay(100, 100)
+    record = asyncio.run(run_parrot_app(live.url, app, time.perf_counter(), delay))
+    assert record.error is None, record.error
+    submits = [p for m, p in live.requests if m == "POST" and p.endswith("/calls")]
+    assert len(submits) == len(app.calls)
+    fetched = {m.group(1) for meth, p in live.requests if meth == "GET" and (m := _VAR_GET.match(p))}
+    assert len(fetched) == len(app.outputs)  # m1 flowed into r on the server, never to the client
+    assert not any(p.endswith("/v1/completions") for _, p in live.requests)
+    # one delay for the submission, one per fetched output
+    assert delay.count == 1 + len(app.outputs)
+    # records of every call from the session graph, with the engine's token counts
+    assert [c.name for c in record.calls] == ["m0", "m1", "r"]
+    assert [c.output_tokens for c in record.calls] == [5, 6, 7]  # ignore_eos: exactly max_tokens
+    assert all(c.prompt_tokens and c.prompt_tokens > 0 for c in record.calls)
+    # nothing ran before the submission's delay was over; the answers' delay came after the last call
+    first_start = min(c.start_s for c in record.calls)
+    assert first_start - record.start_s >= 0.09
+    assert record.end_s - max(c.end_s for c in record.calls) >= 0.09
+
+
+def test_parrot_submit_bodies_carry_the_objective_on_final_outputs_only() -> None:
+    from benchmarks.suite.clients import _semantic_function
+
+    app = _parrot_app()
+    bodies = {
+        c.name: _semantic_function(c, "THROUGHPUT" if c.name in app.outputs else None).submit_body(
+            {**c.consts, **{k: "v" for k in c.deps}}
+        )
+        for c in app.calls
+    }
+    for name, body in bodies.items():
+        (out,) = [p for p in body["placeholders"] if p["direction"] == "output"]
+        assert out["criteria"] == ("THROUGHPUT" if name in app.outputs else None)
+        assert out["sampling"]["ignore_eos"] is True and out["sampling"]["temperature"] == 0.0
+        assert body["chat"] is False and body["name"] == name
+
+
+def test_parrot_app_failure_is_recorded(live) -> None:
+    too_long = CallSpec("x", "{{input:doc}}{{output:x}}", 4, consts={"doc": "word " * 5000})
+    app = AppSpec("bad", "chain", (too_long,), ("x",))
+    record = asyncio.run(run_parrot_app(live.url, app, time.perf_counter(), Delay(0, 0)))
+    assert record.error is not None
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    record = asyncio.run(run_parrot_app(dead, _parrot_app(), time.perf_counter(), Delay(0, 0)))
+    assert record.error is not None and "ConnectionFailed" in record.error
+
+
+def test_run_workload_on_parrot_samples_engine_metrics(live) -> None:
+    workload = Workload("figX", "figX/parrot", {"sweep": "x", "x": 1}, (_parrot_app(),))
+    system = SystemHandle("parrot", "parrot", live.url, "tiny", 1)
+    run = asyncio.run(run_workload(system, workload, repeat=0, delay_ms=(0, 0)))
+    assert run.apps[0].error is None, run.apps[0].error
+    metrics = run.extra["engine_metrics"]
+    assert metrics["counters_delta"]["generated_tokens"] >= 5 + 6 + 7
+    assert "kv_tokens_used" in metrics["peaks"]
+
+
+# ------------------------------------------------------------------ command line
+def test_schedule_starts_parrot_per_engine_count_and_peers_once() -> None:
+    from benchmarks.suite.run import schedule
+
+    one = Workload("f", "f/1", {}, (chain_app(),), engines=1)
+    two = Workload("g", "g/2", {}, (chain_app(),), engines=2)
+    plan = schedule(["parrot", "vllm"], [two, one])
+    assert [(name, engines, [w.name for w in group]) for name, engines, group in plan] == [
+        ("parrot", 1, ["f/1"]),
+        ("parrot", 2, ["g/2"]),
+        ("vllm", 1, ["g/2", "f/1"]),
+    ]
+
+
+def _suite(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.suite", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_dry_run_prints_the_plan() -> None:
+    proc = _suite("--figures", "fig11", "--systems", "parrot", "vllm", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "fig11/" in out and "machine" in out
+    assert re.search(r"^\s+parrot\s+engines 1", out, re.M) and re.search(r"^\s+vllm\s+engines 1", out, re.M)
+    assert not re.search(r"^\s+fastchat\s+engines", out, re.M)
+
+
+@pytest.mark.parametrize(
+    ("args", "name"),
+    [(("--figures", "fig99"), "fig99"), (("--systems", "parrot", "nosuch"), "nosuch")],
+)
+def test_unknown_names_exit_2(args: tuple[str, ...], name: str) -> None:
+    proc = _suite(*args, "--dry-run")
+    assert proc.returncode == 2
+    assert f"unknown {'figure' if 'fig' in name else 'system'}(s): {name}" in proc.stderr
+    assert "known:" in proc.stderr

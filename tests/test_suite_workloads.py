@@ -1,0 +1,294 @@
+"""The evaluation suite's workload generators and filler text (no model, no network)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+_ROOT = Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:  # benchmarks/ is not an installed package
+    sys.path.insert(0, str(_ROOT))
+
+from benchmarks.suite import textgen  # noqa: E402
+from benchmarks.suite.spec import AppSpec, Workload, check_app  # noqa: E402
+from benchmarks.suite.workloads import (  # noqa: E402
+    CONTEXT_TOKENS,
+    FIGURES,
+    all_workloads,
+    app_cost,
+    generate,
+    poisson_arrivals,
+    sharegpt_lengths,
+    workload_cost,
+)
+
+ALL_FIGURES = ["fig11", "fig12a", "fig12b", "fig14", "fig15_16", "fig17", "fig18", "fig19"]
+
+
+@pytest.fixture(scope="module")
+def suite() -> list[Workload]:
+    return all_workloads(1.0, 0)
+
+
+def _text(workloads: list[Workload]) -> str:
+    return "".join(
+        c.template + "".join(c.consts.values()) for w in workloads for a in w.apps for c in a.calls
+    )
+
+
+def _prefix(template: str) -> str:
+    """The constant text before the first placeholder."""
+    return template.split("{{", 1)[0]
+
+
+# --------------------------------------------------------------------------- textgen
+
+
+def test_filler_is_deterministic_and_sized() -> None:
+    text = textgen.filler(7, 500)
+    assert text == textgen.filler(random.Random(7), 500)
+    assert text != textgen.filler(8, 500)
+    assert len(text.split()) == textgen.words_for_tokens(500)
+    assert abs(textgen.estimate_tokens(text) - 500) <= 2
+    assert text.endswith(".") and "{{" not in text and "}}" not in text
+    assert textgen.filler(0, 0) == ""
+
+
+def test_filler_advances_a_given_rng() -> None:
+    rng = random.Random(3)
+    assert textgen.filler(rng, 50) != textgen.filler(rng, 50)
+
+
+def test_filler_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="token count"):
+        textgen.filler(0, -1)
+    with pytest.raises(TypeError, match="seed"):
+        textgen.filler("x", 10)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- the suite
+
+
+def test_figures_registry() -> None:
+    assert list(FIGURES) == ALL_FIGURES
+
+
+@pytest.mark.parametrize("figure", ALL_FIGURES)
+def test_generator_is_deterministic(figure: str) -> None:
+    first = generate(figure, 1.0, 0)
+    assert first == generate(figure, 1.0, 0)
+    assert _text(first) != _text(generate(figure, 1.0, 1))
+    assert all(w.figure == figure for w in first)
+
+
+def test_every_app_is_valid_and_names_unique(suite: list[Workload]) -> None:
+    names = [w.name for w in suite]
+    assert len(names) == len(set(names))
+    app_ids = [a.app_id for w in suite for a in w.apps]
+    assert len(app_ids) == len(set(app_ids))
+    for workload in suite:
+        assert workload.apps, workload.name
+        assert {"sweep", "x"} <= set(workload.params)
+        json.dumps(dict(workload.params))  # JSON-able
+        arrivals = [a.arrival_s for a in workload.apps]
+        assert arrivals == sorted(arrivals) and arrivals[0] >= 0
+        for app in workload.apps:
+            check_app(app)
+            assert app.app_id.startswith(workload.name + "/")
+
+
+def test_scale_one_fits_the_context(suite: list[Workload]) -> None:
+    assert max(workload_cost(w).max_call_tokens for w in suite) < 2048
+
+
+@pytest.mark.parametrize("figure", ALL_FIGURES)
+def test_scale_grows_the_work_monotonically(figure: str) -> None:
+    costs = [sum(workload_cost(w).decode_tokens for w in generate(figure, s, 0)) for s in (0.25, 1.0, 2.0)]
+    assert costs[0] < costs[1] < costs[2], costs
+    calls = [sum(workload_cost(w).calls for w in generate(figure, s, 0)) for s in (0.25, 1.0, 2.0)]
+    assert calls[0] <= calls[1] <= calls[2]
+
+
+def test_too_large_a_scale_is_refused() -> None:
+    with pytest.raises(ValueError, match="context budget"):
+        generate("fig14", 6.0)
+    assert max(workload_cost(w).max_call_tokens for w in generate("fig14", 4.0)) < CONTEXT_TOKENS
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (("fig99",), "unknown figure 'fig99'"),
+        (("fig11", 0.0), "scale must be a finite number > 0"),
+        (("fig11", -1.0), "scale must be a finite number > 0"),
+        (("fig11", math.nan), "scale must be a finite number > 0"),
+        (("fig11", math.inf), "scale must be a finite number > 0"),
+        (("fig11", 1.0, "0"), "seed must be an int"),
+    ],
+)
+def test_bad_arguments(args: tuple, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        generate(*args)
+
+
+def test_all_workloads_rejects_bad_scale() -> None:
+    with pytest.raises(ValueError, match="scale"):
+        all_workloads(0)
+
+
+# --------------------------------------------------------------------------- Poisson and chat lengths
+
+
+def test_poisson_arrivals_have_the_requested_rate() -> None:
+    times = poisson_arrivals(random.Random(1), 2.0, 2000.0, start_s=5.0)
+    assert times == sorted(times)
+    assert times[0] >= 5.0 and times[-1] < 2005.0
+    assert abs(len(times) / 2000.0 - 2.0) < 0.1
+    assert poisson_arrivals(random.Random(1), 0.0, 100.0) == []
+    with pytest.raises(ValueError):
+        poisson_arrivals(random.Random(1), -1.0, 10.0)
+
+
+@pytest.mark.parametrize(("figure", "kind"), [("fig17", "shared_prompt"), ("fig12a", "chat")])
+def test_figure_arrival_rates(figure: str, kind: str) -> None:
+    for workload in generate(figure, 10.0, 0):
+        arrivals = [a.arrival_s for a in workload.apps if a.kind == kind]
+        assert arrivals == sorted(arrivals)
+        expected = workload.params["x"] * workload.params["window_s"]
+        assert abs(len(arrivals) - expected) <= max(3.0, 0.15 * expected), (workload.name, len(arrivals))
+        assert all(0 <= t < workload.params["window_s"] for t in arrivals)
+
+
+def test_sharegpt_lengths_are_capped_and_near_the_model() -> None:
+    rng = random.Random(0)
+    draws = [sharegpt_lengths(rng) for _ in range(4000)]
+    prompts, outputs = zip(*draws, strict=True)
+    assert min(prompts) >= 16 and max(prompts) <= 512
+    assert min(outputs) >= 8 and max(outputs) <= 128
+    assert 120 < sum(prompts) / len(prompts) < 170  # mean 161 before capping
+    assert 65 < sum(outputs) / len(outputs) < 90  # mean 84.5 before capping
+
+
+# --------------------------------------------------------------------------- app structure
+
+
+def _chains(figures: list[str]) -> list[AppSpec]:
+    return [a for f in figures for w in generate(f) for a in w.apps if a.kind == "chain"]
+
+
+def test_chain_dependencies_form_a_chain() -> None:
+    apps = _chains(["fig11", "fig12a", "fig12b"])
+    assert apps
+    for app in apps:
+        assert not app.calls[0].deps
+        for prev, call in zip(app.calls, app.calls[1:], strict=False):
+            assert dict(call.deps) == {"summary": prev.name}
+        assert app.outputs == (app.calls[-1].name,)
+
+
+def test_fig11_splits_one_document() -> None:
+    workloads = generate("fig11")
+    docs = {" ".join(c.consts["chunk"] for c in w.apps[0].calls) for w in workloads}
+    assert len(docs) == 1
+    by_chunk = {
+        w.params["chunk_tokens"]: len(w.apps[0].calls) for w in workloads if w.params["sweep"] == "chunk"
+    }
+    assert by_chunk == {256: 12, 512: 6, 1024: 3}
+    outs = {w.params["x"]: w.apps[0].calls[0].max_tokens for w in workloads if w.params["sweep"] == "output"}
+    assert outs == {25: 25, 50: 50, 100: 100}
+
+
+def test_fig12a_chain_amid_chat() -> None:
+    for workload in generate("fig12a"):
+        kinds = [a.kind for a in workload.apps]
+        assert kinds.count("chain") == 1
+        assert kinds.count("chat") == workload.params["chat_apps"]
+        assert next(a for a in workload.apps if a.kind == "chain").arrival_s == 3.0
+    assert generate("fig12a")[0].params["chat_apps"] == 0
+
+
+def test_fig12b_apps_have_their_own_documents() -> None:
+    workload = generate("fig12b")[-1]
+    assert len(workload.apps) == workload.params["x"] == 8
+    firsts = {a.calls[0].consts["chunk"] for a in workload.apps}
+    assert len(firsts) == len(workload.apps)
+    assert all(a.arrival_s < 0.5 for a in workload.apps)
+
+
+@pytest.mark.parametrize("figure", ["fig14", "fig19"])
+def test_reduce_depends_on_every_map(figure: str) -> None:
+    apps = [a for w in generate(figure) for a in w.apps if a.kind == "map_reduce"]
+    assert apps
+    for app in apps:
+        *maps, reduce = app.calls
+        assert all(not m.deps for m in maps) and len(maps) >= 2
+        assert sorted(reduce.deps.values()) == sorted(m.name for m in maps)
+        assert app.outputs == (reduce.name,)
+        assert app.criteria == ("throughput" if figure == "fig19" else "latency")
+
+
+def test_shared_prompt_apps_share_a_constant_prefix() -> None:
+    workloads = generate("fig15_16")
+    prefixes = {_prefix(a.calls[0].template) for w in workloads for a in w.apps}
+    assert len(prefixes) == 1
+    (prefix,) = prefixes
+    assert textgen.estimate_tokens(prefix) > 1400
+    for workload in workloads:
+        assert len(workload.apps) == workload.params["x"]
+        for app in workload.apps:
+            (call,) = app.calls
+            assert call.template.startswith(prefix) and set(call.consts) == {"query"}
+            assert call.max_tokens == workload.params["output_tokens"] and app.arrival_s == 0.0
+    assert sorted({w.params["x"] for w in workloads}) == [8, 16, 32]
+
+
+def test_fig17_one_prefix_per_application() -> None:
+    prefixes: dict[str, set[str]] = {}
+    for workload in generate("fig17"):
+        assert workload.engines == 2
+        per_app = workload.params["app_output_tokens"]
+        for app in workload.apps:
+            gpt = app.app_id.rsplit("/", 1)[1].rstrip("0123456789")
+            prefixes.setdefault(gpt, set()).add(_prefix(app.calls[0].template))
+            assert per_app[app.app_id] == app.calls[0].max_tokens
+    assert len(prefixes) == 4
+    assert all(len(p) == 1 for p in prefixes.values())
+    assert len({next(iter(p)) for p in prefixes.values()}) == 4
+
+
+def test_fig18_agents_dag() -> None:
+    for workload in generate("fig18"):
+        (app,) = workload.apps
+        files = workload.params["x"]
+        plan, *rest = app.calls
+        assert plan.name == "plan" and not plan.deps
+        assert len(rest) == 7 * files
+        shared = _prefix(rest[0].template)
+        assert plan.template.startswith(shared.split("Design plan:")[0])
+        for call in rest:
+            assert call.deps["plan"] == "plan"
+            assert _prefix(call.template) == shared  # the plan placeholder comes first
+        assert app.outputs == tuple(f"f{f:02d}_code3" for f in range(files))
+        names = {c.name: c for c in app.calls}
+        assert dict(names["f00_review2"].deps) == {
+            "plan": "plan",
+            "code0": "f00_code0",
+            "review1": "f00_review1",
+            "code1": "f00_code1",
+        }
+        assert app_cost(app).max_call_tokens < 2048
+
+
+def test_fig19_mixes_chat_and_map_reduce() -> None:
+    (workload,) = generate("fig19")
+    assert workload.engines == 2
+    kinds = [a.kind for a in workload.apps]
+    assert kinds.count("map_reduce") == workload.params["map_reduce_apps"] == 2
+    assert kinds.count("chat") == workload.params["chat_apps"] > 0
+    chat_ids = {a.app_id for a in workload.apps if a.kind == "chat"}
+    assert set(workload.params["app_output_tokens"]) == chat_ids
