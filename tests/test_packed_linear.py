@@ -73,3 +73,27 @@ def test_prepack_is_skipped_where_it_cannot_apply() -> None:
     assert not any("forward" in m.__dict__ for m in model.modules())
     assert not packed_linear_available(torch.empty(2, 2, dtype=torch.float64))
     assert not packed_linear_available(torch.empty(2, 2, 2))
+
+
+def test_bf16_packed_weights_keep_fp32_activations() -> None:
+    gen = torch.Generator().manual_seed(5)
+    weight, x = torch.randn(64, 32, generator=gen), torch.randn(7, 32, generator=gen)
+    with torch.no_grad():
+        exact = x.double() @ weight.double().T
+        got = PackedLinear(weight, dtype=torch.bfloat16)(x)
+    assert got.dtype == torch.float32
+    assert 1e-5 < rel_err(got, exact) < 2e-2  # bf16 rounding: visible, and small
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        PackedLinear(weight, dtype=torch.float16)
+
+
+def test_a_model_repacks_when_asked_for_another_dtype() -> None:
+    model = LlamaModel.random_init(ModelConfig.tiny(), 1)
+    assert model.prepack() and model.prepack(torch.bfloat16)
+    packed = [m.__dict__["forward"] for m in model.modules() if isinstance(m, nn.Linear)]
+    assert {p.dtype for p in packed} == {torch.bfloat16}
+    assert model._packed_logits is not None and model._packed_logits.dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the checkpoint is untouched
+    model.prepack(torch.float32)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert {m.__dict__["forward"].dtype for m in linears} == {torch.float32}

@@ -13,6 +13,7 @@ import random
 from collections import Counter
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -575,3 +576,10 @@ def test_a_failed_step_returns_its_blocks_and_the_engine_serves_on(engines, tiny
     assert failed.kv_blocks_used == 3
     assert got == expected
     assert after.kv_blocks_used == 0
+
+
+def test_bf16_weights_are_opt_in_and_checked(tiny_model):
+    from parrot.engine.runner import EngineRunner
+
+    with pytest.raises(ValueError, match="weight_dtype needs prepack=True"):
+        EngineRunner(tiny_model, prepack=False, weight_dtype=torch.bfloat16)

@@ -38,6 +38,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="size of the KV block pool in tokens (default: 2 GiB worth)",
     )
     p.add_argument(
+        "--weight-dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="dtype of the packed projection weights (default: the model's, fp32); bfloat16 runs "
+        "the GEMMs in bf16 with fp32 accumulation: faster, slightly different outputs",
+    )
+    p.add_argument(
         "--no-shared-attention",
         action="store_true",
         help="plain per-sequence decode attention (forks still share KV blocks); for A/B runs",
@@ -112,6 +119,7 @@ def _load_engine(args: argparse.Namespace):
         token_capacity=args.token_capacity,
         kv_cache_tokens=args.kv_cache_tokens,
         share_prefix=not args.no_shared_attention,
+        weight_dtype=getattr(torch, args.weight_dtype) if args.weight_dtype else None,
     )
 
 

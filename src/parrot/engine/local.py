@@ -19,6 +19,8 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+import torch
+
 from parrot.engine.block_pool import DEFAULT_BLOCK_SIZE
 from parrot.engine.loader import LoadedModel
 from parrot.engine.runner import EngineRunner, Job
@@ -34,7 +36,7 @@ class LocalEngine:
     see :meth:`set_token_capacity`), ``share_prefix`` (shared-prefix decode attention;
     False for baselines), ``block_size``, and the KV pool's size as
     ``kv_cache_tokens`` or ``kv_cache_bytes`` (default: 2 GiB worth of tokens, see
-    :mod:`parrot.engine.kv_store`)."""
+    :mod:`parrot.engine.kv_store`), and ``weight_dtype`` (bf16 packed GEMM weights)."""
 
     def __init__(
         self,
@@ -46,6 +48,7 @@ class LocalEngine:
         block_size: int = DEFAULT_BLOCK_SIZE,
         kv_cache_tokens: int | None = None,
         kv_cache_bytes: int | None = None,
+        weight_dtype: torch.dtype | None = None,
     ):
         self.loaded = loaded
         self.runner = EngineRunner(
@@ -56,6 +59,7 @@ class LocalEngine:
             block_size=block_size,
             kv_cache_tokens=kv_cache_tokens,
             kv_cache_bytes=kv_cache_bytes,
+            weight_dtype=weight_dtype,
         )
         self.runner.start()
 

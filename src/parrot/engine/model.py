@@ -405,16 +405,18 @@ class LlamaModel(nn.Module):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [V, D]
         return F.linear(hidden, weight).float()  # [N, D] @ [D, V] -> [N, V]
 
-    def prepack(self) -> bool:
-        """Run every projection (and the logits) through oneDNN-packed weights when this
-        model's weights allow it (CPU, fp32/bf16); see :mod:`parrot.engine.packed_linear`.
-        Idempotent; returns whether the model now runs packed."""
+    def prepack(self, dtype: torch.dtype | None = None) -> bool:
+        """Run every projection (and the logits) through oneDNN-packed weights of ``dtype``
+        (default: the weights' own) when this model's weights allow it (CPU, fp32/bf16);
+        see :mod:`parrot.engine.packed_linear`.  Idempotent for one ``dtype``; returns
+        whether the model now runs packed."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if not packed_linear_available(weight):
             return False
-        prepack_linears(self)
-        if self._packed_logits is None:
-            self._packed_logits = PackedLinear(weight)
+        prepack_linears(self, dtype)
+        want = weight.dtype if dtype is None else dtype
+        if self._packed_logits is None or self._packed_logits.dtype != want:
+            self._packed_logits = PackedLinear(weight, dtype=want)
         return True
 
     # -- construction ------------------------------------------------------

@@ -112,7 +112,8 @@ class EngineRunner:
     baselines); ``block_size`` and ``kv_cache_tokens`` / ``kv_cache_bytes`` — the
     KV pool (see :func:`~parrot.engine.kv_store.kv_cache_blocks`); ``prepack`` —
     run the model's projections through oneDNN-packed weights where possible
-    (see :mod:`~parrot.engine.packed_linear`)."""
+    (see :mod:`~parrot.engine.packed_linear`); ``weight_dtype`` — pack them as this
+    dtype (``torch.bfloat16``: bf16 GEMMs, opt-in) instead of the weights' own."""
 
     def __init__(
         self,
@@ -125,6 +126,7 @@ class EngineRunner:
         kv_cache_tokens: int | None = None,
         kv_cache_bytes: int | None = None,
         prepack: bool = True,
+        weight_dtype: torch.dtype | None = None,
     ):
         if max_step_tokens < 1:
             raise ValueError("max_step_tokens must be >= 1")
@@ -132,7 +134,11 @@ class EngineRunner:
         self.model = loaded.model
         # oneDNN-packed weights on CPU (~3x faster projections at decode sizes).  This
         # changes the model object, so every engine sharing it runs packed from now on.
-        self.packed = self.model.prepack() if prepack else False
+        if weight_dtype is not None and not prepack:
+            raise ValueError("weight_dtype needs prepack=True")
+        self.packed = self.model.prepack(weight_dtype) if prepack else False
+        if weight_dtype is not None and not self.packed:
+            raise ValueError(f"cannot pack weights as {weight_dtype} here (needs CPU oneDNN)")
         self.tokenizer = loaded.tokenizer
         cfg = loaded.config
         param = next(self.model.parameters())
