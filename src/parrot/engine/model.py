@@ -250,9 +250,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        # x: [T, D] -> [T, D]
-        var = x.pow(2).mean(dim=-1, keepdim=True)  # [T, 1]
-        return self.weight * (x * torch.rsqrt(var + self.eps))  # [D] * [T, D] -> [T, D]
+        # x: [T, D] -> [T, D]: x / sqrt(mean(x^2) + eps) * weight, as one fused op
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
