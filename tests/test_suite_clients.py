@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI
@@ -297,6 +298,8 @@ def test_parrot_app_submits_every_call_once_and_fetches_only_outputs(live) -> No
     assert [c.name for c in record.calls] == ["m0", "m1", "r"]
     assert [c.output_tokens for c in record.calls] == [5, 6, 7]  # ignore_eos: exactly max_tokens
     assert all(c.prompt_tokens and c.prompt_tokens > 0 for c in record.calls)
+    engines = httpx.get(f"{live.url}/v1/engines", timeout=10).json()
+    assert {c.engine for c in record.calls} == {engines[0]["engine_id"]}  # where each call ran
     # nothing ran before the submission's delay was over; the answers' delay came after the last call
     first_start = min(c.start_s for c in record.calls)
     assert first_start - record.start_s >= 0.09

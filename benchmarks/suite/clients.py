@@ -183,6 +183,7 @@ async def _graph_records(session: P.AsyncSession, app: AppSpec, t0: float) -> li
                 end_s=(end - wall_at_t0) if end else float("nan"),
                 prompt_tokens=info.get("prompt_tokens"),
                 output_tokens=info.get("generated_tokens"),
+                engine=info.get("engine_id"),
             )
         )
     return records

@@ -81,6 +81,7 @@ class CallRecord:
     end_s: float
     prompt_tokens: int | None = None
     output_tokens: int | None = None
+    engine: str | None = None  # Parrot: the engine it ran on (from the session graph)
 
 
 @dataclass
@@ -90,7 +91,8 @@ class AppRecord:
     arrival_s: float
     start_s: float
     end_s: float
-    calls: list[CallRecord] = field(default_factory=list)  # baseline: every call; Parrot: fetched outputs
+    # every call (Parrot: from the session graph; only the fetched outputs if it is unavailable)
+    calls: list[CallRecord] = field(default_factory=list)
     error: str | None = None
 
     @property
