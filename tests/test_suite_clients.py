@@ -387,3 +387,16 @@ def test_unknown_names_exit_2(args: tuple[str, ...], name: str) -> None:
     assert proc.returncode == 2
     assert f"unknown {'figure' if 'fig' in name else 'system'}(s): {name}" in proc.stderr
     assert "known:" in proc.stderr
+
+
+def test_parrot_system_commands_split_the_cores_and_pass_the_latency_cap() -> None:
+    from benchmarks.suite.systems import parrot_commands
+
+    serve, engines = parrot_commands("parrot", Path("/m"), 1, 9100, 2)
+    assert serve[-4:] == ["--model", "/m", "--threads", "2"] and engines == []
+    assert "--latency-cap" not in serve
+    serve, engines = parrot_commands("no-affinity", Path("/m"), 2, 9100, 2, latency_cap=2048)
+    assert serve[-1] == "--no-engine" and serve[serve.index("--latency-cap") + 1] == "2048"
+    assert serve[serve.index("--policy") + 1] == "no-affinity"
+    assert len(engines) == 2 and all(e[e.index("--threads") + 1] == "1" for e in engines)
+    assert all(e[e.index("--manager") + 1] == "http://127.0.0.1:9100" for e in engines)

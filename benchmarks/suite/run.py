@@ -89,6 +89,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plots", action="store_true", help="report without PNG plots")
     p.add_argument("--app-timeout", type=float, default=3600.0, help="seconds before an app counts as failed")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a system may take to start")
+    p.add_argument(
+        "--latency-cap",
+        type=int,
+        default=None,
+        help="token cap for latency work on Parrot's engines (parrot serve --latency-cap; "
+        "default Parrot's, the paper's 6,144)",
+    )
     return p
 
 
@@ -383,6 +390,7 @@ def run_suite(
                     engines=engines,
                     log_dir=out / "logs",
                     timeout_s=args.startup_timeout,
+                    latency_cap=args.latency_cap,
                 )
                 with system as handle:
                     print(

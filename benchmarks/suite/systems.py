@@ -237,17 +237,25 @@ def _alive_engines(url: str) -> int:
 
 # ------------------------------------------------------------------ Parrot
 def parrot_commands(
-    policy: str, model_path: Path, engines: int, port: int, cores: int
+    policy: str,
+    model_path: Path,
+    engines: int,
+    port: int,
+    cores: int,
+    latency_cap: int | None = None,
 ) -> tuple[list[str], list[list[str]]]:
     """The manager command and the engine commands for a Parrot system.
 
     One engine: ``parrot serve --model M --threads <cores>`` (embedded engine).
     N engines: ``parrot serve --no-engine`` and N ``parrot engine --manager URL
-    --model M --threads max(1, cores // N)``.
+    --model M --threads max(1, cores // N)``.  ``latency_cap``: the manager's
+    ``--latency-cap`` (default: Parrot's, the paper's 6,144 tokens).
     """
     url = f"http://127.0.0.1:{port}"
     serve = [*parrot_command(), "--log-level", "warning", "serve", "--host", "127.0.0.1"]
     serve += ["--port", str(port), "--policy", policy]
+    if latency_cap is not None:
+        serve += ["--latency-cap", str(latency_cap)]
     if engines <= 1:
         return [*serve, "--model", str(model_path), "--threads", str(cores)], []
     threads = max(1, cores // engines)
@@ -277,12 +285,20 @@ def parrot_commands(
 
 @contextlib.contextmanager
 def _parrot_system(
-    name: str, spec: SystemSpec, model_path: Path, engines: int, log_dir: Path, timeout_s: float
+    name: str,
+    spec: SystemSpec,
+    model_path: Path,
+    engines: int,
+    log_dir: Path,
+    timeout_s: float,
+    latency_cap: int | None = None,
 ) -> Iterator[SystemHandle]:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cores = cpu_cores()
-    serve_cmd, engine_cmds = parrot_commands(spec.policy or "parrot", model_path, engines, port, cores)
+    serve_cmd, engine_cmds = parrot_commands(
+        spec.policy or "parrot", model_path, engines, port, cores, latency_cap
+    )
     threads = cores if engines <= 1 else max(1, cores // engines)
     env = {"OMP_NUM_THREADS": str(threads)}
     procs: list[_Process] = []
@@ -380,8 +396,10 @@ def start_system(
     engines: int = 1,
     log_dir: Path,
     timeout_s: float = 600.0,
+    latency_cap: int | None = None,
 ) -> Iterator[SystemHandle]:
     """Start system ``name`` serving ``model`` with ``engines`` engines, yield its handle, stop it.
+    ``latency_cap`` applies to Parrot systems (their manager's ``--latency-cap``).
 
     Raises ValueError for an unknown name and :class:`SystemStartError` (or
     ``peers.PeerError``) when it does not come up within ``timeout_s``.
@@ -393,6 +411,9 @@ def start_system(
     spec = SYSTEMS[name]
     path = model_dir(model)
     log_dir = Path(log_dir) / f"{name}-e{engines}"
-    starter = _parrot_system if spec.backend == "parrot" else _peer_system
-    with starter(name, spec, path, engines, log_dir, timeout_s) as handle:
+    if spec.backend == "parrot":
+        started = _parrot_system(name, spec, path, engines, log_dir, timeout_s, latency_cap)
+    else:
+        started = _peer_system(name, spec, path, engines, log_dir, timeout_s)
+    with started as handle:
         yield handle
