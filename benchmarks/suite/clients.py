@@ -140,18 +140,34 @@ def _semantic_function(call: CallSpec, criteria: str | None) -> P.SemanticFuncti
     return P.template_function(call.template, name=call.name, **{call.name: output})
 
 
-def _submit_app(session: P.AsyncSession, app: AppSpec) -> dict[str, P.SemanticVariable]:
-    """Queue every call of ``app`` on ``session`` (dependencies as variables); returns outputs by call."""
+def _submit_app(
+    session: P.AsyncSession, app: AppSpec
+) -> tuple[dict[str, P.SemanticVariable], list[tuple[P.SemanticVariable, str]]]:
+    """Queue every call of ``app`` on ``session`` (dependencies as variables); returns the
+    outputs by call and the (variable, value) pairs of the constant inputs, to be set
+    once every call is on the server.
+
+    The whole DAG reaches the manager before any call can run: every constant input
+    is a variable created empty, bound to its call, and set only after the last
+    call is submitted.  (Passing constants inline would make the first calls ready
+    while later ones are still being submitted, and the manager would place them
+    before it knows their consumers, i.e. before it can deduce their objectives.)
+    """
     criteria = _criteria(app)
     variables: dict[str, P.SemanticVariable] = {}
+    pending: list[tuple[P.SemanticVariable, str]] = []
     for call in app.calls:
         fn = _semantic_function(call, criteria if call.name in app.outputs else None)
-        inputs: dict[str, Any] = dict(call.consts)
+        inputs: dict[str, Any] = {}
+        for ph, value in call.consts.items():
+            var = session.variable(name=f"{call.name}.{ph}")
+            pending.append((var, value))
+            inputs[ph] = var
         inputs.update({ph: variables[dep] for ph, dep in call.deps.items()})
         out = session.call(fn, **inputs)
         assert isinstance(out, P.SemanticVariable)  # one output per call
         variables[call.name] = out
-    return variables
+    return variables, pending
 
 
 async def _graph_records(session: P.AsyncSession, app: AppSpec, t0: float) -> list[CallRecord] | None:
@@ -200,9 +216,10 @@ async def run_parrot_app(url: str, app: AppSpec, t0: float, delay: Delay) -> App
     """Run ``app`` on the Parrot manager at ``url`` the Parrot way.
 
     Waits until ``t0 + app.arrival_s``, opens one session, pays one delay,
-    then submits every call back to back as a semantic function (constants as
-    strings, dependencies as semantic variables, ``app.criteria`` on the
-    outputs so the manager deduces objectives at submit); then fetches
+    then submits every call back to back as a semantic function (dependencies
+    as semantic variables, ``app.criteria`` on the outputs so the manager
+    deduces objectives at submit) and only then sets the constant inputs (see
+    :func:`_submit_app`); then fetches
     ``app.outputs`` concurrently, each paying one delay once its value is in.
     ``calls`` holds one record per call from the session graph (server-side
     times and token counts), or, if the graph is unavailable, one per fetched
@@ -216,8 +233,9 @@ async def run_parrot_app(url: str, app: AppSpec, t0: float, delay: Delay) -> App
     try:
         async with P.aconnect(url) as session:
             await delay()  # the submission's network trip: nothing runs before it is over
-            variables = _submit_app(session, app)
-            await session.flush()  # every call is on the server
+            variables, inputs = _submit_app(session, app)
+            await session.flush()  # every call is on the server: the manager sees the whole DAG
+            await asyncio.gather(*(var.aset(value) for var, value in inputs))  # now calls may run
             ends = await asyncio.gather(*(_fetch(variables[o], criteria, delay, t0) for o in app.outputs))
             record.end_s, done = max(ends, default=_rel(t0)), True
             graph = await _graph_records(session, app, t0)
