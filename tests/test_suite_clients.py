@@ -400,3 +400,40 @@ def test_parrot_system_commands_split_the_cores_and_pass_the_latency_cap() -> No
     assert serve[serve.index("--policy") + 1] == "no-affinity"
     assert len(engines) == 2 and all(e[e.index("--threads") + 1] == "1" for e in engines)
     assert all(e[e.index("--manager") + 1] == "http://127.0.0.1:9100" for e in engines)
+
+
+def test_parrot_client_lets_nothing_run_before_the_whole_dag_is_submitted(live) -> None:
+    from benchmarks.suite.clients import _submit_app
+
+    import parrot as P
+
+    maps = [
+        CallSpec(f"m{i}", f"Part {i}: {{{{input:t}}}}. Summary:{{{{output:m{i}}}}}", 4, consts={"t": "x"})
+        for i in range(3)
+    ]
+    reduce = CallSpec(
+        "r",
+        "All: {{input:a}} {{input:b}} {{input:c}} =>{{output:r}}",
+        4,
+        deps={"a": "m0", "b": "m1", "c": "m2"},
+    )
+    app = AppSpec("dag-0", "map_reduce", (*maps, reduce), ("r",))
+
+    async def run() -> tuple[list[dict], list[dict]]:
+        async with P.aconnect(live.url) as session:
+            outs, inputs = _submit_app(session, app)
+            await session.flush()
+            headers = {"Authorization": f"Bearer {session.token}"}
+            url = f"{live.url}/v1/sessions/{session.session_id}/graph"
+            before = httpx.get(url, headers=headers, timeout=10).json()["calls"]
+            await asyncio.gather(*(var.aset(value) for var, value in inputs))
+            await outs["r"].aget(P.LATENCY, timeout=60)
+            return before, httpx.get(url, headers=headers, timeout=10).json()["calls"]
+
+    before, after = asyncio.run(run())
+    assert len(before) == 4 and {c["state"] for c in before} == {"waiting"}  # every input still unset
+    objectives = {c["name"]: (c["objective"], c["task_group"]) for c in after}
+    assert objectives["r"] == ("latency", None)
+    assert {objectives[f"m{i}"] for i in range(3)} == {
+        ("throughput", f"tg:{next(c['call_id'] for c in after if c['name'] == 'r')}")
+    }
