@@ -430,17 +430,35 @@ _SUMMARY_POINTS = (
 )
 
 
-def fig11(scale: float = 1.0, seed: int = 0) -> list[Workload]:
-    """Chain summary of one document; sweeps output length (chunk 512) and chunk size (output 50)."""
-    doc = textgen.filler(_rng(seed, "fig11", "doc"), _count(3072, scale))
+def _summary_sweep(
+    figure: str,
+    doc_tokens: int,
+    seed: int,
+    count_key: str,
+    make_app: Callable[[str, list[str], int], AppSpec],
+) -> list[Workload]:
+    """One workload per :data:`_SUMMARY_POINTS` point: ``make_app(app_id, chunks, out)`` on
+    the chunks of one seeded ``doc_tokens``-token document (``params[count_key]``: calls)."""
+    doc = textgen.filler(_rng(seed, figure, "doc"), doc_tokens)
     workloads = []
     for sweep, out, chunk in _SUMMARY_POINTS:
         x = out if sweep == "output" else chunk
-        name = _name("fig11", sweep=sweep, out=out, chunk=chunk)
+        name = _name(figure, sweep=sweep, out=out, chunk=chunk)
         chunks = _chunks(doc, chunk)
-        params = {"sweep": sweep, "x": x, "output_tokens": out, "chunk_tokens": chunk, "calls": len(chunks)}
-        workloads.append(_finish("fig11", name, params, [chain_app(f"{name}/chain0", chunks, out)]))
+        params = {"sweep": sweep, "x": x, "output_tokens": out, "chunk_tokens": chunk, count_key: len(chunks)}
+        workloads.append(_finish(figure, name, params, [make_app(name, chunks, out)]))
     return workloads
+
+
+def fig11(scale: float = 1.0, seed: int = 0) -> list[Workload]:
+    """Chain summary of one document; sweeps output length (chunk 512) and chunk size (output 50)."""
+    return _summary_sweep(
+        "fig11",
+        _count(3072, scale),
+        seed,
+        "calls",
+        lambda name, chunks, out: chain_app(f"{name}/chain0", chunks, out),
+    )
 
 
 def fig12a(scale: float = 1.0, seed: int = 0) -> list[Workload]:
@@ -476,15 +494,13 @@ def fig12b(scale: float = 1.0, seed: int = 0) -> list[Workload]:
 
 def fig14(scale: float = 1.0, seed: int = 0) -> list[Workload]:
     """Map-reduce summary of one document; sweeps output length (chunk 512) and chunk size (output 50)."""
-    doc = textgen.filler(_rng(seed, "fig14", "doc"), _count(4096, scale))
-    workloads = []
-    for sweep, out, chunk in _SUMMARY_POINTS:
-        x = out if sweep == "output" else chunk
-        name = _name("fig14", sweep=sweep, out=out, chunk=chunk)
-        chunks = _chunks(doc, chunk)
-        params = {"sweep": sweep, "x": x, "output_tokens": out, "chunk_tokens": chunk, "maps": len(chunks)}
-        workloads.append(_finish("fig14", name, params, [map_reduce_app(f"{name}/mr0", chunks, out)]))
-    return workloads
+    return _summary_sweep(
+        "fig14",
+        _count(4096, scale),
+        seed,
+        "maps",
+        lambda name, chunks, out: map_reduce_app(f"{name}/mr0", chunks, out),
+    )
 
 
 def fig15_16(scale: float = 1.0, seed: int = 0) -> list[Workload]:

@@ -26,13 +26,13 @@ import math
 import torch
 from torch import Tensor
 
+from parrot.engine.attention.torch_impl import cpu_flash_attention
 from parrot.engine.kv_store import causal_mask, grouped_attention
 
 __all__ = ["fused_prefill_available", "prefill_attention"]
 
 
-def _flash_op():  # the CPU kernel behind F.scaled_dot_product_attention, which also returns the LSE
-    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_flash_op = cpu_flash_attention  # looked up at call time (tests replace it)
 
 
 def fused_prefill_available(q: Tensor) -> bool:

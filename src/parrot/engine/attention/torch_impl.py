@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -41,7 +42,7 @@ from torch import Tensor
 from parrot.engine.attention.merge import merge_partials
 from parrot.engine.attention.segments import Segment, segment_token_index
 
-__all__ = ["TorchDecodePlan", "torch_paged_decode_attention"]
+__all__ = ["TorchDecodePlan", "cpu_flash_attention", "torch_paged_decode_attention"]
 
 # Budgets, in elements, for the gathered K (and V) of one piece and for its score
 # matrix.  1 Mi fp32 elements = 4 MiB (256 tokens of 32 x 128 heads): the gathered
@@ -309,8 +310,13 @@ class TorchDecodePlan:
         )
 
 
-def _flash_op():  # PyTorch's fused CPU attention kernel; it also returns each row's log-sum-exp
+def cpu_flash_attention() -> Any:
+    """PyTorch's fused CPU attention kernel (the one behind ``F.scaled_dot_product_attention``),
+    which also returns each row's log-sum-exp; None in a PyTorch without it."""
     return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+_flash_op = cpu_flash_attention  # looked up at call time (tests replace it)
 
 
 def _run_padded(pad: _Padded, qs: Tensor, kf: Tensor, vf: Tensor, parts: _Partials) -> None:
