@@ -1,7 +1,7 @@
 """Where the built-in engine's time goes: a profile of its worker thread, and prefill speed.
 
     python benchmarks/engine_profile.py [--model smollm2] [--concurrency 16] [--prompt-tokens 100]
-        [--max-tokens 32] [--threads 2] [--top 12]
+        [--max-tokens 32] [--threads 2] [--top 12] [--weight-dtype bfloat16] [--kv-dtype bfloat16]
 
 1. ``--concurrency`` requests of ``--prompt-tokens`` random tokens each generate
    ``--max-tokens`` tokens (greedy, EOS ignored) while cProfile records the engine's
@@ -76,9 +76,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--weight-dtype", choices=["float32", "bfloat16"], default=None)
+    ap.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    engine = LocalEngine(load_model(args.model))
+    dtypes = {n: getattr(torch, getattr(args, n)) for n in ("weight_dtype", "kv_dtype") if getattr(args, n)}
+    engine = LocalEngine(load_model(args.model), **dtypes)
     try:
         asyncio.run(run(engine, 2, 16, 4, seed=999))  # warm-up
         stats = profile_steps(engine, args)

@@ -2,6 +2,7 @@
 
     python benchmarks/engine_throughput.py [--model smollm2] [--concurrency 1 16 32]
         [--prompt-tokens 100] [--max-tokens 64] [--shared-prefix 0] [--no-share] [--repeat 1]
+        [--weight-dtype bfloat16] [--kv-dtype bfloat16] [--threads 2]
 
 Each of ``c`` concurrent requests fills its own random ``prompt-tokens`` prompt
 (forked from one common ``shared-prefix``-token context if that is > 0) and
@@ -19,6 +20,8 @@ import asyncio
 import inspect
 import random
 import time
+
+import torch
 
 from parrot.engine.loader import load_model
 from parrot.engine.local import LocalEngine
@@ -72,9 +75,17 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--shared-prefix", type=int, default=0)
     ap.add_argument("--no-share", action="store_true")
+    ap.add_argument("--weight-dtype", choices=["float32", "bfloat16"], default=None)
+    ap.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default=None)
+    ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     loaded = load_model(args.model)
-    kwargs = {}
+    kwargs: dict[str, object] = {}
+    for name in ("weight_dtype", "kv_dtype"):
+        if getattr(args, name):
+            kwargs[name] = getattr(torch, getattr(args, name))
     if args.no_share and "share_prefix" in inspect.signature(LocalEngine).parameters:
         kwargs["share_prefix"] = False
     engine = LocalEngine(loaded, **kwargs)

@@ -94,8 +94,8 @@ def parrot_server(model_dir: Path, port: int, threads: int, log: Path, dtype: st
     """``parrot serve`` with its embedded engine on the model folder; stopped on exit."""
     cmd = [sys.executable, "-m", "parrot.cli", "serve", "--model", str(model_dir), "--port", str(port)]
     cmd += ["--threads", str(threads)]
-    if dtype != "float32":
-        cmd += ["--weight-dtype", dtype]
+    if dtype != "float32":  # bf16 projection weights and KV cache, like vLLM's bf16 model
+        cmd += ["--weight-dtype", dtype, "--kv-dtype", dtype]
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True

@@ -294,6 +294,29 @@ def test_custom_scale_and_low_precision() -> None:
             assert rel_err(out, ref) < 2e-2
 
 
+@pytest.mark.parametrize("share", [True, False])
+def test_a_bf16_cache_under_fp32_queries_is_read_exactly(share: bool) -> None:
+    """K/V stored in bf16, widened as read: fp32 accuracy against the widened cache, and
+    the same result as passing that fp32 cache."""
+    case = make_case(12, kv_heads=2, group=3)
+    k16, v16 = case.k.to(torch.bfloat16), case.v.to(torch.bfloat16)
+    ref = reference_decode_attention(case.q, k16.float(), v16.float(), case.segments)
+    out = paged_decode_attention(case.q, k16, v16, case.segments, share=share)
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    assert rel_err(out, ref) < TOL
+    wide = paged_decode_attention(case.q, k16.float(), v16.float(), case.segments, share=share)
+    assert rel_err(out, wide) < TOL
+    with pytest.raises(ValueError, match="share one float dtype"):  # bf16 queries, fp32 cache
+        paged_decode_attention(case.q.to(torch.bfloat16), case.k, case.v, case.segments, share=share)
+
+
+def test_the_triton_backend_refuses_a_cache_narrower_than_q(interpret: None) -> None:
+    case = make_case(13)
+    k16, v16 = case.k.to(torch.bfloat16), case.v.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="triton backend needs q in the caches' dtype"):
+        paged_decode_attention(case.q, k16, v16, case.segments, backend="triton")
+
+
 def test_auto_backend_on_cpu_is_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*args: object, **kwargs: object) -> torch.Tensor:
         raise AssertionError("triton must not be used for CPU tensors")

@@ -41,24 +41,21 @@ def test_prepacked_model_gives_the_plain_models_logits_and_greedy_tokens() -> No
     plain = LlamaModel.random_init(config, 3)
     packed = LlamaModel.random_init(config, 3)
     assert packed.prepack() is True and packed.prepack() is True  # idempotent
-    linears = [m for m in packed.modules() if isinstance(m, nn.Linear)]
-    assert linears and all(isinstance(m.__dict__.get("forward"), PackedLinear) for m in linears)
-    assert prepack_linears(packed) == len(linears)
-
-    class Full:  # causal attention over the whole sequence: enough to compare two models
-        def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-            out = nn.functional.scaled_dot_product_attention(
-                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
-            )
-            return out.transpose(0, 1)
+    layers = packed.model.layers
+    alone = [m for layer in layers for m in (layer.self_attn.o_proj, layer.mlp.down_proj)]
+    assert all(isinstance(m.__dict__.get("forward"), PackedLinear) for m in alone)
+    fused_parts = []
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        fused_parts += [attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj]
+    assert fused_parts and not any("forward" in m.__dict__ for m in fused_parts)  # no second copy
+    assert all(layer.self_attn.qkv is not None and layer.mlp.gate_up is not None for layer in layers)
 
     ids = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(40)
     with torch.no_grad():
-        a = plain.compute_logits(plain(ids, pos, Full()))
-        b = packed.compute_logits(packed(ids, pos, Full()))
+        a = plain.compute_logits(plain(ids, pos, _Causal()))
+        b = packed.compute_logits(packed(ids, pos, _Causal()))
     assert rel_err(b, a) < 1e-5
     assert torch.equal(a.argmax(-1), b.argmax(-1))
     # the checkpoint is untouched: same parameters, nothing packed in the state dict
@@ -90,10 +87,67 @@ def test_bf16_packed_weights_keep_fp32_activations() -> None:
 def test_a_model_repacks_when_asked_for_another_dtype() -> None:
     model = LlamaModel.random_init(ModelConfig.tiny(), 1)
     assert model.prepack() and model.prepack(torch.bfloat16)
-    packed = [m.__dict__["forward"] for m in model.modules() if isinstance(m, nn.Linear)]
+    packed = [m.__dict__["forward"] for m in model.modules() if "forward" in m.__dict__]
+    packed += [f for layer in model.model.layers for f in (layer.self_attn.qkv, layer.mlp.gate_up)]
     assert {p.dtype for p in packed} == {torch.bfloat16}
     assert model._packed_logits is not None and model._packed_logits.dtype == torch.bfloat16
     assert all(p.dtype == torch.float32 for p in model.parameters())  # the checkpoint is untouched
     model.prepack(torch.float32)
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    assert {m.__dict__["forward"].dtype for m in linears} == {torch.float32}
+    packed = [m.__dict__["forward"] for m in model.modules() if "forward" in m.__dict__]
+    packed += [f for layer in model.model.layers for f in (layer.self_attn.qkv, layer.mlp.gate_up)]
+    assert {p.dtype for p in packed} == {torch.float32}
+
+
+def test_prepack_linears_leaves_the_excluded_unpacked_and_drops_their_copies() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        expected = model(x)
+        assert prepack_linears(model) == 2
+        assert prepack_linears(model, exclude=[model[0]]) == 1
+        assert "forward" not in model[0].__dict__
+        assert isinstance(model[1].__dict__["forward"], PackedLinear)
+        assert rel_err(model(x), expected) < 1e-5
+
+
+class _Causal:  # causal attention over the whole sequence: enough to compare two models
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        out = nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
+        )
+        return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_qkv_and_gate_up_match_the_separate_projections(bias: bool) -> None:
+    config = ModelConfig.tiny().replace(attention_bias=bias)
+    plain, packed = LlamaModel.random_init(config, 4), LlamaModel.random_init(config, 4)
+    if bias:  # random_init may leave biases at zero; make them matter
+        for a, b in zip(plain.modules(), packed.modules(), strict=True):
+            if isinstance(a, nn.Linear) and a.bias is not None:
+                with torch.no_grad():
+                    a.bias.normal_(generator=torch.Generator().manual_seed(1))
+                    b.bias.copy_(a.bias)
+    assert packed.prepack()
+    ids = torch.randint(0, config.vocab_size, (24,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        a = plain.compute_logits(plain(ids, torch.arange(24), _Causal()))
+        b = packed.compute_logits(packed(ids, torch.arange(24), _Causal()))
+    assert rel_err(b, a) < 1e-5 and torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_bf16_packed_model_keeps_an_fp32_residual_stream() -> None:
+    config = ModelConfig.tiny()
+    plain, packed = LlamaModel.random_init(config, 6), LlamaModel.random_init(config, 6)
+    assert packed.prepack(torch.bfloat16)
+    ids = torch.randint(0, config.vocab_size, (24,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        exact = plain(ids, torch.arange(24), _Causal())
+        hidden = packed(ids, torch.arange(24), _Causal())
+        logits = packed.compute_logits(hidden)
+    assert hidden.dtype == torch.float32 and logits.dtype == torch.float32
+    assert 1e-5 < rel_err(hidden, exact) < 5e-2  # bf16 rounding: visible, and small
+    assert not torch.isnan(logits).any()

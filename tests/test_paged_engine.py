@@ -583,3 +583,42 @@ def test_bf16_weights_are_opt_in_and_checked(tiny_model):
 
     with pytest.raises(ValueError, match="weight_dtype needs prepack=True"):
         EngineRunner(tiny_model, prepack=False, weight_dtype=torch.bfloat16)
+
+
+def test_a_bf16_kv_cache_rounds_on_write_and_batches_exactly_like_alone(engines, tiny_model):
+    vocab = tiny_model.config.vocab_size
+    (_, _, _, _, e), leaves = _group_workload(vocab)
+    budget = 4 << 20
+    on = engines("share-bf16kv", share_prefix=True, kv_dtype=torch.bfloat16, kv_cache_bytes=budget)
+    off = engines("noshare-bf16kv", share_prefix=False, kv_dtype=torch.bfloat16)
+    fp32 = engines("share-4MiB", share_prefix=True, kv_cache_bytes=budget)
+    assert on.runner.cache.k.dtype == torch.bfloat16 and fp32.runner.cache.k.dtype == torch.float32
+    assert on.runner.pool.num_blocks == 2 * fp32.runner.pool.num_blocks  # a byte budget: twice the tokens
+
+    # layer 0's keys depend on no attention: the bf16 cache holds exactly the fp32 keys, rounded
+    tokens = prompt(9, 30, vocab)
+
+    async def layer0_keys(engine: LocalEngine) -> torch.Tensor:
+        ctx = next(_ids)
+        await engine.fill(tokens, ctx)
+        runner = engine.runner
+        rows = runner.contexts.slots(runner.contexts.get(ctx), 0, len(tokens))
+        keys = runner.cache.k_rows[0][rows].clone()
+        await engine.free_context(ctx)
+        return keys
+
+    rounded = asyncio.run(layer0_keys(fp32)).to(torch.bfloat16)
+    assert torch.equal(asyncio.run(layer0_keys(on)), rounded)
+
+    # every query reads the same rounded K/V whatever the batching: greedy outputs agree
+    expected = asyncio.run(_alone_all(on, [full for _, _, full in leaves] + [e]))
+    assert asyncio.run(_run_groups(on, vocab)) == expected
+    assert asyncio.run(_run_groups(off, vocab)) == expected
+    assert asyncio.run(on.stats()).kv_blocks_used == 0
+
+
+def test_kv_dtype_is_checked(tiny_model):
+    from parrot.engine.runner import EngineRunner
+
+    with pytest.raises(ValueError, match="kv_dtype must be float32, bfloat16"):
+        EngineRunner(tiny_model, kv_dtype=torch.float16)

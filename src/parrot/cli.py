@@ -45,6 +45,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "the GEMMs in bf16 with fp32 accumulation: faster, slightly different outputs",
     )
     p.add_argument(
+        "--kv-dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="dtype of the KV cache (default: the model's, fp32); bfloat16 halves the KV memory "
+        "and the bytes each decode step reads; attention still computes in fp32",
+    )
+    p.add_argument(
         "--no-shared-attention",
         action="store_true",
         help="plain per-sequence decode attention (forks still share KV blocks); for A/B runs",
@@ -120,6 +127,7 @@ def _load_engine(args: argparse.Namespace):
         kv_cache_tokens=args.kv_cache_tokens,
         share_prefix=not args.no_shared_attention,
         weight_dtype=getattr(torch, args.weight_dtype) if args.weight_dtype else None,
+        kv_dtype=getattr(torch, args.kv_dtype) if args.kv_dtype else None,
     )
 
 

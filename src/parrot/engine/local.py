@@ -36,7 +36,8 @@ class LocalEngine:
     see :meth:`set_token_capacity`), ``share_prefix`` (shared-prefix decode attention;
     False for baselines), ``block_size``, and the KV pool's size as
     ``kv_cache_tokens`` or ``kv_cache_bytes`` (default: 2 GiB worth of tokens, see
-    :mod:`parrot.engine.kv_store`), and ``weight_dtype`` (bf16 packed GEMM weights)."""
+    :mod:`parrot.engine.kv_store`), ``weight_dtype`` (bf16 packed GEMM weights) and
+    ``kv_dtype`` (a bf16 KV cache)."""
 
     def __init__(
         self,
@@ -49,6 +50,7 @@ class LocalEngine:
         kv_cache_tokens: int | None = None,
         kv_cache_bytes: int | None = None,
         weight_dtype: torch.dtype | None = None,
+        kv_dtype: torch.dtype | None = None,
     ):
         self.loaded = loaded
         self.runner = EngineRunner(
@@ -60,6 +62,7 @@ class LocalEngine:
             kv_cache_tokens=kv_cache_tokens,
             kv_cache_bytes=kv_cache_bytes,
             weight_dtype=weight_dtype,
+            kv_dtype=kv_dtype,
         )
         self.runner.start()
 

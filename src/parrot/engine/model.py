@@ -293,6 +293,14 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
+    """Grouped-query self-attention with RoPE.
+
+    After :meth:`fuse` (called by :meth:`LlamaModel.prepack`), q, k and v come
+    from one packed GEMM over the concatenated weights and RoPE rotates q and k
+    in one call; the ``q_proj``/``k_proj``/``v_proj`` parameters stay the
+    checkpoint's (the fused copy is derived from them, not registered).
+    """
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         c = config
@@ -301,29 +309,58 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(c.hidden_size, c.kv_size, bias=c.attention_bias)
         self.v_proj = nn.Linear(c.hidden_size, c.kv_size, bias=c.attention_bias)
         self.o_proj = nn.Linear(c.q_size, c.hidden_size, bias=False)
+        self.qkv: PackedLinear | None = None  # set by fuse()
+
+    def fuse(self, dtype: torch.dtype) -> None:
+        """Pack q, k and v as one ``dtype`` weight [q_size + 2 * kv_size, hidden]."""
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        weight = torch.cat([m.weight for m in parts])
+        bias = None if self.q_proj.bias is None else torch.cat([m.bias for m in parts])
+        self.qkv = PackedLinear(weight, bias, dtype=dtype)
 
     def forward(self, layer: int, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, D_model] -> [T, H, Dh]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, D_model] -> [T, Hkv, Dh]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, D_model] -> [T, Hkv, Dh]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # shapes unchanged
+        t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv is not None:
+            qkv = self.qkv(x)  # [T, D_model] -> [T, (H + 2 Hkv) * Dh]
+            qk = apply_rope(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), cos, sin)  # [T, H + Hkv, Dh]
+            q, k = qk[:, :h], qk[:, h:]  # [T, H, Dh], [T, Hkv, Dh]
+            v = qkv[:, (h + kvh) * d :].view(t, kvh, d)  # [T, Hkv, Dh]
+        else:
+            q = apply_rope(self.q_proj(x).view(t, h, d), cos, sin)  # [T, D_model] -> [T, H, Dh]
+            k = apply_rope(self.k_proj(x).view(t, kvh, d), cos, sin)  # [T, D_model] -> [T, Hkv, Dh]
+            v = self.v_proj(x).view(t, kvh, d)  # [T, D_model] -> [T, Hkv, Dh]
         out = attn(layer, q, k, v)  # [T, H, Dh]
         if out.shape != q.shape:
             raise ValueError(
                 f"attention backend returned shape {tuple(out.shape)}, expected {tuple(q.shape)}"
             )
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))  # [T, H*Dh] -> [T, D_model]
+        return self.o_proj(out.reshape(t, h * d))  # [T, H*Dh] -> [T, D_model]
 
 
 class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)).
+
+    After :meth:`fuse`, gate and up are one packed GEMM, and the MLP computes in
+    the packed dtype: with bf16 weights its input is rounded to bf16 once and it
+    returns bf16 (the caller's residual add promotes back to fp32).
+    """
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up: PackedLinear | None = None  # set by fuse()
+
+    def fuse(self, dtype: torch.dtype) -> None:
+        """Pack gate and up as one ``dtype`` weight [2 * intermediate, hidden]."""
+        self.gate_up = PackedLinear(torch.cat([self.gate_proj.weight, self.up_proj.weight]), dtype=dtype)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.gate_up is not None:
+            inter = self.gate_proj.out_features
+            gu = self.gate_up(x.to(self.gate_up.dtype))  # [T, D] -> [T, 2I], in the packed dtype
+            return self.down_proj(F.silu(gu[:, :inter]) * gu[:, inter:])  # [T, I] -> [T, D]
         # x: [T, D] -> gate, up: [T, I] -> [T, I] -> [T, D]
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -407,13 +444,22 @@ class LlamaModel(nn.Module):
     def prepack(self, dtype: torch.dtype | None = None) -> bool:
         """Run every projection (and the logits) through oneDNN-packed weights of ``dtype``
         (default: the weights' own) when this model's weights allow it (CPU, fp32/bf16);
-        see :mod:`parrot.engine.packed_linear`.  Idempotent for one ``dtype``; returns
-        whether the model now runs packed."""
+        see :mod:`parrot.engine.packed_linear`.  q/k/v and gate/up are packed fused
+        (one GEMM each per layer); ``o_proj`` and ``down_proj`` alone.  Idempotent for one
+        ``dtype``; returns whether the model now runs packed."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if not packed_linear_available(weight):
             return False
-        prepack_linears(self, dtype)
         want = weight.dtype if dtype is None else dtype
+        fused: list[nn.Module] = []
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.qkv is None or attn.qkv.dtype != want:
+                attn.fuse(want)
+            if mlp.gate_up is None or mlp.gate_up.dtype != want:
+                mlp.fuse(want)
+            fused += [attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj]
+        prepack_linears(self, dtype, exclude=fused)
         if self._packed_logits is None or self._packed_logits.dtype != want:
             self._packed_logits = PackedLinear(weight, dtype=want)
         return True

@@ -24,6 +24,8 @@ can differ from fp32's), so it is opt-in: ``parrot serve --weight-dtype bfloat16
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import Tensor, nn
 
@@ -74,13 +76,20 @@ class PackedLinear:
         return y.to(x.dtype)
 
 
-def prepack_linears(model: nn.Module, dtype: torch.dtype | None = None) -> int:
+def prepack_linears(
+    model: nn.Module, dtype: torch.dtype | None = None, *, exclude: Iterable[nn.Module] = ()
+) -> int:
     """Pack every ``nn.Linear`` in ``model`` whose weight allows it, as ``dtype``
     (default: the weight's); returns how many modules now run packed.  Safe to call
     again: a module already packed as ``dtype`` is kept, one packed otherwise is
-    repacked."""
+    repacked.  Modules in ``exclude`` (e.g. ones the caller packs fused) are left
+    unpacked, and a packed copy they had is dropped."""
+    skip = {id(m) for m in exclude}
     count = 0
     for module in model.modules():
+        if id(module) in skip:
+            module.__dict__.pop("forward", None)
+            continue
         if not isinstance(module, nn.Linear) or not packed_linear_available(module.weight):
             continue
         want = module.weight.dtype if dtype is None else dtype

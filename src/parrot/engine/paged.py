@@ -111,8 +111,9 @@ class PagedStepAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, KVH, D]
         cache = self.cache
-        cache.k_rows[layer].index_copy_(0, self.slots, k)
-        cache.v_rows[layer].index_copy_(0, self.slots, v)
+        rows_k, rows_v = cache.k_rows[layer], cache.v_rows[layer]
+        rows_k.index_copy_(0, self.slots, k.to(rows_k.dtype))  # rounds to the cache's dtype
+        rows_v.index_copy_(0, self.slots, v.to(rows_v.dtype))
         k_layer, v_layer = cache.k[layer], cache.v[layer]  # [NB, BS, KVH, D]
         nd = self.num_decode
         decoded = None
@@ -132,7 +133,7 @@ class PagedStepAttention:
             out[:nd] = decoded
         kv_heads, dim = k.shape[1], k.shape[2]
         for c in self.chunks:
-            kk = k_layer.index_select(0, c.blocks).view(-1, kv_heads, dim)[: c.total]
-            vv = v_layer.index_select(0, c.blocks).view(-1, kv_heads, dim)[: c.total]
+            kk = k_layer.index_select(0, c.blocks).view(-1, kv_heads, dim)[: c.total].to(q.dtype)
+            vv = v_layer.index_select(0, c.blocks).view(-1, kv_heads, dim)[: c.total].to(q.dtype)
             out[c.rows] = prefill_attention(q[c.rows], kk, vv, c.start)
         return out

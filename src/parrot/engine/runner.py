@@ -113,7 +113,10 @@ class EngineRunner:
     KV pool (see :func:`~parrot.engine.kv_store.kv_cache_blocks`); ``prepack`` —
     run the model's projections through oneDNN-packed weights where possible
     (see :mod:`~parrot.engine.packed_linear`); ``weight_dtype`` — pack them as this
-    dtype (``torch.bfloat16``: bf16 GEMMs, opt-in) instead of the weights' own."""
+    dtype (``torch.bfloat16``: bf16 GEMMs, opt-in) instead of the weights' own;
+    ``kv_dtype`` — the KV cache's dtype (default: the weights'; ``torch.bfloat16``
+    halves the bytes each decode step reads and doubles the tokens a byte budget
+    holds; attention still computes in the queries' dtype)."""
 
     def __init__(
         self,
@@ -127,6 +130,7 @@ class EngineRunner:
         kv_cache_bytes: int | None = None,
         prepack: bool = True,
         weight_dtype: torch.dtype | None = None,
+        kv_dtype: torch.dtype | None = None,
     ):
         if max_step_tokens < 1:
             raise ValueError("max_step_tokens must be >= 1")
@@ -142,8 +146,11 @@ class EngineRunner:
         self.tokenizer = loaded.tokenizer
         cfg = loaded.config
         param = next(self.model.parameters())
+        kv_dtype = param.dtype if kv_dtype is None else kv_dtype
+        if kv_dtype not in (torch.float32, torch.bfloat16, param.dtype):
+            raise ValueError(f"kv_dtype must be float32, bfloat16 or the weights' dtype, not {kv_dtype}")
         num_blocks = kv_cache_blocks(
-            cfg, block_size, kv_cache_tokens=kv_cache_tokens, kv_cache_bytes=kv_cache_bytes, dtype=param.dtype
+            cfg, block_size, kv_cache_tokens=kv_cache_tokens, kv_cache_bytes=kv_cache_bytes, dtype=kv_dtype
         )
         self.pool = BlockPool(num_blocks, block_size)
         self.cache = PagedKVCache(
@@ -152,7 +159,7 @@ class EngineRunner:
             block_size,
             cfg.num_kv_heads,
             cfg.head_dim,
-            param.dtype,
+            kv_dtype,
             str(param.device),
         )
         self.contexts = ContextTable(cfg.max_seq_len, on_release=self._on_release, pool=self.pool)

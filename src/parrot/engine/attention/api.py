@@ -19,6 +19,7 @@ DecodePlan = TorchDecodePlan
 
 Backend = Literal["auto", "torch", "triton"]
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def triton_available() -> bool:
@@ -49,9 +50,12 @@ def _check_tensors(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
         raise ValueError(f"empty cache dimensions: {tuple(k_cache.shape)}")
     if heads % kv_heads:
         raise ValueError(f"H={heads} is not a multiple of KVH={kv_heads}")
-    if q.dtype not in _FLOAT_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    kv = k_cache.dtype
+    narrow_cache = kv in _HALF_DTYPES and q.dtype in (torch.float32, torch.float64)
+    if q.dtype not in _FLOAT_DTYPES or v_cache.dtype != kv or (kv != q.dtype and not narrow_cache):
         raise ValueError(
-            f"q, k_cache, v_cache must share one float dtype; got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+            "q, k_cache, v_cache must share one float dtype (or the caches one 16-bit dtype under "
+            f"fp32/fp64 queries); got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
         )
     if k_cache.device != q.device or v_cache.device != q.device:
         raise ValueError(f"devices differ: q {q.device}, k_cache {k_cache.device}, v_cache {v_cache.device}")
@@ -122,7 +126,9 @@ def paged_decode_attention(
     q: [B, H, D] (one decode query per sequence); k_cache, v_cache: [num_blocks, block_size,
     KVH, D]; H % KVH == 0 (GQA: query head h reads kv head h // (H // KVH)).  Each sequence
     attends to the union of the segments that list it (all of its keys appear in exactly one
-    of them — no causal mask needed for decode).  Returns [B, H, D] in q's dtype.
+    of them — no causal mask needed for decode).  Returns [B, H, D] in q's dtype.  The caches
+    may hold a 16-bit dtype under fp32/fp64 queries (torch backend): keys and values are then
+    widened to q's dtype as they are read, and everything is computed in q's dtype.
 
     share=True: each segment is computed once for all its queries (matrix-matrix), partials
     merged by LSE.  share=False: plain per-sequence paged attention (each sequence gathers its
@@ -155,6 +161,10 @@ def paged_decode_attention(
     if batch == 0:
         return torch.empty_like(q)
     if which == "triton":
+        if k_cache.dtype != q.dtype:
+            raise ValueError(
+                f"the triton backend needs q in the caches' dtype ({k_cache.dtype}), got {q.dtype}"
+            )
         return triton_paged_decode_attention(q, k_cache, v_cache, segments, scale=scale, share=share)
     if plan is not None:
         return torch_paged_decode_attention(q, k_cache, v_cache, plan, scale=scale, share=share)
