@@ -282,13 +282,13 @@ def _parrot_app() -> AppSpec:
 _VAR_GET = re.compile(r"^/v1/sessions/[^/]+/variables/([^/]+)$")
 
 
-def test_parrot_app_submits_every_call_once_and_fetches_only_outputs(live) -> None:
+def test_parrot_app_submits_the_whole_app_in_one_request_and_fetches_only_outputs(live) -> None:
     app = _parrot_app()
     delay = Delay(100, 100)
     record = asyncio.run(run_parrot_app(live.url, app, time.perf_counter(), delay))
     assert record.error is None, record.error
-    submits = [p for m, p in live.requests if m == "POST" and p.endswith("/calls")]
-    assert len(submits) == len(app.calls)
+    writes = [p for m, p in live.requests if m in ("POST", "PUT") and p.startswith("/v1/sessions/")]
+    assert len(writes) == 1 and writes[0].endswith("/batch")  # constants, calls and values at once
     fetched = {m.group(1) for meth, p in live.requests if meth == "GET" and (m := _VAR_GET.match(p))}
     assert len(fetched) == len(app.outputs)  # m1 flowed into r on the server, never to the client
     assert not any(p.endswith("/v1/completions") for _, p in live.requests)
@@ -419,19 +419,24 @@ def test_parrot_client_lets_nothing_run_before_the_whole_dag_is_submitted(live) 
     )
     app = AppSpec("dag-0", "map_reduce", (*maps, reduce), ("r",))
 
-    async def run() -> tuple[list[dict], list[dict]]:
+    async def run() -> tuple[str, list[dict]]:
         async with P.aconnect(live.url) as session:
-            outs, inputs = _submit_app(session, app)
-            await session.flush()
+            outs = await _submit_app(session, app)
+            assert all(var.id for var in outs.values())
+            await outs["r"].aget(P.LATENCY, timeout=60)
             headers = {"Authorization": f"Bearer {session.token}"}
             url = f"{live.url}/v1/sessions/{session.session_id}/graph"
-            before = httpx.get(url, headers=headers, timeout=10).json()["calls"]
-            await asyncio.gather(*(var.aset(value) for var, value in inputs))
-            await outs["r"].aget(P.LATENCY, timeout=60)
-            return before, httpx.get(url, headers=headers, timeout=10).json()["calls"]
+            return str(session.session_id), httpx.get(url, headers=headers, timeout=10).json()["calls"]
 
-    before, after = asyncio.run(run())
-    assert len(before) == 4 and {c["state"] for c in before} == {"waiting"}  # every input still unset
+    sid, after = asyncio.run(run())
+    writes = [
+        (m, p) for m, p in live.requests if m in ("POST", "PUT") and p.startswith(f"/v1/sessions/{sid}/")
+    ]
+    assert writes == [("POST", f"/v1/sessions/{sid}/batch")]
+    assert len(after) == 4
+    # no call was placed before the last one was on the server ...
+    assert min(c["dispatched_at"] for c in after) >= max(c["submitted_at"] for c in after)
+    # ... and the first round already deduced objectives over the whole DAG
     objectives = {c["name"]: (c["objective"], c["task_group"]) for c in after}
     assert objectives["r"] == ("latency", None)
     assert {objectives[f"m{i}"] for i in range(3)} == {

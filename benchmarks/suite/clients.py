@@ -10,12 +10,14 @@ every client-server round trip that lies on an application's critical path
 pays one :class:`Delay` (uniform 200-300 ms by default) in full:
 
 * Parrot (:func:`run_parrot_app`): one delay for submitting the whole app,
-  slept before the calls are sent back to back (the submission is in flight,
-  nothing can run yet), and one per final ``get`` of ``app.outputs``, slept
-  *after* the value arrived (the answer is in flight), so no delay overlaps
-  with execution.  Values flowing between dependent calls stay inside the
-  server and pay nothing.  Opening the session (one ``POST /v1/sessions``) is
-  app set-up and is not charged.
+  which is one request (``POST /v1/sessions/{sid}/batch``), slept before it
+  is sent (the submission is in flight, nothing can run yet; its answer, the
+  variable ids, travels back while the calls run, off the critical path), and
+  one per final ``get`` of ``app.outputs``, slept *after* the value arrived
+  (the answer is in flight), so no delay overlaps with execution.  Values
+  flowing between dependent calls stay inside the server and pay nothing.
+  Opening the session (one ``POST /v1/sessions``) is app set-up and is not
+  charged.
 * Baseline (:func:`run_baseline_app`, LangChain-style): one delay per
   ``/v1/completions`` request, slept before the request is sent; a dependent
   call starts only after its producers' answers came back.
@@ -140,34 +142,34 @@ def _semantic_function(call: CallSpec, criteria: str | None) -> P.SemanticFuncti
     return P.template_function(call.template, name=call.name, **{call.name: output})
 
 
-def _submit_app(
-    session: P.AsyncSession, app: AppSpec
-) -> tuple[dict[str, P.SemanticVariable], list[tuple[P.SemanticVariable, str]]]:
-    """Queue every call of ``app`` on ``session`` (dependencies as variables); returns the
-    outputs by call and the (variable, value) pairs of the constant inputs, to be set
-    once every call is on the server.
+async def _submit_app(session: P.AsyncSession, app: AppSpec) -> dict[str, P.SemanticVariable]:
+    """Submit the whole of ``app`` on ``session`` in one batch request
+    (dependencies as variables); returns the outputs by call, ids known.
 
-    The whole DAG reaches the manager before any call can run: every constant input
-    is a variable created empty, bound to its call, and set only after the last
-    call is submitted.  (Passing constants inline would make the first calls ready
-    while later ones are still being submitted, and the manager would place them
-    before it knows their consumers, i.e. before it can deduce their objectives.)
+    The batch creates every constant input as an empty variable, then submits
+    every call, then sets the constant inputs.  The manager applies a batch as
+    a whole before any call can be scheduled, and with the inputs set last, no
+    call is ready before every call is linked, so the manager deduces objectives
+    over the whole DAG before it places anything.
     """
     criteria = _criteria(app)
     variables: dict[str, P.SemanticVariable] = {}
-    pending: list[tuple[P.SemanticVariable, str]] = []
-    for call in app.calls:
-        fn = _semantic_function(call, criteria if call.name in app.outputs else None)
-        inputs: dict[str, Any] = {}
-        for ph, value in call.consts.items():
-            var = session.variable(name=f"{call.name}.{ph}")
-            pending.append((var, value))
-            inputs[ph] = var
-        inputs.update({ph: variables[dep] for ph, dep in call.deps.items()})
-        out = session.call(fn, **inputs)
-        assert isinstance(out, P.SemanticVariable)  # one output per call
-        variables[call.name] = out
-    return variables, pending
+    constants: list[tuple[P.SemanticVariable, str]] = []
+    async with session.batch():
+        for call in app.calls:
+            inputs: dict[str, Any] = {}
+            for ph, value in call.consts.items():
+                var = session.variable(name=f"{call.name}.{ph}")
+                constants.append((var, value))
+                inputs[ph] = var
+            inputs.update({ph: variables[dep] for ph, dep in call.deps.items()})
+            fn = _semantic_function(call, criteria if call.name in app.outputs else None)
+            out = session.call(fn, **inputs)
+            assert isinstance(out, P.SemanticVariable)  # one output per call
+            variables[call.name] = out
+        for var, value in constants:
+            await var.aset(value)
+    return variables
 
 
 async def _graph_records(session: P.AsyncSession, app: AppSpec, t0: float) -> list[CallRecord] | None:
@@ -216,10 +218,10 @@ async def run_parrot_app(url: str, app: AppSpec, t0: float, delay: Delay) -> App
     """Run ``app`` on the Parrot manager at ``url`` the Parrot way.
 
     Waits until ``t0 + app.arrival_s``, opens one session, pays one delay,
-    then submits every call back to back as a semantic function (dependencies
-    as semantic variables, ``app.criteria`` on the outputs so the manager
-    deduces objectives at submit) and only then sets the constant inputs (see
-    :func:`_submit_app`); then fetches
+    then submits the whole app in one batch request: every call as a semantic
+    function (dependencies as semantic variables, ``app.criteria`` on the
+    outputs so the manager deduces objectives at submit), the constant inputs
+    set last (see :func:`_submit_app`); then fetches
     ``app.outputs`` concurrently, each paying one delay once its value is in.
     ``calls`` holds one record per call from the session graph (server-side
     times and token counts), or, if the graph is unavailable, one per fetched
@@ -233,9 +235,7 @@ async def run_parrot_app(url: str, app: AppSpec, t0: float, delay: Delay) -> App
     try:
         async with P.aconnect(url) as session:
             await delay()  # the submission's network trip: nothing runs before it is over
-            variables, inputs = _submit_app(session, app)
-            await session.flush()  # every call is on the server: the manager sees the whole DAG
-            await asyncio.gather(*(var.aset(value) for var, value in inputs))  # now calls may run
+            variables = await _submit_app(session, app)  # one request: the whole DAG at once
             ends = await asyncio.gather(*(_fetch(variables[o], criteria, delay, t0) for o in app.outputs))
             record.end_s, done = max(ends, default=_rel(t0)), True
             graph = await _graph_records(session, app, t0)

@@ -16,6 +16,7 @@ Endpoints used (all JSON; every request after the first carries
 ``PUT    /v1/sessions/{sid}/variables/{vid}`` ``SetVariable`` -> any 2xx
 ``GET    /v1/sessions/{sid}/variables/{vid}?wait=W&criteria=C`` -> ``VariableInfo``
 ``GET    /v1/sessions/{sid}/variables/{vid}/stream?criteria=C`` -> NDJSON
+``POST   /v1/sessions/{sid}/batch``        ``BatchRequest`` -> ``BatchResult``
 =========================================================  =====================
 
 ``wait`` is a decimal number of seconds in ``[0, 30]``: the manager answers
@@ -25,7 +26,9 @@ is lines ``{"text": delta}`` ended by ``{"done": true, "state": "ready" |
 ``"value"`` in the final line is cached as the variable's value).
 
 Invariants: one HTTP request per semantic-function call, sent in program order
-(the async session sends from one background task, in queue order); a
+(the async session sends from one background task, in queue order), except
+inside a ``session.batch()`` block, whose calls, variable creations and sets
+are recorded and sent at its end as one request, applied all or none; a
 non-2xx answer with an ``{"error": ...}`` body becomes the very error class
 the server raised (:func:`~parrot.protocol.errors.error_from_body`); transport
 failures become :class:`ConnectionFailed` or
@@ -35,6 +38,7 @@ failures become :class:`ConnectionFailed` or
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
@@ -55,7 +59,15 @@ from parrot.protocol.errors import (
     Timeout,
     error_from_body,
 )
-from parrot.protocol.schemas import CallSubmitted, ErrorInfo, SessionCreated, VariableInfo
+from parrot.protocol.schemas import (
+    MAX_BATCH_OPS,
+    BatchRequest,
+    BatchResult,
+    CallSubmitted,
+    ErrorInfo,
+    SessionCreated,
+    VariableInfo,
+)
 
 if TYPE_CHECKING:
     from parrot.frontend.function import SemanticFunction
@@ -143,6 +155,98 @@ def _quote(part: str) -> str:
     return quote(part, safe="")
 
 
+def _one_or_tuple(outputs: list[SemanticVariable]) -> Outputs:
+    return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+
+class _Batch:
+    """Operations recorded in a ``session.batch()`` block, sent as one
+    ``POST /v1/sessions/{sid}/batch`` when the block ends.
+
+    Invariants: every variable the batch creates (with ``variable()`` or as a
+    call's output) has a ref unique in the batch, ``_pending`` set to ``job``
+    (async sessions; ``None`` for sync ones) and no id until :meth:`settle`
+    assigns the manager's; a variable from outside the batch is named by its
+    id, which must be known when :meth:`body` runs (``outside`` lists them).
+    Values given to ``set`` are cached on their variables only by
+    :meth:`settle`, once the manager accepted the whole batch.
+    """
+
+    def __init__(self, job: _Job | None):
+        self.job = job
+        self.refs: dict[SemanticVariable, str] = {}
+        self.outside: list[SemanticVariable] = []
+        self.sets: list[tuple[SemanticVariable, str]] = []
+        self._ops: list[Callable[[], dict[str, Any]]] = []  # built at send time: outside ids are known then
+
+    def __len__(self) -> int:
+        return len(self._ops)
+
+    # ---------------------------------------------------------- recording
+    def variable(self, var: SemanticVariable, body: dict[str, Any]) -> None:
+        self._check_room()
+        op = {"op": "create_variable", "ref": self._new_ref(var), **body}
+        self._ops.append(lambda: op)
+
+    def call(self, fn: SemanticFunction, inputs: dict[str, Any], outputs: list[SemanticVariable]) -> None:
+        self._check_room()
+        for value in inputs.values():
+            if isinstance(value, SemanticVariable):
+                self._use(value)
+        output_refs = {str(var.name): self._new_ref(var) for var in outputs}
+        self._ops.append(lambda: fn.batch_op(inputs, self.refs.get, output_refs))
+
+    def set(self, var: SemanticVariable, value: str) -> None:
+        self._check_room()
+        self._use(var)
+        self.sets.append((var, value))
+        self._ops.append(lambda: {"op": "set_variable", **self._names(var), "value": value})
+
+    def _check_room(self) -> None:
+        if len(self._ops) >= MAX_BATCH_OPS:
+            raise BadRequest(f"a batch holds at most {MAX_BATCH_OPS} operations")
+
+    def _new_ref(self, var: SemanticVariable) -> str:
+        ref = self.refs[var] = f"r{len(self.refs)}"
+        var._pending = self.job
+        return ref
+
+    def _use(self, var: SemanticVariable) -> None:
+        if var not in self.refs:
+            self.outside.append(var)
+
+    def _names(self, var: SemanticVariable) -> dict[str, str]:
+        ref = self.refs.get(var)
+        if ref is not None:
+            return {"ref": ref}
+        if var.id is None:
+            raise ParrotError(f"variable {var.name!r} has no id yet", code="client_error")
+        return {"var_id": var.id}
+
+    # ------------------------------------------------------------ sending
+    def body(self) -> dict[str, Any]:
+        """The ``BatchRequest`` JSON body, checked against the wire schema."""
+        body = {"ops": [op() for op in self._ops]}
+        BatchRequest.model_validate(body)
+        return body
+
+    def settle(self, data: Any) -> None:
+        """Take the manager's ``BatchResult``: ids of created variables, values of set ones."""
+        result = _parse(BatchResult, data, "batch")
+        missing = [ref for ref in self.refs.values() if ref not in result.refs]
+        if missing:
+            raise ParrotError(f"the manager's answer to a batch lacks ref(s) {missing}", code="bad_response")
+        for var, ref in self.refs.items():
+            var._id = result.refs[ref]
+        for var, value in self.sets:
+            var._resolve(value)
+
+    def fail(self, error: ParrotError) -> None:
+        """The batch was not applied: its variables carry ``error`` for ever."""
+        for var in self.refs:
+            var._fail(error)
+
+
 class _Base:
     """What both session kinds share: paths, argument checks, response handling."""
 
@@ -155,6 +259,7 @@ class _Base:
         self.token: str | None = None
         self.closed = False
         self._ctx: list[Token[Session | AsyncSession | None]] = []
+        self._batch: _Batch | None = None  # while a batch() block records
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open" if self.session_id else "not opened"
@@ -180,6 +285,21 @@ class _Base:
             raise NoSession(f"session {self.session_id} to {self.url} is closed")
         if self.session_id is None:
             raise NoSession(f"session to {self.url} is not open; use it in a with/async with block")
+
+    def _start_batch(self, job: _Job | None) -> _Batch:
+        self._require_open()
+        if self._batch is not None:
+            raise BadRequest("session.batch() blocks do not nest")
+        self._batch = _Batch(job)
+        return self._batch
+
+    def _check_sent(self, var: SemanticVariable) -> None:
+        """Raise if ``var`` is created by the batch still being recorded (it has no id yet)."""
+        if self._batch is not None and var in self._batch.refs:
+            raise BadRequest(
+                f"variable {var.name!r} is created by the batch being recorded; "
+                "read it after the session.batch() block"
+            )
 
     def _check_owned(self, var: SemanticVariable, what: str = "variable") -> None:
         if not isinstance(var, SemanticVariable):
@@ -342,17 +462,50 @@ class Session(_Base):
         return _decode(response, f"{method} {path}")
 
     # ----------------------------------------------------------- user API
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Record the block's calls, :meth:`variable` creations and ``var.set()``
+        and send them at its end as one request, applied all or none.
+
+        Variables created in the block get their ids at its end; reading one
+        inside the block raises :class:`BadRequest`.  A rejected batch raises
+        here (its message names the op) and fails every variable it created;
+        if the block raises, nothing is sent.
+        """
+        batch = self._start_batch(None)
+        try:
+            yield
+        except BaseException:
+            batch.fail(BadRequest("the batch was not sent: its block raised", code="batch_abandoned"))
+            raise
+        finally:
+            self._batch = None
+        if not len(batch):
+            return
+        try:
+            batch.settle(self._request("POST", f"{self._sp}/batch", json=batch.body()))
+        except ParrotError as error:
+            batch.fail(error)
+            raise
+
     def call(self, fn: SemanticFunction, *args: Any, **kwargs: Any) -> Outputs:
-        """Submit ``fn(*args, **kwargs)`` here (one POST); returns its output variable(s)."""
+        """Submit ``fn(*args, **kwargs)`` here (one POST, or recorded in a batch); returns its output(s)."""
         inputs = self._bind(fn, args, kwargs)
+        if self._batch is not None:
+            outputs = [SemanticVariable(self, name=n) for n in fn.outputs]
+            self._batch.call(fn, inputs, outputs)
+            return _one_or_tuple(outputs)
         data = self._request("POST", f"{self._sp}/calls", json=fn.submit_body(inputs))
-        outputs = self._output_vars(fn, data)
-        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+        return _one_or_tuple(self._output_vars(fn, data))
 
     def variable(self, value: str | None = None, name: str | None = None) -> SemanticVariable:
         """Create a variable, ready if ``value`` is given, else to be :meth:`~SemanticVariable.set`."""
         self._require_open()
         body = _create_body(value, name)
+        if self._batch is not None:
+            var = SemanticVariable(self, name=name)
+            self._batch.variable(var, body)
+            return var
         data = self._request("POST", f"{self._sp}/variables", json=body)
         info = _parse(VariableInfo, data, "variable creation")
         var = SemanticVariable(self, name=name, var_id=info.var_id)
@@ -363,6 +516,7 @@ class Session(_Base):
     # ------------------------------------------------- variable internals
     def _get_variable(self, var: SemanticVariable, criteria: str, timeout: float | None) -> str:
         self._check_owned(var)
+        self._check_sent(var)
         if self._cached(var):
             return var._value  # type: ignore[return-value]
         self._require_open()
@@ -392,6 +546,9 @@ class Session(_Base):
     def _set_variable(self, var: SemanticVariable, value: str) -> None:
         self._check_owned(var)
         self._require_open()
+        if self._batch is not None:
+            self._batch.set(var, value)
+            return
         self._request("PUT", self._vp(var), json={"value": value})
         var._resolve(value)
 
@@ -400,6 +557,7 @@ class Session(_Base):
 
     def _stream_variable(self, var: SemanticVariable, criteria: str, timeout: float | None) -> Iterator[str]:
         self._check_owned(var)
+        self._check_sent(var)
         self._require_open()
         return self._iter_stream(var, criteria, timeout)
 
@@ -450,10 +608,10 @@ class AsyncSession(_Base):
 
     Calling a semantic function never blocks: it returns futures whose ids
     are unknown yet and queues the submission; one background task sends the
-    queue in order, so the manager still sees one POST per call in program
-    order.  A submission that fails is raised by :meth:`SemanticVariable.aget`
-    of its outputs (and of everything that consumes them), and by the
-    ``async with`` exit if nothing observed it.
+    queue in order, so the manager still sees one POST per call (or per
+    :meth:`batch`) in program order.  A submission that fails is raised by
+    :meth:`SemanticVariable.aget` of its outputs (and of everything that
+    consumes them), and by the ``async with`` exit if nothing observed it.
     """
 
     def __init__(
@@ -568,11 +726,11 @@ class AsyncSession(_Base):
         return _decode(response, f"{method} {path}")
 
     # -------------------------------------------------------------- queue
-    def _enqueue(self, make: Callable[[_Job], Coroutine[Any, Any, None]]) -> _Job:
+    def _enqueue(self, make: Callable[[_Job], Coroutine[Any, Any, None]], job: _Job | None = None) -> _Job:
         self._require_open()
         if self._queue is None:
             raise NoSession(f"session to {self.url} is not open")
-        job = _Job()
+        job = job if job is not None else _Job()
         self._queue.put_nowait((job, lambda: make(job)))
         return job
 
@@ -633,10 +791,60 @@ class AsyncSession(_Base):
             raise job.error
 
     # ----------------------------------------------------------- user API
+    @contextlib.asynccontextmanager
+    async def batch(self) -> AsyncIterator[None]:
+        """Record the block's calls, :meth:`variable` creations and ``await var.aset()``
+        and send them at its end as one request (queued after everything
+        submitted before), applied all or none; the exit waits for the answer.
+
+        Variables created in the block get their ids at its end; reading one
+        inside the block raises :class:`BadRequest`.  A rejected batch raises
+        here (its message names the op), as does the ``aget`` of every
+        variable it created; if the block raises, nothing is sent.  While the
+        block records, every operation on this session, from any task, goes
+        into the batch.
+        """
+        job = _Job()
+        batch = self._start_batch(job)
+        try:
+            yield
+        except BaseException:
+            _abandon(
+                batch, job, BadRequest("the batch was not sent: its block raised", code="batch_abandoned")
+            )
+            raise
+        finally:
+            self._batch = None
+        if not len(batch):
+            return
+        try:
+            self._enqueue(lambda _: self._send_batch(batch), job)
+        except ParrotError as error:  # the session was closed meanwhile
+            _abandon(batch, job, error)
+            raise
+        await job.done.wait()
+        if job.error is not None:
+            self._observed.append(job.error)
+            raise job.error
+
+    async def _send_batch(self, batch: _Batch) -> None:
+        try:
+            for var in batch.outside:
+                if var.id is None:  # queued earlier, so already answered; its failure fails the batch
+                    await self._await_id(var, None, None, observe=False)
+            batch.settle(await self._request("POST", f"{self._sp}/batch", json=batch.body()))
+        except ParrotError as error:
+            batch.fail(error)
+            raise
+
     def call(self, fn: SemanticFunction, *args: Any, **kwargs: Any) -> Outputs:
-        """Queue ``fn(*args, **kwargs)``; returns its output future(s) at once (ids pending)."""
+        """Queue ``fn(*args, **kwargs)`` (or record it in a batch); returns its output future(s)
+        at once (ids pending)."""
         inputs = self._bind(fn, args, kwargs)
         outputs = [SemanticVariable(self, name=n) for n in fn.outputs]
+        if self._batch is not None:
+            self._batch.call(fn, inputs, outputs)
+            return _one_or_tuple(outputs)
 
         async def submit(job: _Job) -> None:
             for value in inputs.values():
@@ -650,12 +858,16 @@ class AsyncSession(_Base):
         job = self._enqueue(submit)
         for var in outputs:
             var._pending = job
-        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+        return _one_or_tuple(outputs)
 
     def variable(self, value: str | None = None, name: str | None = None) -> SemanticVariable:
-        """Queue the creation of a variable; returns it at once (id pending)."""
+        """Queue the creation of a variable (or record it in a batch); returns it at once (id pending)."""
         body = _create_body(value, name)
         var = SemanticVariable(self, name=name)
+        if self._batch is not None:
+            self._require_open()
+            self._batch.variable(var, body)
+            return var
 
         async def create(job: _Job) -> None:
             data = await self._request("POST", f"{self._sp}/variables", json=body)
@@ -678,6 +890,7 @@ class AsyncSession(_Base):
 
     async def _aget_variable(self, var: SemanticVariable, criteria: str, timeout: float | None) -> str:
         self._check_owned(var)
+        self._check_sent(var)
         deadline = None if timeout is None else time.monotonic() + timeout
         await self._await_id(var, deadline, timeout)
         if self._cached(var):
@@ -704,6 +917,10 @@ class AsyncSession(_Base):
 
     async def _aset_variable(self, var: SemanticVariable, value: str) -> None:
         self._check_owned(var)
+        if self._batch is not None:
+            self._require_open()
+            self._batch.set(var, value)
+            return
         await self._await_id(var, None, None)
         self._require_open()
         await self._request("PUT", self._vp(var), json={"value": value})
@@ -713,6 +930,7 @@ class AsyncSession(_Base):
         self, var: SemanticVariable, criteria: str, timeout: float | None
     ) -> AsyncIterator[str]:
         self._check_owned(var)
+        self._check_sent(var)
         self._require_open()
         return self._aiter_stream(var, criteria, timeout)
 
@@ -742,6 +960,13 @@ class AsyncSession(_Base):
         raise ParrotError(
             f"stream of variable {var.id} ended without its final line", code="stream_truncated"
         )
+
+
+def _abandon(batch: _Batch, job: _Job, error: ParrotError) -> None:
+    """An async batch that will never be sent: its variables raise ``error``."""
+    job.error = error
+    batch.fail(error)
+    job.done.set()
 
 
 def _create_body(value: Any, name: str | None) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from parrot.frontend.client import current_session
 from parrot.frontend.variable import Criteria, SemanticVariable, check_criteria, check_value
 from parrot.protocol.errors import BindingError, InvalidTemplate, ParrotError
 from parrot.protocol.sampling import DEFAULT_SAMPLING, SamplingParams
-from parrot.protocol.schemas import SubmitCall
+from parrot.protocol.schemas import SubmitCall, SubmitCallOp
 from parrot.protocol.template import Direction, Template, parse_template
 from parrot.protocol.transforms import TransformChain, parse_transforms
 
@@ -198,27 +198,61 @@ class SemanticFunction:
         ``var_id`` (a variable) or ``value`` (a constant); outputs carry
         their sampling, transform and criteria.
         """
+        body = self._body(inputs, lambda _: None, {})
+        SubmitCall.model_validate(body)  # the wire schema, checked before anything is sent
+        return body
+
+    def batch_op(
+        self,
+        inputs: Mapping[str, str | SemanticVariable],
+        ref_of: Callable[[SemanticVariable], str | None],
+        output_refs: Mapping[str, str],
+    ) -> dict[str, Any]:
+        """The ``submit_call`` op of a ``BatchRequest``: like :meth:`submit_body`,
+        but a variable that ``ref_of`` knows (one recorded in the same batch)
+        binds by that ``ref``, and output ``n`` defines ref ``output_refs[n]``."""
+        body = {"op": "submit_call", **self._body(inputs, ref_of, output_refs)}
+        SubmitCallOp.model_validate(body)
+        return body
+
+    def _body(
+        self,
+        inputs: Mapping[str, str | SemanticVariable],
+        ref_of: Callable[[SemanticVariable], str | None],
+        output_refs: Mapping[str, str],
+    ) -> dict[str, Any]:
         placeholders: list[dict[str, Any]] = []
         for name in self.template.names:
             if name in self.outputs:
-                placeholders.append(self.outputs[name].binding(name))
+                binding = self.outputs[name].binding(name)
+                if name in output_refs:
+                    binding["define_ref"] = output_refs[name]
+                placeholders.append(binding)
                 continue
             value = inputs[name]
             if isinstance(value, SemanticVariable):
-                if value.id is None:
-                    raise ParrotError(f"input {name!r} has no variable id yet", code="client_error")
-                placeholders.append({"name": name, "direction": "input", "var_id": value.id})
+                placeholders.append({"name": name, "direction": "input", **_names(name, value, ref_of)})
             else:
                 placeholders.append({"name": name, "direction": "input", "value": value})
-        body = {
+        return {
             "template": self.template.to_inline(),
             "placeholders": placeholders,
             "name": self.name,
             "model": self.model,
             "chat": self.chat,
         }
-        SubmitCall.model_validate(body)  # the wire schema, checked before anything is sent
-        return body
+
+
+def _names(
+    name: str, var: SemanticVariable, ref_of: Callable[[SemanticVariable], str | None]
+) -> dict[str, str]:
+    """How input ``name`` names ``var`` on the wire: by its batch ref, else by its id."""
+    ref = ref_of(var)
+    if ref is not None:
+        return {"ref": ref}
+    if var.id is None:
+        raise ParrotError(f"input {name!r} has no variable id yet", code="client_error")
+    return {"var_id": var.id}
 
 
 # ------------------------------------------------------------------ builders

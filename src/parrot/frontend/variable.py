@@ -6,7 +6,8 @@ semantic function wires a server-side dependency; only :meth:`get`,
 
 Invariants: a variable belongs to exactly one session for its whole life;
 its ``id`` is assigned once (at creation in a sync session, when the manager
-answers the submission in an async session) and never changes; once a value
+answers the submission in an async session, at the end of the
+``session.batch()`` block that created it) and never changes; once a value
 or a failure has been observed it is cached and never fetched again (values
 are final in Parrot).  All I/O is delegated to the owning session, so this
 module does no networking of its own.
@@ -41,7 +42,8 @@ class SemanticVariable:
     """A future for one string value held by the manager.
 
     ``id`` is ``None`` only while an async session has not yet heard back
-    from the manager about the request that creates the variable.
+    from the manager about the request that creates the variable, or while
+    the batch that creates it is being recorded (or was rejected).
     """
 
     __slots__ = ("_error", "_has_value", "_id", "_pending", "_session", "_value", "name")
@@ -60,7 +62,7 @@ class SemanticVariable:
     # ------------------------------------------------------------ identity
     @property
     def id(self) -> str | None:
-        """The manager's variable id; ``None`` until known (async sessions only)."""
+        """The manager's variable id; ``None`` until known (async sessions and batches only)."""
         return self._id
 
     @property

@@ -12,6 +12,7 @@ from typing import Annotated
 from fastapi import FastAPI, Header, Query, Response
 from fastapi.responses import StreamingResponse
 
+from parrot.manager.batch import apply_batch
 from parrot.manager.engines import EngineHandle
 from parrot.manager.openai_api import openai_router
 from parrot.manager.remote_engine import RemoteEngine
@@ -19,6 +20,8 @@ from parrot.manager.service import Manager, error_info
 from parrot.protocol.asgi import BodyLimitMiddleware, install_error_handlers, ndjson_line
 from parrot.protocol.errors import BadRequest, NotFound
 from parrot.protocol.schemas import (
+    BatchRequest,
+    BatchResult,
     CallInfo,
     CallSubmitted,
     CreateVariable,
@@ -161,6 +164,13 @@ def create_app(manager: Manager) -> FastAPI:
         session = manager.authorize(session_id, _token(authorization))
         call = manager.submit_call(session, body)
         return CallSubmitted(call_id=call.call_id, outputs={n: o.var.var_id for n, o in call.outputs.items()})
+
+    @app.post("/v1/sessions/{session_id}/batch", response_model=BatchResult)
+    async def submit_batch(session_id: str, body: BatchRequest, authorization: Auth = None) -> BatchResult:
+        """Create variables, submit calls and set variables in one request, all or none
+        (see :mod:`parrot.manager.batch`)."""
+        session = manager.authorize(session_id, _token(authorization))
+        return apply_batch(manager, session, body)
 
     @app.get("/v1/sessions/{session_id}/calls/{call_id}", response_model=CallInfo)
     async def get_call(session_id: str, call_id: str, authorization: Auth = None) -> CallInfo:

@@ -178,6 +178,15 @@ def link_call(call: Call) -> None:
         var.consumers.append(call)
 
 
+def unlink_call(call: Call) -> None:
+    """Undo :func:`link_call` for a call that is in no session yet, so nothing
+    else refers to it (a rejected batch removes the edges of its calls)."""
+    for out in call.outputs.values():
+        out.var.producer = None
+    for var in dict.fromkeys(call.input_vars()):
+        var.consumers.remove(call)
+
+
 def materialise(var: Variable, value: str) -> list[Call]:
     """Set a variable's value; returns consumer calls that became ready."""
     if var.state != "pending":

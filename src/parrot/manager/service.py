@@ -12,12 +12,14 @@ import hashlib
 import hmac
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from parrot.manager.engines import EngineHandle, EnginePool
 from parrot.manager.executor import Executor
 from parrot.manager.graph import (
     Call,
+    Criteria,
     OutputSpec,
     Session,
     Variable,
@@ -52,6 +54,18 @@ from parrot.protocol.template import parse_template
 from parrot.protocol.transforms import parse_transforms
 
 MAX_WAIT_S = 60.0
+
+VarLookup = Callable[[PlaceholderBinding], Variable | None]
+"""The variable a binding names (raises if it names an unknown one), or None if it names none."""
+
+
+@dataclass
+class StagedCall:
+    """A validated call not yet linked into the graph nor added to its session."""
+
+    call: Call
+    new_vars: list[Variable]  # its outputs' fresh variables, not in the session yet
+    criteria: dict[str, Criteria]  # output name -> criteria to put on its variable when added
 
 
 @dataclass
@@ -168,27 +182,36 @@ class Manager:
             )
 
     def create_variable(self, session: Session, name: str | None, value: str | None) -> Variable:
+        var = self.new_variable(session, name, value)
+        session.variables[var.var_id] = var
+        return var
+
+    def new_variable(self, session: Session, name: str | None, value: str | None) -> Variable:
+        """A validated variable of ``session``, not added to it yet."""
         if value is not None:
             self._check_value_length(value)
         var = Variable(new_id("v"), session.session_id, name=name)
         if value is not None:
             var.value, var.state = value, "ready"
-        session.variables[var.var_id] = var
         return var
 
     def set_variable(self, session: Session, var_id: str, value: str) -> Variable:
         var = self.variable(session, var_id)
-        if var.producer is not None:
-            raise Conflict(
-                f"variable {var_id} is produced by call {var.producer.call_id}; it cannot be set",
-                code="variable_has_producer",
-            )
-        if var.state != "pending":
-            raise Conflict(f"variable {var_id} is already {var.state}", code="variable_not_pending")
-        self._check_value_length(value)
+        self.check_settable(var, value)
         for call in materialise(var, value):
             self.executor.dispatch(call)
         return var
+
+    def check_settable(self, var: Variable, value: str) -> None:
+        """Raise unless the client may give ``var`` this ``value`` now."""
+        if var.producer is not None:
+            raise Conflict(
+                f"variable {var.var_id} is produced by call {var.producer.call_id}; it cannot be set",
+                code="variable_has_producer",
+            )
+        if var.state != "pending":
+            raise Conflict(f"variable {var.var_id} is already {var.state}", code="variable_not_pending")
+        self._check_value_length(value)
 
     async def wait_variable(self, var: Variable, wait_s: float) -> None:
         deadline = time.monotonic() + min(max(wait_s, 0.0), MAX_WAIT_S)
@@ -200,6 +223,25 @@ class Manager:
 
     # --------------------------------------------------------------- calls
     def submit_call(self, session: Session, req: SubmitCall) -> Call:
+        staged = self.stage_call(session, req, self.lookup_in(session))
+        link_call(staged.call)  # validates (producer conflicts, cycles) before linking anything
+        self.add_call(session, staged)
+        self.executor.graph_changed(session.session_id)
+        self.start_call(staged.call)
+        return staged.call
+
+    def lookup_in(self, session: Session) -> VarLookup:
+        """The lookup of plain requests: a binding names a variable by ``var_id`` only."""
+
+        def lookup(b: PlaceholderBinding) -> Variable | None:
+            return None if b.var_id is None else self.variable(session, b.var_id)
+
+        return lookup
+
+    def stage_call(self, session: Session, req: SubmitCall, lookup: VarLookup) -> StagedCall:
+        """Validate ``req`` and build its call, unlinked: the session and every
+        variable in it are left untouched (outputs that need a fresh variable get
+        one in ``StagedCall.new_vars``, outside the session)."""
         template = parse_template(req.template)
         bindings = _index_bindings(req.placeholders)
         names = template.names
@@ -229,9 +271,9 @@ class Manager:
         for name in names:
             b = bindings[name]
             if template.direction_of(name) == "input":
-                inputs[name] = self._bind_input(session, b, longest)
+                inputs[name] = self._bind_input(b, lookup, longest)
             else:
-                outputs[name] = self._bind_output(session, b, new_vars)
+                outputs[name] = self._bind_output(session, b, lookup, new_vars)
 
         call = Call(
             new_id("c"),
@@ -244,15 +286,21 @@ class Manager:
             chat=req.chat,
         )
         self._check_rendered_length(call, longest)
-        link_call(call)  # validates (producer conflicts, cycles) before linking anything
-        for name, out in outputs.items():
-            if bindings[name].criteria is not None:
-                out.var.criteria = bindings[name].criteria
-        for var in new_vars:
+        criteria = {n: c for n in outputs if (c := bindings[n].criteria) is not None}
+        return StagedCall(call, new_vars, criteria)
+
+    def add_call(self, session: Session, staged: StagedCall) -> None:
+        """Put a linked call and its fresh output variables into the session."""
+        call = staged.call
+        for name, criteria in staged.criteria.items():
+            call.outputs[name].var.criteria = criteria
+        for var in staged.new_vars:
             session.variables[var.var_id] = var
         session.calls[call.call_id] = call
         self.executor.prefixes.add_interest(call, prefix_keys(call))
-        self.executor.graph_changed(session.session_id)
+
+    def start_call(self, call: Call) -> None:
+        """Fail a call whose input failed, queue it if it is ready, else leave it waiting."""
         failed = call.failed_input()
         if failed is not None:
             name, var = failed
@@ -265,28 +313,31 @@ class Manager:
             )
         elif call.is_ready():
             self.executor.dispatch(call)
-        return call
 
     def _bind_input(
-        self, session: Session, b: PlaceholderBinding, longest: EngineHandle | None
+        self, b: PlaceholderBinding, lookup: VarLookup, longest: EngineHandle | None
     ) -> Variable | str:
-        if (b.var_id is None) == (b.value is None):
-            raise BindingError(f"input {b.name!r} needs exactly one of 'var_id' or 'value'")
+        var = lookup(b)
+        if (var is None) == (b.value is None):
+            raise BindingError(
+                f"input {b.name!r} needs exactly one of 'var_id' (or a batch 'ref') or 'value'"
+            )
         if b.sampling is not None or b.transform is not None or b.criteria is not None:
             raise BindingError(f"input {b.name!r} cannot carry sampling, transform or criteria")
         if b.value is not None:
             self._check_value_length(b.value, longest)
             return b.value
-        return self.variable(session, b.var_id)  # type: ignore[arg-type]
+        return var  # type: ignore[return-value]
 
-    def _bind_output(self, session: Session, b: PlaceholderBinding, new_vars: list[Variable]) -> OutputSpec:
+    def _bind_output(
+        self, session: Session, b: PlaceholderBinding, lookup: VarLookup, new_vars: list[Variable]
+    ) -> OutputSpec:
         if b.value is not None:
             raise BindingError(f"output {b.name!r} cannot have a value")
         sampling = SamplingParams.from_dict(b.sampling)
         transform = parse_transforms(b.transform)
-        if b.var_id is not None:
-            var = self.variable(session, b.var_id)
-        else:
+        var = lookup(b)
+        if var is None:
             var = Variable(new_id("v"), session.session_id, name=b.name)
             new_vars.append(var)
         return OutputSpec(b.name, var, sampling, transform)

@@ -9,7 +9,7 @@ in-process path gets exactly the same checks.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -105,6 +105,71 @@ class CallInfo(BaseModel):
     dispatched_at: float | None = None
     started_at: float | None = None
     finished_at: float | None = None
+
+
+# -------------------------------------------------------------------- batch
+MAX_BATCH_OPS = 4096
+"""The most operations one ``BatchRequest`` may carry."""
+
+Ref = Annotated[str, Field(min_length=1, max_length=200)]
+"""A client-chosen name for a variable, valid within one batch only."""
+
+
+class BatchBinding(PlaceholderBinding):
+    """A :class:`PlaceholderBinding` inside a batch: a variable may also be named
+    by ``ref`` (defined by an earlier op of the batch, instead of ``var_id``), and
+    an output may be given ``define_ref`` so later ops can use its variable."""
+
+    ref: Ref | None = None
+    define_ref: Ref | None = None
+
+
+class CreateVariableOp(CreateVariable):
+    op: Literal["create_variable"]
+    ref: Ref | None = Field(default=None, description="Later ops of the batch may use the variable by this.")
+
+
+class SubmitCallOp(SubmitCall):
+    op: Literal["submit_call"]
+    placeholders: list[BatchBinding] = Field(default_factory=list, max_length=1024)  # type: ignore[assignment]
+
+
+class SetVariableOp(SetVariable):
+    """Set a variable named by exactly one of ``var_id`` or ``ref``."""
+
+    op: Literal["set_variable"]
+    var_id: str | None = None
+    ref: Ref | None = None
+
+
+BatchOp = Annotated[CreateVariableOp | SubmitCallOp | SetVariableOp, Field(discriminator="op")]
+
+
+class BatchRequest(_Strict):
+    """Operations applied in order, all or none.
+
+    Every ref is defined once, by ``create_variable.ref`` or an output's
+    ``define_ref``, before any op uses it (a binding's ``ref``,
+    ``set_variable.ref``).
+    """
+
+    ops: list[BatchOp] = Field(max_length=MAX_BATCH_OPS)
+
+
+class BatchOpResult(BaseModel):
+    op: Literal["create_variable", "submit_call", "set_variable"]
+    var_id: str | None = Field(default=None, description="The variable created or set.")
+    call_id: str | None = None
+    outputs: dict[str, str] = Field(
+        default_factory=dict, description="Output placeholder name -> variable id."
+    )
+
+
+class BatchResult(BaseModel):
+    results: list[BatchOpResult] = Field(description="One per op, in order.")
+    refs: dict[str, str] = Field(
+        default_factory=dict, description="Every ref the batch defined -> variable id."
+    )
 
 
 # ------------------------------------------------------------------ engines

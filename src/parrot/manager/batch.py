@@ -1,0 +1,188 @@
+"""Batches: many operations on one session in one request, applied all or none.
+
+Validation comes first and changes nothing anyone can see.  The ops are
+validated and built in order by the very checks of the single-op endpoints,
+on detached objects: created variables and calls' fresh outputs stay outside
+the session and sets are only recorded.  The one in-place change is the graph
+edges :func:`~parrot.manager.graph.link_call` adds for each call, which the
+next calls need for their producer-conflict and cycle checks; when an op is
+rejected they are removed again (:func:`~parrot.manager.graph.unlink_call`).
+Nothing awaits between the first op and the commit, so no other request and no
+scheduling round ever sees a half-applied batch: a rejected batch leaves the
+session exactly as it was, and its error is the one the single-op endpoint
+would raise, prefixed ``op <i> (<kind>): `` and with ``detail["op"] = i``.
+
+The commit adds variables and calls to the session in op order, marks the
+session's graph changed once (if it gained calls), and only then applies the
+sets and queues the calls that are ready, so the first scheduling round that
+may place any of them deduces objectives over the whole batch.
+"""
+
+from __future__ import annotations
+
+from parrot.manager.graph import Call, Session, Variable, link_call, materialise, unlink_call
+from parrot.manager.service import Manager, StagedCall
+from parrot.protocol.errors import BindingError, Conflict, ParrotError
+from parrot.protocol.schemas import (
+    BatchBinding,
+    BatchOp,
+    BatchOpResult,
+    BatchRequest,
+    BatchResult,
+    CreateVariableOp,
+    PlaceholderBinding,
+    SetVariableOp,
+    SubmitCallOp,
+)
+
+
+def apply_batch(manager: Manager, session: Session, req: BatchRequest) -> BatchResult:
+    """Validate every op of ``req``, then apply them all; raises (changing nothing) if any is invalid."""
+    plan = _Plan(manager, session, req.ops)
+    for index, op in enumerate(req.ops):
+        try:
+            plan.stage(index, op)
+        except ParrotError as err:
+            plan.rollback()
+            raise type(err)(
+                f"op {index} ({op.op}): {err.message}", code=err.code, detail={**err.detail, "op": index}
+            ) from err
+        except BaseException:
+            plan.rollback()
+            raise
+    plan.commit()
+    return BatchResult(results=plan.results, refs={ref: var.var_id for ref, var in plan.refs.items()})
+
+
+def _first_definitions(ops: list[BatchOp]) -> dict[str, int]:
+    """Ref -> index of the first op that defines it."""
+    first: dict[str, int] = {}
+    for index, op in enumerate(ops):
+        if isinstance(op, CreateVariableOp) and op.ref is not None:
+            first.setdefault(op.ref, index)
+        elif isinstance(op, SubmitCallOp):
+            for b in op.placeholders:
+                if b.define_ref is not None:
+                    first.setdefault(b.define_ref, index)
+    return first
+
+
+class _Plan:
+    """A batch validated up to some op.  Invariants: ``steps`` (new variables
+    and staged calls, in op order) are not in the session; ``linked`` are the
+    staged calls whose edges are in the graph; ``sets`` are not applied."""
+
+    def __init__(self, manager: Manager, session: Session, ops: list[BatchOp]):
+        self.manager = manager
+        self.session = session
+        self.first_definitions = _first_definitions(ops)
+        self.refs: dict[str, Variable] = {}
+        self.steps: list[Variable | StagedCall] = []
+        self.linked: list[Call] = []
+        self.sets: dict[Variable, tuple[str, int]] = {}  # variable -> (value, index of its op)
+        self.results: list[BatchOpResult] = []
+
+    # ------------------------------------------------------------ staging
+    def stage(self, index: int, op: BatchOp) -> None:
+        if isinstance(op, CreateVariableOp):
+            self._create(op)
+        elif isinstance(op, SubmitCallOp):
+            self._submit(op)
+        else:
+            self._set(index, op)
+
+    def _create(self, op: CreateVariableOp) -> None:
+        var = self.manager.new_variable(self.session, op.name, op.value)
+        self._define(op.ref, var)
+        self.steps.append(var)
+        self.results.append(BatchOpResult(op=op.op, var_id=var.var_id))
+
+    def _submit(self, op: SubmitCallOp) -> None:
+        staged = self.manager.stage_call(self.session, op, self._lookup)
+        call = staged.call
+        for out in call.outputs.values():
+            if out.var in self.sets:
+                raise Conflict(
+                    f"variable {out.var.var_id} is set by op {self.sets[out.var][1]} of this batch; "
+                    "it cannot be a call's output",
+                    code="variable_has_value",
+                )
+        link_call(call)
+        self.linked.append(call)
+        for b in op.placeholders:
+            if b.define_ref is not None:
+                if b.name not in call.outputs:
+                    raise BindingError(f"input {b.name!r} cannot define a ref; only outputs can")
+                self._define(b.define_ref, call.outputs[b.name].var)
+        self.steps.append(staged)
+        outputs = {n: o.var.var_id for n, o in call.outputs.items()}
+        self.results.append(BatchOpResult(op=op.op, call_id=call.call_id, outputs=outputs))
+
+    def _set(self, index: int, op: SetVariableOp) -> None:
+        var = self._named(op.var_id, op.ref, "set_variable")
+        if var is None:
+            raise BindingError("set_variable needs exactly one of 'var_id' or 'ref'")
+        if var in self.sets:
+            raise Conflict(
+                f"variable {var.var_id} is already set by op {self.sets[var][1]} of this batch",
+                code="variable_not_pending",
+            )
+        self.manager.check_settable(var, op.value)
+        self.sets[var] = (op.value, index)
+        self.results.append(BatchOpResult(op=op.op, var_id=var.var_id))
+
+    # --------------------------------------------------------------- refs
+    def _define(self, ref: str | None, var: Variable) -> None:
+        if ref is None:
+            return
+        if ref in self.refs:
+            raise BindingError(
+                f"ref {ref!r} is already defined by op {self.first_definitions[ref]}", code="duplicate_ref"
+            )
+        self.refs[ref] = var
+
+    def _lookup(self, b: PlaceholderBinding) -> Variable | None:
+        ref = b.ref if isinstance(b, BatchBinding) else None
+        return self._named(b.var_id, ref, f"binding {b.name!r}")
+
+    def _named(self, var_id: str | None, ref: str | None, what: str) -> Variable | None:
+        """The variable named by ``var_id`` (in the session) or ``ref`` (in this batch), if either."""
+        if var_id is not None and ref is not None:
+            raise BindingError(f"{what} names both a 'var_id' and a 'ref'; give one")
+        if var_id is not None:
+            return self.manager.variable(self.session, var_id)
+        if ref is None:
+            return None
+        var = self.refs.get(ref)
+        if var is not None:
+            return var
+        if ref in self.first_definitions:
+            raise BindingError(
+                f"ref {ref!r} is used before op {self.first_definitions[ref]} defines it", code="unknown_ref"
+            )
+        raise BindingError(f"ref {ref!r} is not defined in this batch", code="unknown_ref")
+
+    # ----------------------------------------------------- end of the plan
+    def rollback(self) -> None:
+        """Remove the edges of the calls linked so far; the plan is dropped after."""
+        for call in reversed(self.linked):
+            unlink_call(call)
+        self.linked.clear()
+
+    def commit(self) -> None:
+        """Apply the whole validated batch (raises nothing: every op was validated)."""
+        manager, session = self.manager, self.session
+        calls: list[Call] = []
+        for step in self.steps:
+            if isinstance(step, StagedCall):
+                manager.add_call(session, step)
+                calls.append(step.call)
+            else:
+                session.variables[step.var_id] = step
+        if calls:
+            manager.executor.graph_changed(session.session_id)
+        made_ready = [c for var, (value, _) in self.sets.items() for c in materialise(var, value)]
+        for call in calls:
+            manager.start_call(call)
+        for call in made_ready:
+            manager.executor.dispatch(call)
