@@ -167,6 +167,7 @@ def tiny_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
     """Force the torch path to split every row into pieces of a few keys."""
     monkeypatch.setattr(torch_impl, "KV_BUDGET", 1)
     monkeypatch.setattr(torch_impl, "SCORE_BUDGET", 1)
+    monkeypatch.setattr(torch_impl, "PAD_BUDGET", 1)  # no row is batched or fused: all take the loop
 
 
 @pytest.fixture
@@ -240,6 +241,23 @@ def test_torch_random_trees(
         mp.setattr(torch_impl, "KV_BUDGET", budget)
         mp.setattr(torch_impl, "PAD_BUDGET", pad_budget)
         check(case, share=share)
+
+
+def test_shared_rows_run_fused_on_cpu_within_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    fused: list[int] = []
+    real = torch_impl._run_shared_fused
+
+    def spy(row, *args):  # type: ignore[no-untyped-def]
+        fused.append(row.m)
+        return real(row, *args)
+
+    monkeypatch.setattr(torch_impl, "_run_shared_fused", spy)
+    check(make_case(3, kv_heads=2, group=3, groups=(4, 2), solo=1), share=True)
+    assert fused and max(fused) >= 4  # the 4-sequence group's prefix went through the fused kernel
+    fused.clear()
+    monkeypatch.setattr(torch_impl, "PAD_BUDGET", 1)  # too long to gather whole: the piece loop
+    check(make_case(3, kv_heads=2, group=3, groups=(4, 2), solo=1), share=True)
+    assert not fused
 
 
 @pytest.mark.parametrize("share", [True, False])

@@ -8,7 +8,9 @@ prompt on this 2-core CPU).  On CPU this module instead makes two calls to
 PyTorch's fused flash-attention kernel, which never materialises the scores and
 also returns each row's log-sum-exp:
 
-* the past, keys ``[0, start)``, with no mask;
+* the past, keys ``[0, start)``, with no mask, the G query heads that share a
+  kv head stacked into one query block (so a long past is read in place, not
+  repeated per query head);
 * the chunk itself, keys ``[start, start + n)``, with ``is_causal`` (aligned
   top-left, which is right for a square block);
 
@@ -52,14 +54,24 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
     flash = _flash_op()
     scale = 1.0 / math.sqrt(dim)
     group = heads // kv_heads
+    # The chunk itself, causal: the kernel wants as many kv heads as query heads, so
+    # each of the chunk's own kv heads is repeated G times (n keys: cheap).
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-    # the kernel wants as many kv heads as query heads: repeat each kv head G times
-    kh = k.transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)  # [1, H, total, D]
-    vh = v.transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)
-    out_b, lse_b = flash(qh, kh[:, :, start:], vh[:, :, start:], 0.0, True, scale=scale)
+    kc = k[start:].transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)  # [1, H, n, D]
+    vc = v[start:].transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)
+    out_b, lse_b = flash(qh, kc, vc, 0.0, True, scale=scale)
     if start == 0:
         return out_b[0].transpose(0, 1)
-    out_a, lse_a = flash(qh, kh[:, :, :start], vh[:, :, :start], 0.0, False, scale=scale)
+    # The past, unmasked: the G query heads of a kv head read the same keys, so they
+    # go in as one query block of G * n rows per kv head; the past's keys (possibly
+    # thousands) are read in place, never repeated.  Row g * n + i of kv head j is
+    # query i of head j * G + g.
+    qg = q.view(n, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(1, kv_heads, group * n, dim)
+    kp = k[:start].transpose(0, 1).unsqueeze(0)  # [1, KVH, start, D]
+    vp = v[:start].transpose(0, 1).unsqueeze(0)
+    out_a, lse_a = flash(qg, kp, vp, 0.0, False, scale=scale)  # [1, KVH, G * n, D], [1, KVH, G * n]
+    out_a = out_a.reshape(1, heads, n, dim)  # [KVH, G, n] rows are heads j * G + g, in order
+    lse_a = lse_a.reshape(1, heads, n)
     top = torch.maximum(lse_a, lse_b)
     w_a = (lse_a - top).exp_().unsqueeze(-1)  # [1, H, n, 1], each in (0, 1]
     w_b = (lse_b - top).exp_().unsqueeze(-1)

@@ -18,6 +18,11 @@ the gathered ``[T, KVH, D]`` read through strides, no transposing copy), a
 stable in-place softmax, one batched matmul for ``P V``.  Only the piece's own
 tokens are gathered, so cache rows outside every segment are never read.
 
+On CPU a shared row short enough to gather whole (within ``PAD_BUDGET``) skips
+the piece loop: one call of PyTorch's fused flash kernel takes its m x G query
+rows per kv head against the row's keys and returns normalised rows with their
+log-sum-exp.
+
 Short single-query rows (every sequence's private tail; with ``share=False``
 every sequence) are batched instead: their token indices are padded to one
 width and all of them run as one gather and two batched matmuls, with padding
@@ -181,6 +186,9 @@ def _run_shared(row: _Row, qs: Tensor, kf: Tensor, vf: Tensor, bufs: _Buffers, p
     # [m, H, D] -> [KVH, m * G, D]; row r of kv head k is (query r // G, head k * G + r % G).
     qg = qs.index_select(0, row.seqs).view(m, kv_heads, group, dim).transpose(0, 1)
     qg = qg.reshape(kv_heads, big_m, dim)
+    if _fused_shared_row(row, qs, kv_heads, dim):
+        _run_shared_fused(row, qg, kf, vf, bufs, parts)
+        return
     piece = _piece_tokens(kv_heads, dim, big_m)
     run_max = run_den = run_out = None
     for a in range(0, row.tok.numel(), piece):
@@ -204,6 +212,37 @@ def _run_shared(row: _Row, qs: Tensor, kf: Tensor, vf: Tensor, bufs: _Buffers, p
     parts.out[sl].view(m, kv_heads, group, dim).copy_(run_out.view(kv_heads, m, group, dim).transpose(0, 1))
     parts.max[sl].view(m, kv_heads, group).copy_(run_max.view(kv_heads, m, group).transpose(0, 1))
     parts.den[sl].view(m, kv_heads, group).copy_(run_den.view(kv_heads, m, group).transpose(0, 1))
+
+
+def _fused_shared_row(row: _Row, qs: Tensor, kv_heads: int, dim: int) -> bool:
+    """Whether a multi-query row runs as one call of the fused CPU kernel: on CPU, in
+    fp32/bf16, with the kernel present, and the row's gathered K within PAD_BUDGET
+    (longer rows keep the piece loop, whose gathers stay in cache)."""
+    return (
+        qs.device.type == "cpu"
+        and qs.dtype in (torch.float32, torch.bfloat16)
+        and row.tok.numel() * kv_heads * dim <= PAD_BUDGET
+        and _flash_op() is not None
+    )
+
+
+def _run_shared_fused(
+    row: _Row, qg: Tensor, kf: Tensor, vf: Tensor, bufs: _Buffers, parts: _Partials
+) -> None:
+    """A multi-query row as one fused attention call: per kv head, its m * G query
+    rows against the row's keys, read once (no mask: every query reads every key).
+    The kernel returns normalised rows and their log-sum-exp: partials with
+    ``max = lse`` and ``den = 1``."""
+    kv_heads, big_m, dim = qg.shape
+    m, group = row.m, big_m // row.m
+    k, v = _gather(kf, vf, row.tok, bufs, qg.dtype)  # [L, KVH, D]
+    out, lse = _flash_op()(
+        qg.unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), 0.0, False, scale=1.0
+    )  # [1, KVH, m * G, D], [1, KVH, m * G]
+    sl = parts.take(row.seqs)
+    parts.out[sl].view(m, kv_heads, group, dim).copy_(out[0].reshape(kv_heads, m, group, dim).transpose(0, 1))
+    parts.max[sl].view(m, kv_heads, group).copy_(lse[0].reshape(kv_heads, m, group).transpose(0, 1))
+    parts.den[sl].fill_(1.0)
 
 
 @dataclass
