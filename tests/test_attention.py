@@ -268,6 +268,25 @@ def test_padded_rows_without_the_fused_kernel(share: bool, monkeypatch: pytest.M
         check(make_case(seed, kv_heads=2, group=3, groups=(4, 2), solo=3), share=share)
 
 
+def test_a_fork_that_shares_nothing_in_its_batch_needs_no_merge() -> None:
+    """Each sequence reads its parent's run and its own tail, but no run is read by two
+    sequences: with sharing on, each sequence is still one row, in batch order (direct)."""
+    gen = torch.Generator().manual_seed(21)
+    k = torch.randn(8, 4, 2, 16, generator=gen)
+    v = torch.randn(8, 4, 2, 16, generator=gen)
+    q = torch.randn(2, 4, 16, generator=gen)
+    one = torch.tensor([0])
+    segs = [
+        Segment(torch.tensor([0, 1]), 0, 7, one),  # sequence 0: parent's run, then its tail
+        Segment(torch.tensor([1, 2]), 3, 4, one),
+        Segment(torch.tensor([4]), 0, 3, torch.tensor([1])),  # sequence 1: one run
+    ]
+    plan = plan_decode_attention(segs, q, k, share=True)
+    assert plan.direct and plan.padded is not None and plan.padded.rows == 2
+    out = paged_decode_attention(q, k, v, plan)
+    assert rel_err(out, reference_decode_attention(q, k, v, segs)) < TOL
+
+
 @pytest.mark.parametrize("share", [True, False])
 def test_a_plan_serves_every_layer_like_the_segments_do(share: bool) -> None:
     """One plan, several layers (different q and caches of the same shapes): each result

@@ -61,7 +61,8 @@ setup() {
     log "pip install ${PKGS[*]} (logs: $PEERS_LOGS/fastchat-setup.log)"
     "$VENV/bin/pip" install "${PKGS[@]}" >>"$PEERS_LOGS/fastchat-setup.log" 2>&1 \
         || { tail -n 30 "$PEERS_LOGS/fastchat-setup.log"; die "pip install failed"; }
-    "$VENV/bin/python" -c "import fastchat.serve.model_worker, fastchat.serve.openai_api_server, \
+    # importing FastChat's servers opens their log files in $LOGDIR (default: the current directory)
+    LOGDIR="$PEERS_LOGS" "$VENV/bin/python" -c "import fastchat.serve.model_worker, fastchat.serve.openai_api_server, \
 fastchat.serve.controller, transformers, torch; print(transformers.__version__, torch.__version__)" \
         || die "fastchat does not import; see $PEERS_LOGS/fastchat-setup.log"
     echo "fschat==0.2.36 transformers==4.46.3 torch==2.13.0 $(date -Is)" >"$MARKER"

@@ -94,10 +94,22 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _rows_for_segments(segments: Sequence[Segment], block_size: int, device: torch.device) -> list[_Row]:
+    """One row per segment read by several sequences; the segments only one sequence
+    reads (its private tail, and its ancestors' runs that nothing else in the batch
+    shares) are joined into one row for that sequence, so a batch without sharing
+    takes the direct (no-merge) path."""
     rows = []
+    alone: dict[int, list[Tensor]] = {}
     for seg in segments:
+        tok = segment_token_index(seg, block_size, device)
+        if seg.seqs.numel() == 1:
+            alone.setdefault(int(seg.seqs[0]), []).append(tok)
+            continue
         seqs = seg.seqs.to(device=device, dtype=torch.int64)
-        rows.append(_Row(seqs, seqs.numel(), segment_token_index(seg, block_size, device)))
+        rows.append(_Row(seqs, seqs.numel(), tok))
+    for seq, toks in alone.items():
+        tok = toks[0] if len(toks) == 1 else torch.cat(toks)
+        rows.append(_Row(torch.tensor([seq], device=device), 1, tok))
     return rows
 
 
