@@ -24,6 +24,7 @@ from parrot.engine.loader import LoadedModel, load_model
 from parrot.engine.local import LocalEngine
 from parrot.manager.app import create_app
 from parrot.manager.service import Manager, ManagerConfig
+from tests.api_client import Bystander, Raw
 
 
 @pytest.fixture(scope="session")
@@ -112,3 +113,18 @@ def live(tiny_engine: LocalEngine, manager_config: ManagerConfig) -> Iterator[Li
     server = start_server(manager)
     yield server
     server.stop()
+
+
+@pytest.fixture
+def raw(live: LiveServer) -> Iterator[Raw]:
+    session = Raw(live)
+    yield session
+    session.close()
+
+
+@pytest.fixture
+def bystander(live: LiveServer) -> Iterator[Bystander]:
+    b = Bystander(live)
+    yield b
+    b.close()
+    assert b.finished, "the test never checked its bystander"

@@ -23,8 +23,19 @@ import pytest
 
 import parrot as P
 from parrot.manager.service import ManagerConfig
+from tests.api_client import (
+    WAIT,
+    Bystander,
+    Raw,
+    assert_contexts_released,
+    engine_contexts,
+    engine_of,
+    engine_work,
+    expect_error,
+    inp,
+    out,
+)
 
-WAIT = 10.0  # seconds: the most any single wait in this file may take
 PROMPT_FAST = 3.0  # seconds: "promptly", for failures that must not wait on anything
 MAX_BODY = 64 * 1024
 LONG = 2000  # tokens: a generation still running when its session is closed (~1 s on a CPU)
@@ -33,195 +44,6 @@ LONG = 2000  # tokens: a generation still running when its session is closed (~1
 @pytest.fixture
 def manager_config() -> ManagerConfig:
     return ManagerConfig(max_body_bytes=MAX_BODY)
-
-
-def out(name: str, **settings: Any) -> dict[str, Any]:
-    """An output binding: greedy, 4 tokens, EOS ignored (so the value is never empty)."""
-    sampling = {"max_tokens": 4, "ignore_eos": True, **settings.pop("sampling", {})}
-    return {"name": name, "direction": "output", "sampling": sampling, **settings}
-
-
-def inp(name: str, var_id: str | None = None, value: str | None = None) -> dict[str, Any]:
-    binding: dict[str, Any] = {"name": name, "direction": "input"}
-    if var_id is not None:
-        binding["var_id"] = var_id
-    if value is not None:
-        binding["value"] = value
-    return binding
-
-
-def expect_error(resp: httpx.Response, status: int, code: str, *fragments: str) -> dict[str, Any]:
-    """Assert the status, the exact error-body shape, the code and message fragments."""
-    assert resp.status_code == status, f"wanted {status} {code}, got {resp.status_code}: {resp.text}"
-    assert resp.headers["content-type"].startswith("application/json")
-    body = resp.json()
-    assert set(body) == {"error"}, body
-    err = body["error"]
-    assert {"code", "message"} <= set(err) <= {"code", "message", "detail"}, err
-    assert err["code"] == code, err
-    assert isinstance(err["message"], str) and err["message"], err
-    for fragment in fragments:
-        assert fragment in err["message"], f"{fragment!r} not in {err['message']!r}"
-    return err
-
-
-def engine_of(live):
-    (handle,) = list(live.manager.pool)
-    return handle
-
-
-def engine_work(live) -> tuple[int, int]:
-    """(fills, generates) the engine has done so far."""
-    stats = live.run_on_loop(engine_of(live).api.stats())
-    return stats.fills, stats.generates
-
-
-def engine_contexts(live) -> set[int]:
-    return set(live.run_on_loop(engine_of(live).api.context_ids()))
-
-
-def assert_contexts_released(live, before: set[int]) -> None:
-    """Every engine context opened since ``before`` is freed (within WAIT)."""
-    deadline = time.monotonic() + WAIT
-    while (extra := engine_contexts(live) - before) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not extra, f"engine contexts leaked: {sorted(extra)}"
-
-
-class Raw:
-    """A session driven with raw HTTP (httpx), to see statuses and bodies as sent."""
-
-    def __init__(self, live):
-        self.http = httpx.Client(base_url=live.url, timeout=WAIT)
-        created = self.http.post("/v1/sessions")
-        assert created.status_code == 201, created.text
-        self.sid: str = created.json()["session_id"]
-        self.token: str = created.json()["token"]
-        self.auth = {"Authorization": f"Bearer {self.token}"}
-        self.path = f"/v1/sessions/{self.sid}"
-
-    def close(self) -> None:
-        self.http.close()
-
-    # requests (responses returned as they are)
-    def submit(self, template: Any, placeholders: list[dict[str, Any]], **extra: Any) -> httpx.Response:
-        body = {"template": template, "placeholders": placeholders, **extra}
-        return self.http.post(f"{self.path}/calls", json=body, headers=self.auth)
-
-    def create(self, value: str | None = None, name: str | None = None) -> httpx.Response:
-        body = {k: v for k, v in (("value", value), ("name", name)) if v is not None}
-        return self.http.post(f"{self.path}/variables", json=body, headers=self.auth)
-
-    def put(self, var_id: str, value: str) -> httpx.Response:
-        return self.http.put(f"{self.path}/variables/{var_id}", json={"value": value}, headers=self.auth)
-
-    def get(self, var_id: str, wait: float = 0) -> httpx.Response:
-        return self.http.get(f"{self.path}/variables/{var_id}", params={"wait": wait}, headers=self.auth)
-
-    # helpers that must succeed
-    def var(self, value: str | None = None, name: str | None = None) -> str:
-        resp = self.create(value, name)
-        assert resp.status_code == 201, resp.text
-        return resp.json()["var_id"]
-
-    def call(self, template: str, placeholders: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        resp = self.submit(template, placeholders, **extra)
-        assert resp.status_code == 201, resp.text
-        return resp.json()
-
-    def set(self, var_id: str, value: str) -> None:
-        resp = self.put(var_id, value)
-        assert resp.status_code == 200, resp.text
-
-    def settled(self, var_id: str) -> dict[str, Any]:
-        """The variable once it left ``pending`` (fails the test after WAIT)."""
-        resp = self.get(var_id, wait=WAIT)
-        assert resp.status_code == 200, resp.text
-        info = resp.json()
-        assert info["state"] != "pending", f"variable {var_id} still pending after {WAIT}s"
-        return info
-
-    def value(self, var_id: str) -> str:
-        info = self.settled(var_id)
-        assert info["state"] == "ready", info
-        assert isinstance(info["value"], str)
-        return info["value"]
-
-    def graph(self) -> dict[str, Any]:
-        resp = self.http.get(f"{self.path}/graph", headers=self.auth)
-        assert resp.status_code == 200, resp.text
-        return resp.json()
-
-    def baseline(self) -> dict[str, Any]:
-        """Earlier work of this session: a ready variable consumed by a finished
-        call, and a pending variable.  Returns the settled graph."""
-        self.seed = self.var("hello parrot", name="seed")
-        self.later = self.var(name="later")
-        done = self.call("Say {{input:seed}}: {{output:reply}}", [inp("seed", self.seed), out("reply")])
-        self.reply = done["outputs"]["reply"]
-        self.reply_value = self.value(self.reply)
-        return self.graph()
-
-    def assert_intact(self, before: dict[str, Any]) -> None:
-        """Nothing was added, removed or changed; earlier values still read back."""
-        assert self.graph() == before
-        assert self.value(self.seed) == "hello parrot"
-        assert self.value(self.reply) == self.reply_value
-        assert self.get(self.later).json()["state"] == "pending"
-
-
-class Bystander:
-    """Another session, opened with the client library before the bad requests:
-    a 2-call chain whose input is still pending.  :meth:`finish` sets the input
-    and checks the chain completes with values on the engine."""
-
-    FIRST = P.template_function(
-        "Topic: {{input:topic}}\nIdea: {{output:idea}}", idea=P.Output(max_tokens=4, ignore_eos=True)
-    )
-    SECOND = P.template_function(
-        "Idea: {{input:idea}}\nCritique: {{output:critique}}",
-        critique=P.Output(max_tokens=4, ignore_eos=True),
-    )
-
-    def __init__(self, live):
-        self.live = live
-        self.session = P.connect(live.url, timeout=WAIT).open()
-        self.topic = self.session.variable(name="topic")
-        self.idea = self.session.call(self.FIRST, self.topic)
-        self.critique = self.session.call(self.SECOND, self.idea)
-        self.finished = False
-
-    def finish(self) -> None:
-        self.topic.set("parrots")
-        idea = self.idea.get(timeout=WAIT)
-        critique = self.critique.get(timeout=WAIT)
-        assert isinstance(idea, str) and isinstance(critique, str)
-        with httpx.Client(base_url=self.live.url, timeout=WAIT) as http:
-            graph = http.get(
-                f"/v1/sessions/{self.session.session_id}/graph",
-                headers={"Authorization": f"Bearer {self.session.token}"},
-            ).json()
-        assert [(c["state"], c["generated_tokens"]) for c in graph["calls"]] == [("done", 4), ("done", 4)]
-        assert [v["state"] for v in graph["variables"]] == ["ready"] * 3
-        self.finished = True
-
-    def close(self) -> None:
-        self.session.close()
-
-
-@pytest.fixture
-def raw(live) -> Iterator[Raw]:
-    session = Raw(live)
-    yield session
-    session.close()
-
-
-@pytest.fixture
-def bystander(live) -> Iterator[Bystander]:
-    b = Bystander(live)
-    yield b
-    b.close()
-    assert b.finished, "the test never checked its bystander"
 
 
 # ---------------------------------------------------------------- 1. templates

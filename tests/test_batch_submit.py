@@ -10,7 +10,6 @@ other session (the bystander from ``test_api_errors`` completes afterwards).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -18,24 +17,9 @@ import pytest
 
 import parrot as P
 from parrot.protocol.schemas import MAX_BATCH_OPS
-from tests.test_api_errors import WAIT, Bystander, Raw, engine_work, expect_error, inp, out
+from tests.api_client import WAIT, Bystander, Raw, engine_work, expect_error, inp, out
 
 T1 = "Q: {{input:x}} A: {{output:y}}"
-
-
-@pytest.fixture
-def raw(live) -> Iterator[Raw]:
-    session = Raw(live)
-    yield session
-    session.close()
-
-
-@pytest.fixture
-def bystander(live) -> Iterator[Bystander]:
-    b = Bystander(live)
-    yield b
-    b.close()
-    assert b.finished, "the test never checked its bystander"
 
 
 # ------------------------------------------------------------------ ops
