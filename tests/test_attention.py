@@ -29,6 +29,7 @@ import parrot.engine.attention.torch_impl as torch_impl
 import parrot.engine.attention.triton_kernel as triton_kernel
 from parrot.engine.attention import (
     Segment,
+    cpu_kernel,
     paged_decode_attention,
     plan_decode_attention,
     reference_decode_attention,
@@ -162,9 +163,21 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
+@pytest.fixture(params=["kernel", "torch"])
+def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both CPU paths for single-query rows: the C kernel (``cpu_kernel``, built here on
+    first use) and PyTorch's gather + fused attention (the kernel switched off)."""
+    if request.param == "torch":
+        monkeypatch.setenv("PARROT_CPU_KERNEL", "0")
+    else:
+        assert cpu_kernel.kernel() is not None, cpu_kernel.status()
+    return str(request.param)
+
+
 @pytest.fixture
 def tiny_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
     """Force the torch path to split every row into pieces of a few keys."""
+    monkeypatch.setenv("PARROT_CPU_KERNEL", "0")  # the kernel has no pieces
     monkeypatch.setattr(torch_impl, "KV_BUDGET", 1)
     monkeypatch.setattr(torch_impl, "SCORE_BUDGET", 1)
     monkeypatch.setattr(torch_impl, "PAD_BUDGET", 1)  # no row is batched or fused: all take the loop
@@ -184,8 +197,10 @@ LAYOUTS = [(2, 1), (2, 3), (1, 4)]  # (KVH, G): MHA, GQA, MQA
 @pytest.mark.parametrize("block_size", [16, 1])
 @pytest.mark.parametrize(("kv_heads", "group"), LAYOUTS)
 @pytest.mark.parametrize("seed", range(3))
-def test_torch_matches_reference(seed: int, kv_heads: int, group: int, block_size: int, share: bool) -> None:
-    case = make_case(seed, block_size=block_size, kv_heads=kv_heads, group=group)
+def test_torch_matches_reference(
+    cpu_path: str, seed: int, kv_heads: int, group: int, block_size: int, share: bool
+) -> None:
+    case = make_case(seed, block_size=block_size, kv_heads=kv_heads, group=group, dim=16 if seed else 24)
     check(case, share=share)
 
 
@@ -197,7 +212,7 @@ def test_torch_split_into_pieces(tiny_pieces: None, kv_heads: int, group: int, s
     check(case, share=share)
 
 
-def test_share_and_baseline_agree_on_long_prefix() -> None:
+def test_share_and_baseline_agree_on_long_prefix(cpu_path: str) -> None:
     case = make_case(3, block_size=16, kv_heads=4, group=2, dim=32, groups=(12, 9), solo=3, max_len=700)
     a = check(case, share=True)
     b = check(case, share=False)
@@ -216,6 +231,7 @@ def test_share_and_baseline_agree_on_long_prefix() -> None:
     share=st.booleans(),
     split=st.booleans(),
     pad_budget=st.sampled_from([0, 300, 1 << 22]),
+    kernel=st.booleans(),
 )
 def test_torch_random_trees(
     seed: int,
@@ -228,9 +244,11 @@ def test_torch_random_trees(
     share: bool,
     split: bool,
     pad_budget: int,
+    kernel: bool,
 ) -> None:
     """pad_budget: 0 puts every single-query row on the piece loop, 300 batches only the
-    shortest, 4 Mi batches all of them (the padded path)."""
+    shortest, 4 Mi batches all of them (the padded path); ``kernel``: single-query rows
+    in the C kernel instead (budgets then apply to shared rows only)."""
     if not groups and not solo:
         solo = 1
     case = make_case(
@@ -240,6 +258,8 @@ def test_torch_random_trees(
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch_impl, "KV_BUDGET", budget)
         mp.setattr(torch_impl, "PAD_BUDGET", pad_budget)
+        if not kernel:
+            mp.setenv("PARROT_CPU_KERNEL", "0")
         check(case, share=share)
 
 
@@ -264,6 +284,7 @@ def test_shared_rows_run_fused_on_cpu_within_the_budget(monkeypatch: pytest.Monk
 def test_padded_rows_without_the_fused_kernel(share: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The batched matmul path that replaces the fused CPU kernel elsewhere (e.g. CUDA)."""
     monkeypatch.setattr(torch_impl, "_flash_op", lambda: None)
+    monkeypatch.setenv("PARROT_CPU_KERNEL", "0")
     for seed in range(3):
         check(make_case(seed, kv_heads=2, group=3, groups=(4, 2), solo=3), share=share)
 
@@ -288,14 +309,16 @@ def test_a_fork_that_shares_nothing_in_its_batch_needs_no_merge() -> None:
 
 
 @pytest.mark.parametrize("share", [True, False])
-def test_a_plan_serves_every_layer_like_the_segments_do(share: bool) -> None:
+def test_a_plan_serves_every_layer_like_the_segments_do(cpu_path: str, share: bool) -> None:
     """One plan, several layers (different q and caches of the same shapes): each result
-    equals the plain call's, and the padded path mixes with the piece loop."""
+    equals the plain call's; on the torch path the padded rows mix with the piece loop,
+    in the kernel every single-query row is batched."""
     case = make_case(4, kv_heads=2, group=3, dim=16, groups=(5, 3), solo=3, max_len=60)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch_impl, "PAD_BUDGET", 2 * 40 * 2 * 16)  # some rows padded, the rest looped
         plan = plan_decode_attention(case.segments, case.q, case.k, share=share)
-        assert plan.padded is not None and (plan.looped or share)
+        assert plan.padded is not None and plan.kernel == (cpu_path == "kernel")
+        assert not plan.looped if plan.kernel else (plan.looped or share)
         gen = torch.Generator().manual_seed(9)
         for layer in range(3):
             q = torch.randn(case.q.shape, generator=gen) if layer else case.q
@@ -316,7 +339,7 @@ def test_a_plan_for_another_batch_is_refused() -> None:
         plan_decode_attention(case.segments, case.q[:2], case.k)  # validated when planned
 
 
-def test_custom_scale_and_low_precision() -> None:
+def test_custom_scale_and_low_precision(cpu_path: str) -> None:
     case = make_case(11, kv_heads=2, group=2)
     ref = reference_decode_attention(case.q, case.k, case.v, case.segments, scale=0.3)
     for share in (True, False):
@@ -332,7 +355,7 @@ def test_custom_scale_and_low_precision() -> None:
 
 
 @pytest.mark.parametrize("share", [True, False])
-def test_a_bf16_cache_under_fp32_queries_is_read_exactly(share: bool) -> None:
+def test_a_bf16_cache_under_fp32_queries_is_read_exactly(cpu_path: str, share: bool) -> None:
     """K/V stored in bf16, widened as read: fp32 accuracy against the widened cache, and
     the same result as passing that fp32 cache."""
     case = make_case(12, kv_heads=2, group=3)
@@ -366,7 +389,7 @@ def test_auto_backend_on_cpu_is_torch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("share", [True, False])
-def test_poisoned_row_that_is_read_shows_up(share: bool) -> None:
+def test_poisoned_row_that_is_read_shows_up(cpu_path: str, share: bool) -> None:
     """The harness would catch reading a wrong block: NaN in a row that *is* read reaches
     exactly the sequences reading it."""
     case = make_case(5, groups=(4, 3), solo=2)

@@ -115,9 +115,18 @@ def test_make_generator() -> None:
         (torch.tensor([[0.0, math.nan]]), [GREEDY], [None], "NaN"),
         (torch.tensor([[0.0, math.inf]]), [GREEDY], [None], r"\+inf"),
         (torch.full((1, 3), -math.inf), [GREEDY], [None], "entirely -inf"),
+        # one bad row among good ones (a NaN next to the row's max, a NaN in a row with +inf)
+        (torch.tensor([[0.0, 1.0], [5.0, math.nan]]), [GREEDY] * 2, [None] * 2, "NaN"),
+        (torch.tensor([[math.inf, math.nan], [0.0, 1.0]]), [GREEDY] * 2, [None] * 2, "NaN"),
+        (torch.tensor([[-math.inf, 1.0], [-math.inf, -math.inf]]), [GREEDY] * 2, [None] * 2, "entirely -inf"),
         (torch.zeros(1, 3), [{"temperature": 1.0}], [None], "SamplingParams"),
     ],
 )
 def test_invalid_inputs(logits: torch.Tensor, params: list, gens: list, needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
         sample(logits, params, gens)
+
+
+def test_greedy_takes_the_lowest_id_on_ties_and_skips_minus_inf() -> None:
+    logits = torch.tensor([[1.0, 3.0, 3.0], [2.0, 2.0, 0.0], [-math.inf, -math.inf, -5.0]])
+    assert sample(logits, [GREEDY] * 3, [None] * 3).tolist() == [1, 0, 2]

@@ -48,12 +48,14 @@ def sample(
     for p in params:
         if not isinstance(p, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(p).__name__}")
-    if torch.isnan(logits).any() or torch.isposinf(logits).any():
-        raise ValueError("logits contain NaN or +inf")
-    if torch.isneginf(logits).all(dim=-1).any():
+    # One pass over the logits: a row's max is NaN if it holds a NaN, +inf if it holds
+    # +inf, -inf if it is all -inf; its index is the argmax (the first on ties).
+    best, out = logits.max(dim=-1)  # [B], [B]
+    if not bool(torch.isfinite(best).all()):
+        if bool((torch.isnan(best) | torch.isposinf(best)).any()):
+            raise ValueError("logits contain NaN or +inf")
         raise ValueError("a row of logits is entirely -inf")
 
-    out = logits.argmax(dim=-1)  # [B]
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return out

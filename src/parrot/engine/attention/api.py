@@ -9,8 +9,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from parrot.engine.attention import cpu_kernel
 from parrot.engine.attention.segments import Segment, validate_segments
-from parrot.engine.attention.torch_impl import TorchDecodePlan, torch_paged_decode_attention
+from parrot.engine.attention.torch_impl import TorchDecodePlan, compute_dtype, torch_paged_decode_attention
 from parrot.engine.attention.triton_kernel import interpret_requested, triton_paged_decode_attention
 
 __all__ = ["Backend", "DecodePlan", "paged_decode_attention", "plan_decode_attention", "triton_available"]
@@ -107,6 +108,7 @@ def plan_decode_attention(
         group=heads // kv_heads,
         share=share,
         device=q.device,
+        kernel=cpu_kernel.supports(compute_dtype(q.dtype), k_cache),
     )
 
 

@@ -44,10 +44,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from parrot.engine.attention import cpu_kernel
 from parrot.engine.attention.merge import merge_partials
 from parrot.engine.attention.segments import Segment, segment_token_index
 
-__all__ = ["TorchDecodePlan", "cpu_flash_attention", "torch_paged_decode_attention"]
+__all__ = ["TorchDecodePlan", "compute_dtype", "cpu_flash_attention", "torch_paged_decode_attention"]
 
 # Budgets, in elements, for the gathered K (and V) of one piece and for its score
 # matrix.  1 Mi fp32 elements = 4 MiB (256 tokens of 32 x 128 heads): the gathered
@@ -89,7 +90,8 @@ class _Buffers:
         return buf[:numel].view(shape)
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype decode attention computes in for queries of ``dtype`` (16-bit: fp32)."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
@@ -268,6 +270,7 @@ class _Padded:
     seqs: Tensor  # LongTensor [rows]
     tok: Tensor  # LongTensor [rows * width]
     pad: Tensor | None  # bool [rows, 1, 1, width], True at padding; None if no row is padded
+    lengths: Tensor  # LongTensor [rows]: keys of each row
     rows: int
     width: int
     _additive: dict[torch.dtype, Tensor] = field(default_factory=dict)
@@ -294,11 +297,11 @@ def _pad_rows(rows: list[_Row], device: torch.device) -> _Padded:
         tok[i, n:] = r.tok[0]
         lengths.append(n)
     pad = None
+    lens = torch.tensor(lengths, device=device)
     if min(lengths) < width:
-        lens = torch.tensor(lengths, device=device)
         pad = (torch.arange(width, device=device) >= lens.unsqueeze(1)).view(len(rows), 1, 1, width)
     seqs = torch.cat([r.seqs for r in rows])
-    return _Padded(seqs, tok.view(-1), pad, len(rows), width)
+    return _Padded(seqs, tok.view(-1), pad, lens, len(rows), width)
 
 
 def _split_singles(singles: list[_Row], kv_heads: int, dim: int) -> tuple[list[_Row], list[_Row]]:
@@ -315,10 +318,13 @@ def _split_singles(singles: list[_Row], kv_heads: int, dim: int) -> tuple[list[_
 class TorchDecodePlan:
     """The layer-independent part of one decode batch's attention (built once per step).
 
+    ``kernel``: single-query rows run in the C kernel (:mod:`cpu_kernel`), which
+    reads the cache in place, so all of them are batched whatever their length.
+
     Invariants: every partial slot has an owner; slots are filled in the order
     batched rows, looped single rows (one slot per piece), shared rows (one slot per
-    query); ``direct`` is True exactly when each sequence has one slot and slot i
-    belongs to sequence i, so outputs need no merge.
+    query); with ``kernel`` nothing is looped; ``direct`` is True exactly when each
+    sequence has one slot and slot i belongs to sequence i, so outputs need no merge.
     """
 
     def __init__(
@@ -332,10 +338,12 @@ class TorchDecodePlan:
         group: int,
         share: bool,
         device: torch.device,
+        kernel: bool = False,
     ):
         self.segments = segments
         self.batch = batch
         self.share = share
+        self.kernel = kernel
         self.shape = (kv_heads, dim, group)
         if share:
             rows = _rows_for_segments(segments, block_size, device)
@@ -343,7 +351,7 @@ class TorchDecodePlan:
             rows = _rows_per_sequence(segments, batch, block_size, device)
         singles = [r for r in rows if r.m == 1]
         self.shared = [r for r in rows if r.m > 1]
-        batched, self.looped = _split_singles(singles, kv_heads, dim)
+        batched, self.looped = (singles, []) if kernel else _split_singles(singles, kv_heads, dim)
         batched.sort(key=lambda r: int(r.seqs[0]))  # in batch order: the common case needs no merge
         self.padded = _pad_rows(batched, device) if batched else None
         owners = [] if self.padded is None else [self.padded.seqs]
@@ -405,6 +413,16 @@ def _run_padded(pad: _Padded, qs: Tensor, kf: Tensor, vf: Tensor, parts: _Partia
     torch.matmul(s, v.transpose(1, 2), out=out)
 
 
+def _run_padded_kernel(pad: _Padded, qs: Tensor, kf: Tensor, vf: Tensor, parts: _Partials) -> None:
+    """All single-query rows in one call of the C kernel, which reads each row's keys
+    in place (no gather, padding never read); like the flash call it returns
+    normalised rows and their log-sum-exp (``max = lse``, ``den = 1``)."""
+    sl = parts.take(pad.seqs)
+    tok = pad.tok.view(pad.rows, pad.width)
+    cpu_kernel.decode_rows(qs, pad.seqs, kf, vf, tok, pad.lengths, parts.out[sl], parts.max[sl])
+    parts.den[sl].fill_(1.0)
+
+
 def torch_paged_decode_attention(
     q: Tensor,
     k_cache: Tensor,
@@ -424,10 +442,13 @@ def torch_paged_decode_attention(
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
     device = q.device
+    cdt = compute_dtype(q.dtype)
     if isinstance(segments, TorchDecodePlan):
         plan = segments
         if plan.batch != batch or plan.shape != (kv_heads, dim, group):
             raise ValueError("the decode plan was built for another batch or head layout")
+        if plan.kernel and not (cpu_kernel.supports(cdt, k_cache) and v_cache.is_contiguous()):
+            raise ValueError("the decode plan was built for the CPU kernel, which cannot take these tensors")
     else:
         plan = TorchDecodePlan(
             segments,
@@ -438,16 +459,16 @@ def torch_paged_decode_attention(
             group=group,
             share=share,
             device=device,
+            kernel=cpu_kernel.supports(cdt, k_cache) and v_cache.is_contiguous(),
         )
     kf = k_cache.view(num_blocks * block_size, kv_heads, dim)
     vf = v_cache.view(num_blocks * block_size, kv_heads, dim)
-    cdt = _compute_dtype(q.dtype)
     qs = q.to(cdt) * scale  # [B, H, D]
 
     parts = _Partials(plan.slots, heads, dim, cdt, device)
     bufs = _Buffers(cdt, device)
     if plan.padded is not None:
-        _run_padded(plan.padded, qs, kf, vf, parts)
+        (_run_padded_kernel if plan.kernel else _run_padded)(plan.padded, qs, kf, vf, parts)
     for r in plan.looped:
         _run_single(r, qs, kf, vf, bufs, parts)
     for r in plan.shared:

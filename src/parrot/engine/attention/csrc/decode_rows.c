@@ -1,0 +1,219 @@
+/* Single-query decode attention read straight from a paged KV cache (CPU).
+ *
+ * Row r is one sequence's query (row seqs[r] of q) attending to the keys at the
+ * flat cache rows tok[r * width + t] for t < lens[r]; the cache is viewed as
+ * [N, KVH, D] (fp32, or bf16 when kv_bf16 is set).  For each kv head h and each
+ * of the G query heads grouped on it, the kernel writes the normalised output
+ * out[r, h * G + g, :] and the log-sum-exp of the scores lse[r, h * G + g]; q is
+ * already scaled.  Everything is computed in fp32 with an online softmax over
+ * tiles of TILE keys, so no K/V is copied out of the cache.  Work is split over
+ * (row, kv head) pairs on `threads` OpenMP threads.
+ *
+ * Two implementations of one (row, kv head) task: AVX-512 intrinsics for head
+ * dims that are multiples of 16 (specialised for 64 and 128; built when the
+ * compiler targets AVX-512 and PARROT_PORTABLE is not defined), and portable C
+ * for everything else.
+ *
+ * Invariants: lens[r] >= 1 and every listed token row is < N (the caller's);
+ * out and lse are fully written; a NaN score reaches its row's output (the
+ * running maximum may skip a NaN, the exponentials and sums do not).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define TILE 16
+
+/* ------------------------------------------------------------ portable C */
+
+/* Row `row` of kv head `head` as fp32: a pointer into the cache, or `buf` filled
+ * from bf16 (a bf16 value is the top half of an fp32 bit pattern). */
+static inline const float *kv_row(const void *cache, int bf16, int64_t row, int64_t head,
+                                  int64_t kv_heads, int64_t dim, float *buf) {
+    const int64_t at = (row * kv_heads + head) * dim;
+    if (!bf16) return (const float *)cache + at;
+    const uint16_t *src = (const uint16_t *)cache + at;
+    for (int64_t i = 0; i < dim; i++) {
+        uint32_t bits = (uint32_t)src[i] << 16;
+        memcpy(&buf[i], &bits, sizeof bits);
+    }
+    return buf;
+}
+
+static void task_portable(const float *qh, const void *k, const void *v, int bf16, const int64_t *tok,
+                          int64_t n, int64_t head, int64_t kv_heads, int64_t group, int64_t dim, float *out,
+                          float *lse) {
+    float acc[group * dim], run_max[group], run_sum[group], s[group * TILE], buf[dim];
+    for (int64_t g = 0; g < group; g++) {
+        run_max[g] = -INFINITY;
+        run_sum[g] = 0.0f;
+    }
+    for (int64_t i = 0; i < group * dim; i++) acc[i] = 0.0f;
+    for (int64_t t0 = 0; t0 < n; t0 += TILE) {
+        const int64_t nt = n - t0 < TILE ? n - t0 : TILE;
+        for (int64_t j = 0; j < nt; j++) {
+            const float *kr = kv_row(k, bf16, tok[t0 + j], head, kv_heads, dim, buf);
+            for (int64_t g = 0; g < group; g++) {
+                float d = 0.0f;
+                for (int64_t i = 0; i < dim; i++) d += qh[g * dim + i] * kr[i];
+                s[g * TILE + j] = d;
+            }
+        }
+        for (int64_t g = 0; g < group; g++) {
+            float *sg = s + g * TILE, mx = run_max[g];
+            for (int64_t j = 0; j < nt; j++)
+                if (sg[j] > mx) mx = sg[j];
+            if (mx != run_max[g]) { /* rescale what was summed against the old maximum */
+                const float alpha = expf(run_max[g] - mx);
+                run_sum[g] *= alpha;
+                for (int64_t i = 0; i < dim; i++) acc[g * dim + i] *= alpha;
+                run_max[g] = mx;
+            }
+            for (int64_t j = 0; j < nt; j++) {
+                sg[j] = expf(sg[j] - mx);
+                run_sum[g] += sg[j];
+            }
+        }
+        for (int64_t j = 0; j < nt; j++) {
+            const float *vr = kv_row(v, bf16, tok[t0 + j], head, kv_heads, dim, buf);
+            for (int64_t g = 0; g < group; g++)
+                for (int64_t i = 0; i < dim; i++) acc[g * dim + i] += s[g * TILE + j] * vr[i];
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        for (int64_t i = 0; i < dim; i++) out[g * dim + i] = acc[g * dim + i] / run_sum[g];
+        lse[g] = run_max[g] + logf(run_sum[g]);
+    }
+}
+
+/* ------------------------------------------------------------ AVX-512 */
+#if defined(__AVX512F__) && !defined(PARROT_PORTABLE)
+#include <immintrin.h>
+#define HAVE_AVX512 1
+
+static inline __m512 load16(const void *base, int bf16, int64_t at) {
+    if (bf16) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + at));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)base + at);
+}
+
+/* exp(x) for x <= 0 (NaN in, NaN out): x = n ln2 + f with |f| <= ln2 / 2, a
+ * degree-7 Taylor polynomial for exp(f) (relative error below 1e-7), times 2^n. */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    f = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f), f);
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Like task_portable for dim % 16 == 0; inlined into callers that fix `dim`, so
+ * a K or V row stays in registers while all `group` queries use it. */
+static inline __attribute__((always_inline)) void task16(
+    const float *qh, const void *k, const void *v, int bf16, const int64_t *tok, int64_t n,
+    int64_t head, int64_t kv_heads, int64_t group, const int64_t dim, float *out, float *lse) {
+    const int64_t nv = dim / 16;
+    float acc[group * dim] __attribute__((aligned(64)));
+    float sc[group * TILE] __attribute__((aligned(64)));
+    float run_max[group], run_sum[group];
+    for (int64_t g = 0; g < group; g++) { run_max[g] = -INFINITY; run_sum[g] = 0.0f; }
+    for (int64_t i = 0; i < group * dim; i++) acc[i] = 0.0f;
+    for (int64_t t0 = 0; t0 < n; t0 += TILE) {
+        const int64_t nt = n - t0 < TILE ? n - t0 : TILE;
+        for (int64_t j = 0; j < nt; j++) {
+            const int64_t at = (tok[t0 + j] * kv_heads + head) * dim;
+            __m512 kr[nv];
+            for (int64_t c = 0; c < nv; c++) kr[c] = load16(k, bf16, at + 16 * c);
+            for (int64_t g = 0; g < group; g++) {
+                __m512 d = _mm512_mul_ps(_mm512_loadu_ps(qh + g * dim), kr[0]);
+                for (int64_t c = 1; c < nv; c++) d = _mm512_fmadd_ps(_mm512_loadu_ps(qh + g * dim + 16 * c), kr[c], d);
+                sc[g * TILE + j] = _mm512_reduce_add_ps(d);
+            }
+        }
+        const __mmask16 live = (__mmask16)((1u << nt) - 1u);
+        for (int64_t g = 0; g < group; g++) {
+            __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, sc + g * TILE);
+            float mx = _mm512_reduce_max_ps(s);
+            mx = mx > run_max[g] ? mx : run_max[g];
+            if (mx != run_max[g]) {
+                const float alpha = expf(run_max[g] - mx);
+                run_sum[g] *= alpha;
+                const __m512 a = _mm512_set1_ps(alpha);
+                for (int64_t c = 0; c < nv; c++) _mm512_store_ps(acc + g * dim + 16 * c, _mm512_mul_ps(a, _mm512_load_ps(acc + g * dim + 16 * c)));
+                run_max[g] = mx;
+            }
+            __m512 p = exp512(_mm512_sub_ps(s, _mm512_set1_ps(mx)));
+            p = _mm512_maskz_mov_ps(live, p);
+            run_sum[g] += _mm512_reduce_add_ps(p);
+            _mm512_store_ps(sc + g * TILE, p);
+        }
+        for (int64_t j = 0; j < nt; j++) {
+            const int64_t at = (tok[t0 + j] * kv_heads + head) * dim;
+            __m512 vr[nv];
+            for (int64_t c = 0; c < nv; c++) vr[c] = load16(v, bf16, at + 16 * c);
+            for (int64_t g = 0; g < group; g++) {
+                const __m512 p = _mm512_set1_ps(sc[g * TILE + j]);
+                for (int64_t c = 0; c < nv; c++) {
+                    float *a = acc + g * dim + 16 * c;
+                    _mm512_store_ps(a, _mm512_fmadd_ps(p, vr[c], _mm512_load_ps(a)));
+                }
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        const __m512 inv = _mm512_set1_ps(1.0f / run_sum[g]);
+        for (int64_t c = 0; c < nv; c++) _mm512_storeu_ps(out + g * dim + 16 * c, _mm512_mul_ps(inv, _mm512_load_ps(acc + g * dim + 16 * c)));
+        lse[g] = run_max[g] + logf(run_sum[g]);
+    }
+}
+
+static void task_dim64(const float *qh, const void *k, const void *v, int bf16, const int64_t *tok, int64_t n, int64_t head, int64_t kvh, int64_t group, float *out, float *lse) { task16(qh, k, v, bf16, tok, n, head, kvh, group, 64, out, lse); }
+static void task_dim128(const float *qh, const void *k, const void *v, int bf16, const int64_t *tok, int64_t n, int64_t head, int64_t kvh, int64_t group, float *out, float *lse) { task16(qh, k, v, bf16, tok, n, head, kvh, group, 128, out, lse); }
+#endif
+
+/* q: [*, KVH * G, D] fp32 rows of q_stride elements; tok: [rows, width]; out:
+ * [rows, KVH * G, D]; lse: [rows, KVH * G].  Returns 1 when the AVX-512 path ran. */
+int parrot_decode_rows(const float *q, int64_t q_stride, const int64_t *seqs, const void *k, const void *v,
+                       int kv_bf16, const int64_t *tok, const int64_t *lens, int64_t rows, int64_t width,
+                       int64_t kv_heads, int64_t group, int64_t dim, float *out, float *lse, int threads) {
+    const int64_t heads = kv_heads * group;
+    const int64_t tasks = rows * kv_heads;
+#ifdef HAVE_AVX512
+    const int vector = dim % 16 == 0;
+#else
+    const int vector = 0;
+#endif
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t task = 0; task < tasks; task++) {
+        const int64_t r = task / kv_heads, h = task % kv_heads;
+        const float *qh = q + seqs[r] * q_stride + h * group * dim;
+        const int64_t *t = tok + r * width;
+        float *o = out + (r * heads + h * group) * dim, *l = lse + r * heads + h * group;
+#ifdef HAVE_AVX512
+        if (dim == 64) {
+            task_dim64(qh, k, v, kv_bf16, t, lens[r], h, kv_heads, group, o, l);
+            continue;
+        }
+        if (dim == 128) {
+            task_dim128(qh, k, v, kv_bf16, t, lens[r], h, kv_heads, group, o, l);
+            continue;
+        }
+        if (dim % 16 == 0) {
+            task16(qh, k, v, kv_bf16, t, lens[r], h, kv_heads, group, dim, o, l);
+            continue;
+        }
+#endif
+        task_portable(qh, k, v, kv_bf16, t, lens[r], h, kv_heads, group, dim, o, l);
+    }
+    return vector;
+}

@@ -1,0 +1,211 @@
+"""The C decode kernel (parrot.engine.attention.cpu_kernel) on its own.
+
+Both builds are checked on every machine: the native one (AVX-512 intrinsics for
+head dims that are multiples of 16 where the CPU has AVX-512) and the portable C
+one.  Keys sit at scattered cache rows and every other row is NaN, so reading a
+wrong row shows up; outputs are NaN-poisoned before each call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from parrot.engine.attention import (
+    Segment,
+    cpu_kernel,
+    paged_decode_attention,
+    plan_decode_attention,
+    reference_decode_attention,
+)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+def _cpu_has_avx512() -> bool:
+    try:
+        return " avx512f" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module", params=["native", "portable"])
+def build(request: pytest.FixtureRequest) -> tuple[str, ctypes.CDLL]:
+    return str(request.param), cpu_kernel.build(portable=request.param == "portable")
+
+
+def _case(
+    seed: int, *, rows: int, kv_heads: int, group: int, dim: int, lengths: list[int], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    n_cache = rows * width * 2 + 7
+    k = torch.full((n_cache, kv_heads, dim), torch.nan)
+    v = torch.full((n_cache, kv_heads, dim), torch.nan)
+    tok = torch.zeros(rows, width, dtype=torch.int64)
+    perm = torch.randperm(n_cache, generator=gen)
+    for r, n in enumerate(lengths):
+        idx = perm[r * width : r * width + n]
+        tok[r, :n] = idx
+        tok[r, n:] = -(10**9)  # never read: past the row's length
+        k[idx] = torch.randn(n, kv_heads, dim, generator=gen)
+        v[idx] = torch.randn(n, kv_heads, dim, generator=gen)
+    batch = rows + 2
+    q = torch.randn(batch, kv_heads * group, dim, generator=gen) / dim**0.5
+    seqs = torch.randperm(batch, generator=gen)[:rows]
+    return {
+        "qs": q,
+        "seqs": seqs,
+        "kf": k.to(dtype),
+        "vf": v.to(dtype),
+        "tok": tok,
+        "lens": torch.tensor(lengths, dtype=torch.int64),
+        "out": torch.full((rows, kv_heads * group, dim), torch.nan),
+        "lse": torch.full((rows, kv_heads * group), torch.nan),
+    }
+
+
+def _reference(c: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 attention of every row: (out [R, H, D], lse [R, H])."""
+    rows, heads, dim = c["out"].shape
+    kv_heads = c["kf"].shape[1]
+    group = heads // kv_heads
+    outs, lses = [], []
+    for r in range(rows):
+        idx = c["tok"][r, : int(c["lens"][r])]
+        k, v = c["kf"][idx].double(), c["vf"][idx].double()  # [n, KVH, D]
+        q = c["qs"][c["seqs"][r]].double().view(kv_heads, group, dim)
+        s = torch.einsum("hgd,nhd->hgn", q, k)
+        outs.append(torch.einsum("hgn,nhd->hgd", torch.softmax(s, -1), v).reshape(heads, dim))
+        lses.append(torch.logsumexp(s, -1).reshape(heads))
+    return torch.stack(outs), torch.stack(lses)
+
+
+LENGTHS = [1, 15, 16, 17, 40, 100]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("kv_heads", "group", "dim"), [(3, 3, 64), (2, 1, 128), (1, 4, 16), (2, 3, 24)])
+def test_kernel_matches_float64_reference(
+    build: tuple[str, ctypes.CDLL], dtype: torch.dtype, kv_heads: int, group: int, dim: int
+) -> None:
+    name, lib = build
+    c = _case(dim + group, rows=6, kv_heads=kv_heads, group=group, dim=dim, lengths=LENGTHS, dtype=dtype)
+    vector = cpu_kernel.decode_rows(**c, lib=lib)
+    assert vector == (name == "native" and dim % 16 == 0 and _cpu_has_avx512())  # the path that ran
+    ref_out, ref_lse = _reference(c)
+    assert torch.isfinite(c["out"]).all() and torch.isfinite(c["lse"]).all()
+    err = (c["out"].double() - ref_out).abs().max() / ref_out.abs().max()
+    assert err < 1e-5
+    assert (c["lse"].double() - ref_lse).abs().max() < 1e-5
+
+
+def test_nan_reaches_exactly_the_rows_that_read_it(build: tuple[str, ctypes.CDLL]) -> None:
+    _, lib = build
+    c = _case(5, rows=4, kv_heads=2, group=3, dim=64, lengths=[30, 30, 17, 50], dtype=torch.float32)
+    c["kf"][c["tok"][1, 20], 0, 5] = torch.nan  # a key row 1 reads, kv head 0
+    c["qs"][c["seqs"][3], 4, 0] = torch.nan  # row 3's query head 4 (kv head 1)
+    cpu_kernel.decode_rows(**c, lib=lib)
+    out = c["out"]
+    assert torch.isnan(out[1, :3]).any(dim=-1).all()  # all of kv head 0's query heads
+    assert torch.isfinite(out[1, 3:]).all()
+    assert torch.isnan(out[3, 4]).all() and torch.isfinite(out[3, :3]).all()
+    assert torch.isfinite(out[0]).all() and torch.isfinite(out[2]).all()
+
+
+def test_extreme_scores_stay_finite(build: tuple[str, ctypes.CDLL]) -> None:
+    """Scores hundreds apart (most weights underflow to zero) still normalise exactly."""
+    _, lib = build
+    c = _case(6, rows=2, kv_heads=1, group=2, dim=32, lengths=[40, 70], dtype=torch.float32)
+    c["qs"] *= 200.0
+    cpu_kernel.decode_rows(**c, lib=lib)
+    ref_out, ref_lse = _reference(c)
+    assert torch.isfinite(c["out"]).all()
+    assert (c["out"].double() - ref_out).abs().max() / ref_out.abs().max() < 1e-5
+    assert ((c["lse"].double() - ref_lse).abs() / ref_lse.abs()).max() < 1e-5
+
+
+def test_layouts_are_checked_before_the_c_side_runs() -> None:
+    c = _case(7, rows=2, kv_heads=2, group=2, dim=16, lengths=[3, 5], dtype=torch.float32)
+    before = c["out"].clone()
+    bad = [
+        ({"kf": c["kf"].transpose(1, 2).contiguous().transpose(1, 2)}, "contiguous"),
+        ({"tok": c["tok"].int()}, "int64"),
+        ({"lens": c["lens"].int()}, "int64"),
+        ({"vf": c["vf"].to(torch.bfloat16)}, "mismatched"),
+        ({"out": c["out"][:1]}, "mismatched"),
+        ({"lse": c["lse"].double()}, "fp32"),
+    ]
+    for change, match in bad:
+        with pytest.raises(ValueError, match=match):
+            cpu_kernel.decode_rows(**{**c, **change})
+        assert torch.equal(c["out"].isnan(), before.isnan())  # nothing was written
+
+
+# Two sequences, one block each: the smallest batch a plan is made for.
+SEGMENTS = [
+    Segment(torch.tensor([0]), 0, 5, torch.tensor([0])),
+    Segment(torch.tensor([1]), 0, 9, torch.tensor([1])),
+]
+
+
+def _small() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return tuple(torch.randn(shape, generator=gen) for shape in ((2, 4, 16), (2, 16, 2, 16), (2, 16, 2, 16)))
+
+
+def test_the_engine_plans_use_the_kernel_when_it_is_built() -> None:
+    q, k, v = _small()
+    plan = plan_decode_attention(SEGMENTS, q, k)
+    assert plan.kernel == (cpu_kernel.kernel() is not None)
+    out = paged_decode_attention(q, k, v, plan)
+    assert rel_err(out, reference_decode_attention(q, k, v, SEGMENTS)) < 1e-5
+    with pytest.raises(ValueError, match="built for the CPU kernel"):
+        paged_decode_attention(q.double(), k.double(), v.double(), plan)
+
+
+def test_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PARROT_CPU_KERNEL", "0")
+    assert cpu_kernel.kernel() is None and "PARROT_CPU_KERNEL=0" in cpu_kernel.status()
+    q, k, _ = _small()
+    assert not plan_decode_attention(SEGMENTS, q, k).kernel
+
+
+def test_a_failed_build_falls_back_to_pytorch(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No compiler: one warning naming the failure, and attention still right (PyTorch path)."""
+    monkeypatch.setattr(cpu_kernel, "_tried", False)
+    monkeypatch.setattr(cpu_kernel, "_loaded", None)
+    monkeypatch.setattr(cpu_kernel, "_status", "not built yet")
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("PARROT_KERNEL_CACHE", str(tmp_path / "cache"))
+    with caplog.at_level(logging.WARNING, logger="parrot.engine.attention.cpu_kernel"):
+        assert cpu_kernel.kernel() is None
+        assert cpu_kernel.kernel() is None  # not retried
+    assert cpu_kernel.status().startswith("unavailable") and "no-such-cc" in cpu_kernel.status()
+    assert len([r for r in caplog.records if "PyTorch path" in r.getMessage()]) == 1
+    q, k, v = _small()
+    plan = plan_decode_attention(SEGMENTS, q, k)
+    assert not plan.kernel
+    out = paged_decode_attention(q, k, v, plan)
+    assert rel_err(out, reference_decode_attention(q, k, v, SEGMENTS)) < 1e-5
+
+
+def test_builds_are_cached_per_source_and_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    if shutil.which("cc") is None:
+        pytest.fail("no C compiler ('cc') on this machine: the kernel cannot be built")
+    monkeypatch.setenv("PARROT_KERNEL_CACHE", str(tmp_path))
+    cpu_kernel.build()
+    cpu_kernel.build(portable=True)
+    first = sorted(p.name for p in tmp_path.iterdir())
+    assert len(first) == 2 and all(n.endswith(".so") for n in first)  # no temp files left
+    cpu_kernel.build()
+    assert sorted(p.name for p in tmp_path.iterdir()) == first  # reused, not rebuilt
