@@ -107,6 +107,32 @@ def test_kernel_matches_float64_reference(
     assert (c["lse"].double() - ref_lse).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize(("rows", "kv_heads", "threads"), [(1, 3, 2), (1, 5, 2), (2, 4, 4), (3, 2, 1)])
+def test_few_rows_split_their_heads_over_the_threads(
+    build: tuple[str, ctypes.CDLL], rows: int, kv_heads: int, threads: int
+) -> None:
+    """Fewer rows than two per thread: tasks take part of a row's kv heads (uneven splits
+    included); every head of every row is still written once, right."""
+    _, lib = build
+    c = _case(
+        rows + kv_heads,
+        rows=rows,
+        kv_heads=kv_heads,
+        group=2,
+        dim=64,
+        lengths=[33, 7, 16][:rows],
+        dtype=torch.float32,
+    )
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cpu_kernel.decode_rows(**c, lib=lib)
+    finally:
+        torch.set_num_threads(before)
+    ref_out, ref_lse = _reference(c)
+    assert rel_err(c["out"], ref_out) < 1e-5 and (c["lse"].double() - ref_lse).abs().max() < 1e-5
+
+
 def test_nan_reaches_exactly_the_rows_that_read_it(build: tuple[str, ctypes.CDLL]) -> None:
     _, lib = build
     c = _case(5, rows=4, kv_heads=2, group=3, dim=64, lengths=[30, 30, 17, 50], dtype=torch.float32)

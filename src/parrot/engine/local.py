@@ -16,7 +16,9 @@ Implements the engine API the manager uses (``fill`` / ``generate`` /
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+import threading
+import weakref
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +30,35 @@ from parrot.protocol.errors import BadRequest, ParrotError
 from parrot.protocol.sampling import SamplingParams
 from parrot.protocol.schemas import EngineStats, GenerateChunk
 from parrot.protocol.tokenizer import TextTokenizer
+
+
+class _LoopMailbox:
+    """Hands items from the worker thread to one event loop, a batch per loop wake-up.
+
+    A decode step streams a token to every running request; waking the loop once per
+    token (``call_soon_threadsafe`` each) makes it compete with the next step's
+    threads for the CPU once per token.  Here the first item of a batch schedules one
+    drain and later items join it.  Invariant: items are delivered in the order they
+    were posted, each exactly once.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[Callable[[Any], None], Any]] = []
+
+    def post(self, deliver: Callable[[Any], None], item: Any) -> None:
+        with self._lock:
+            self._items.append((deliver, item))
+            first = len(self._items) == 1
+        if first:
+            self._loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for deliver, item in items:
+            deliver(item)
 
 
 class LocalEngine:
@@ -65,6 +96,15 @@ class LocalEngine:
             kv_dtype=kv_dtype,
         )
         self.runner.start()
+        self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopMailbox] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def _mailbox(self, loop: asyncio.AbstractEventLoop) -> _LoopMailbox:
+        box = self._mailboxes.get(loop)
+        if box is None:
+            box = self._mailboxes[loop] = _LoopMailbox(loop)
+        return box
 
     @property
     def model_name(self) -> str:
@@ -124,18 +164,18 @@ class LocalEngine:
     async def generate(
         self, sampling: SamplingParams, context_id: int, parent_context_id: int | None = None
     ) -> AsyncIterator[GenerateChunk]:
-        loop = asyncio.get_running_loop()
+        mailbox = self._mailbox(asyncio.get_running_loop())
         chunks: asyncio.Queue[GenerateChunk | ParrotError] = asyncio.Queue()
 
         def on_finish(err: ParrotError | None) -> None:
             if err is not None:
-                loop.call_soon_threadsafe(chunks.put_nowait, err)
+                mailbox.post(chunks.put_nowait, err)
 
         job = Job(
             context_id,
             parent_context_id,
             sampling=sampling,
-            on_chunk=lambda c: loop.call_soon_threadsafe(chunks.put_nowait, c),
+            on_chunk=lambda c: mailbox.post(chunks.put_nowait, c),
             on_finish=on_finish,
         )
         self.runner.submit(job)
