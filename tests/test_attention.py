@@ -27,9 +27,9 @@ from hypothesis import strategies as st
 
 import parrot.engine.attention.torch_impl as torch_impl
 import parrot.engine.attention.triton_kernel as triton_kernel
+from parrot.engine import native
 from parrot.engine.attention import (
     Segment,
-    cpu_kernel,
     paged_decode_attention,
     plan_decode_attention,
     reference_decode_attention,
@@ -165,12 +165,12 @@ def _one_thread() -> Iterator[None]:
 
 @pytest.fixture(params=["kernel", "torch"])
 def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Both CPU paths for single-query rows: the C kernel (``cpu_kernel``, built here on
+    """Both CPU paths for single-query rows: the C kernel (``native``, built here on
     first use) and PyTorch's gather + fused attention (the kernel switched off)."""
     if request.param == "torch":
         monkeypatch.setenv("PARROT_CPU_KERNEL", "0")
     else:
-        assert cpu_kernel.kernel() is not None, cpu_kernel.status()
+        assert native.library() is not None, native.status()
     return str(request.param)
 
 

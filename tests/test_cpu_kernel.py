@@ -1,4 +1,4 @@
-"""The C decode kernel (parrot.engine.attention.cpu_kernel) on its own.
+"""The C decode kernel (parrot.engine.attention.cpu_kernel) and the library build (parrot.engine.native).
 
 Both builds are checked on every machine: the native one (AVX-512 intrinsics for
 head dims that are multiples of 16 where the CPU has AVX-512) and the portable C
@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from parrot.engine import native
 from parrot.engine.attention import (
     Segment,
     cpu_kernel,
@@ -38,7 +39,7 @@ def _cpu_has_avx512() -> bool:
 
 @pytest.fixture(scope="module", params=["native", "portable"])
 def build(request: pytest.FixtureRequest) -> tuple[str, ctypes.CDLL]:
-    return str(request.param), cpu_kernel.build(portable=request.param == "portable")
+    return str(request.param), native.build(portable=request.param == "portable")
 
 
 def _case(
@@ -190,7 +191,7 @@ def _small() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def test_the_engine_plans_use_the_kernel_when_it_is_built() -> None:
     q, k, v = _small()
     plan = plan_decode_attention(SEGMENTS, q, k)
-    assert plan.kernel == (cpu_kernel.kernel() is not None)
+    assert plan.kernel == (native.library() is not None)
     out = paged_decode_attention(q, k, v, plan)
     assert rel_err(out, reference_decode_attention(q, k, v, SEGMENTS)) < 1e-5
     with pytest.raises(ValueError, match="built for the CPU kernel"):
@@ -199,7 +200,7 @@ def test_the_engine_plans_use_the_kernel_when_it_is_built() -> None:
 
 def test_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PARROT_CPU_KERNEL", "0")
-    assert cpu_kernel.kernel() is None and "PARROT_CPU_KERNEL=0" in cpu_kernel.status()
+    assert native.library() is None and "PARROT_CPU_KERNEL=0" in native.status()
     q, k, _ = _small()
     assert not plan_decode_attention(SEGMENTS, q, k).kernel
 
@@ -208,16 +209,16 @@ def test_a_failed_build_falls_back_to_pytorch(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """No compiler: one warning naming the failure, and attention still right (PyTorch path)."""
-    monkeypatch.setattr(cpu_kernel, "_tried", False)
-    monkeypatch.setattr(cpu_kernel, "_loaded", None)
-    monkeypatch.setattr(cpu_kernel, "_status", "not built yet")
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_loaded", None)
+    monkeypatch.setattr(native, "_status", "not built yet")
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("PARROT_KERNEL_CACHE", str(tmp_path / "cache"))
-    with caplog.at_level(logging.WARNING, logger="parrot.engine.attention.cpu_kernel"):
-        assert cpu_kernel.kernel() is None
-        assert cpu_kernel.kernel() is None  # not retried
-    assert cpu_kernel.status().startswith("unavailable") and "no-such-cc" in cpu_kernel.status()
-    assert len([r for r in caplog.records if "PyTorch path" in r.getMessage()]) == 1
+    with caplog.at_level(logging.WARNING, logger="parrot.engine.native"):
+        assert native.library() is None
+        assert native.library() is None  # not retried
+    assert native.status().startswith("unavailable") and "no-such-cc" in native.status()
+    assert len([r for r in caplog.records if "PyTorch paths" in r.getMessage()]) == 1
     q, k, v = _small()
     plan = plan_decode_attention(SEGMENTS, q, k)
     assert not plan.kernel
@@ -229,9 +230,9 @@ def test_builds_are_cached_per_source_and_flags(monkeypatch: pytest.MonkeyPatch,
     if shutil.which("cc") is None:
         pytest.fail("no C compiler ('cc') on this machine: the kernel cannot be built")
     monkeypatch.setenv("PARROT_KERNEL_CACHE", str(tmp_path))
-    cpu_kernel.build()
-    cpu_kernel.build(portable=True)
+    native.build()
+    native.build(portable=True)
     first = sorted(p.name for p in tmp_path.iterdir())
     assert len(first) == 2 and all(n.endswith(".so") for n in first)  # no temp files left
-    cpu_kernel.build()
+    native.build()
     assert sorted(p.name for p in tmp_path.iterdir()) == first  # reused, not rebuilt

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from parrot.engine import fused
 from parrot.engine.packed_linear import PackedLinear, packed_linear_available, prepack_linears
 from parrot.protocol.tokenizer import TINY_VOCAB_SIZE
 
@@ -318,9 +319,19 @@ class Attention(nn.Module):
         bias = None if self.q_proj.bias is None else torch.cat([m.bias for m in parts])
         self.qkv = PackedLinear(weight, bias, dtype=dtype)
 
-    def forward(self, layer: int, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
+    def forward(
+        self, layer: int, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend, fused_ops: bool = False
+    ) -> Tensor:
+        """``fused_ops`` (needs :meth:`fuse`): RoPE rotates q and k inside the q/k/v GEMM's
+        output in one C call (:func:`parrot.engine.fused.rope_`)."""
         t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        if self.qkv is not None:
+        if self.qkv is not None and fused_ops:
+            qkv = self.qkv(x)  # [T, D_model] -> [T, (H + 2 Hkv) * Dh], fp32
+            fused.rope_(qkv, h + kvh, cos, sin)  # q and k heads rotated in place
+            q = qkv[:, : h * d].view(t, h, d)  # [T, H, Dh]
+            k = qkv[:, h * d : (h + kvh) * d].view(t, kvh, d)  # [T, Hkv, Dh]
+            v = qkv[:, (h + kvh) * d :].view(t, kvh, d)  # [T, Hkv, Dh]
+        elif self.qkv is not None:
             qkv = self.qkv(x)  # [T, D_model] -> [T, (H + 2 Hkv) * Dh]
             qk = apply_rope(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), cos, sin)  # [T, H + Hkv, Dh]
             q, k = qk[:, :h], qk[:, h:]  # [T, H, Dh], [T, Hkv, Dh]
@@ -356,10 +367,13 @@ class MLP(nn.Module):
         """Pack gate and up as one ``dtype`` weight [2 * intermediate, hidden]."""
         self.gate_up = PackedLinear(torch.cat([self.gate_proj.weight, self.up_proj.weight]), dtype=dtype)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, fused_ops: bool = False) -> Tensor:
+        """``fused_ops`` (needs :meth:`fuse`): ``silu(gate) * up`` in one C call."""
         if self.gate_up is not None:
             inter = self.gate_proj.out_features
             gu = self.gate_up(x.to(self.gate_up.dtype))  # [T, D] -> [T, 2I], in the packed dtype
+            if fused_ops:
+                return self.down_proj(fused.silu_mul(gu))  # [T, I] -> [T, D]
             return self.down_proj(F.silu(gu[:, :inter]) * gu[:, inter:])  # [T, I] -> [T, D]
         # x: [T, D] -> gate, up: [T, I] -> [T, I] -> [T, D]
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -428,9 +442,30 @@ class LlamaModel(nn.Module):
         inv_freq = self._inv_freq.to(input_ids.device)
         cos, sin = rope_cos_sin(inv_freq, positions)  # [T, Dh] each
         h = self.model.embed_tokens(input_ids)  # [T] -> [T, D]
+        if self.model.layers[0].self_attn.qkv is not None and fused.applies(h):
+            return self._forward_fused(h, cos, sin, attn)
         for i, layer in enumerate(self.model.layers):
             h = layer(i, h, cos, sin, attn)  # [T, D]
         return self.model.norm(h)  # [T, D]
+
+    def _forward_fused(self, h: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
+        """The layers with their elementwise steps fused (:mod:`parrot.engine.fused`); the
+        same function as the plain loop up to rounding order.  ``h`` (a fresh tensor) is
+        the residual stream, updated in place: each residual add is fused with the
+        RMSNorm that follows it (the MLP's with the next layer's input norm, the last
+        one's with the final norm), which also casts for the next GEMM."""
+        layers = self.model.layers
+        first = layers[0].input_layernorm
+        x = fused.add_rms_norm(h, None, first.weight, first.eps)  # [T, D]
+        for i, layer in enumerate(layers):
+            a = layer.self_attn(i, x, cos, sin, attn, fused_ops=True)  # [T, D]
+            post, mlp = layer.post_attention_layernorm, layer.mlp
+            mlp_dtype = torch.float32 if mlp.gate_up is None else mlp.gate_up.dtype
+            x = fused.add_rms_norm(h, a, post.weight, post.eps, mlp_dtype)  # h += a; x = norm(h)
+            m = mlp(x, fused_ops=True)  # [T, D]
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            x = fused.add_rms_norm(h, m, nxt.weight, nxt.eps)  # h += m; x = norm(h)
+        return x  # [T, D]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """Logits [N, vocab_size] float32 from hidden states [N, hidden_size]."""

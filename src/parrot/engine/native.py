@@ -1,0 +1,141 @@
+"""Parrot's C ops for CPU (``csrc/*.c``), built on first use with the system C compiler.
+
+PyTorch's eager CPU ops each make their own pass over memory and pay a dispatch
+per call; at decode sizes (tens of rows) that overhead rivals the arithmetic.  The
+C sources hold the few ops where fusing pays: paged decode attention reading the
+cache in place (``decode_rows.c``, see :mod:`parrot.engine.attention.cpu_kernel`)
+and a decoder layer's elementwise steps (``layer_ops.c``, see
+:mod:`parrot.engine.fused`).
+
+Build: ``$CC`` (default ``cc``) with ``-O3 -march=native -fopenmp``, all sources
+into one shared library, once per source / compiler / CPU, cached in
+``$PARROT_KERNEL_CACHE`` (default ``~/.cache/parrot/kernels``), then loaded with
+:mod:`ctypes`.  No PyTorch headers are needed, so it compiles in about a second.
+Where that fails (no compiler, another OS) or ``PARROT_CPU_KERNEL=0`` is set,
+:func:`library` returns None, :func:`status` says why (logged once as a warning),
+and every caller keeps its PyTorch path: the library is never required.
+
+The library links ``libgomp.so.1``, the soname of the OpenMP runtime PyTorch's CPU
+wheels load first, so both use one thread pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+import threading
+from importlib import resources
+from pathlib import Path
+
+__all__ = ["build", "library", "status"]
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("decode_rows.c", "layer_ops.c")
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+# -DPARROT_PORTABLE leaves out the AVX-512 code (tests check the portable C on AVX-512 machines too).
+_PORTABLE_FLAGS = ("-DPARROT_PORTABLE",)
+
+_i64, _ptr, _int, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+# name -> (argument types, return type), as declared in csrc/*.c
+_SIGNATURES: dict[str, tuple[list[type], type | None]] = {
+    "parrot_decode_rows": (
+        [_ptr, _i64, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _int],
+        _int,
+    ),
+    "parrot_add_rms_norm": ([_ptr, _ptr, _int, _ptr, _f32, _i64, _i64, _ptr, _int, _int], None),
+    "parrot_rope": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _int], None),
+    "parrot_silu_mul": ([_ptr, _i64, _i64, _ptr, _int, _int], None),
+}
+
+_lock = threading.Lock()
+_loaded: ctypes.CDLL | None = None
+_status = "not built yet"
+_tried = False
+
+
+def _cpu_signature() -> str:
+    """What ``-march=native`` compiles for: the CPU's feature flags."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.machine() + platform.processor()
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("PARROT_KERNEL_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "parrot" / "kernels"
+
+
+def _compile(sources: dict[str, str], cc: str, flags: tuple[str, ...]) -> Path:
+    """The shared library of ``sources`` (name -> text), compiled unless an identical
+    build is cached."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60, check=True)
+    parts = [t for pair in sorted(sources.items()) for t in pair]
+    key = hashlib.sha256("\0".join((*parts, cc, version.stdout, *flags, _cpu_signature())).encode())
+    out_dir = _cache_dir()
+    target = out_dir / f"parrot-ops-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        paths = []
+        for name, text in sources.items():
+            path = Path(tmp) / name
+            path.write_text(text)
+            paths.append(str(path))
+        built = Path(tmp) / "ops.so"
+        run = subprocess.run(
+            [cc, *flags, *paths, "-o", str(built), "-lm"], capture_output=True, text=True, timeout=300
+        )
+        if run.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {run.stderr.strip()[-2000:]}")
+        os.replace(built, target)  # atomic: concurrent builders leave one complete file
+    return target
+
+
+def build(*, portable: bool = False) -> ctypes.CDLL:
+    """Compile (or take from the cache) and load the library; raises if that fails.
+    ``portable``: without the AVX-512 code (what other CPUs run)."""
+    folder = resources.files(__package__).joinpath("csrc")
+    sources = {name: folder.joinpath(name).read_text() for name in SOURCES}
+    flags = _FLAGS + (_PORTABLE_FLAGS if portable else ())
+    lib = ctypes.CDLL(str(_compile(sources, os.environ.get("CC") or "cc", flags)))
+    for name, (args, ret) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, ret
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library, building it on the first call; None when unavailable
+    (then :func:`status` gives the reason)."""
+    global _loaded, _status, _tried
+    if os.environ.get("PARROT_CPU_KERNEL", "1") == "0":
+        _status = "disabled by PARROT_CPU_KERNEL=0"
+        return None
+    if _tried:
+        return _loaded
+    with _lock:
+        if not _tried:
+            try:
+                _loaded = build()
+                _status = "ready"
+            except Exception as exc:  # any build or load failure leaves the PyTorch paths
+                _status = f"unavailable: {exc}"
+                log.warning("Parrot's C ops are %s; the engine uses its PyTorch paths", _status)
+            _tried = True
+    return _loaded
+
+
+def status() -> str:
+    """'ready', 'not built yet', or why the library is not used."""
+    return _status
