@@ -81,7 +81,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtypes = {n: getattr(torch, getattr(args, n)) for n in ("weight_dtype", "kv_dtype") if getattr(args, n)}
-    engine = LocalEngine(load_model(args.model), **dtypes)
+    engine = LocalEngine(lambda: load_model(args.model), **dtypes)
     try:
         asyncio.run(run(engine, 2, 16, 4, seed=999))  # warm-up
         stats = profile_steps(engine, args)

@@ -81,14 +81,13 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.model)
     kwargs: dict[str, object] = {}
     for name in ("weight_dtype", "kv_dtype"):
         if getattr(args, name):
             kwargs[name] = getattr(torch, getattr(args, name))
     if args.no_share and "share_prefix" in inspect.signature(LocalEngine).parameters:
         kwargs["share_prefix"] = False
-    engine = LocalEngine(loaded, **kwargs)
+    engine = LocalEngine(lambda: load_model(args.model), **kwargs)  # loaded on the engine's thread
     try:
         asyncio.run(run(engine, 2, 16, 4, seed=999))  # warm-up
         for c in args.concurrency:

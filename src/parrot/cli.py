@@ -112,16 +112,19 @@ def _parser() -> argparse.ArgumentParser:
 def _load_engine(args: argparse.Namespace):
     import torch
 
-    from parrot.engine.loader import load_model
+    from parrot.engine.loader import LoadedModel, load_model
     from parrot.engine.local import LocalEngine
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    t0 = time.perf_counter()
-    loaded = load_model(args.model)
-    logging.getLogger("parrot").info("model %s loaded in %.2fs", loaded.name, time.perf_counter() - t0)
+    def load() -> LoadedModel:  # runs on the engine's thread
+        t0 = time.perf_counter()
+        loaded = load_model(args.model)
+        logging.getLogger("parrot").info("model %s loaded in %.2fs", loaded.name, time.perf_counter() - t0)
+        return loaded
+
     return LocalEngine(
-        loaded,
+        load,
         max_step_tokens=args.max_step_tokens,
         token_capacity=args.token_capacity,
         kv_cache_tokens=args.kv_cache_tokens,

@@ -68,11 +68,16 @@ class LocalEngine:
     False for baselines), ``block_size``, and the KV pool's size as
     ``kv_cache_tokens`` or ``kv_cache_bytes`` (default: 2 GiB worth of tokens, see
     :mod:`parrot.engine.kv_store`), ``weight_dtype`` (bf16 packed GEMM weights) and
-    ``kv_dtype`` (a bf16 KV cache)."""
+    ``kv_dtype`` (a bf16 KV cache).
+
+    ``loaded`` may be a function that loads the model: it then runs on the engine's
+    own thread, like everything else the engine does with torch (see
+    :meth:`EngineRunner.start_on_own_thread`); pass a loader where speed matters.
+    """
 
     def __init__(
         self,
-        loaded: LoadedModel,
+        loaded: LoadedModel | Callable[[], LoadedModel],
         *,
         max_step_tokens: int = 512,
         token_capacity: int | None = None,
@@ -83,19 +88,22 @@ class LocalEngine:
         weight_dtype: torch.dtype | None = None,
         kv_dtype: torch.dtype | None = None,
     ):
-        self.loaded = loaded
-        self.runner = EngineRunner(
-            loaded,
-            max_step_tokens=max_step_tokens,
-            token_capacity=token_capacity,
-            share_prefix=share_prefix,
-            block_size=block_size,
-            kv_cache_tokens=kv_cache_tokens,
-            kv_cache_bytes=kv_cache_bytes,
-            weight_dtype=weight_dtype,
-            kv_dtype=kv_dtype,
-        )
-        self.runner.start()
+        def make() -> EngineRunner:
+            model = loaded if isinstance(loaded, LoadedModel) else loaded()
+            return EngineRunner(
+                model,
+                max_step_tokens=max_step_tokens,
+                token_capacity=token_capacity,
+                share_prefix=share_prefix,
+                block_size=block_size,
+                kv_cache_tokens=kv_cache_tokens,
+                kv_cache_bytes=kv_cache_bytes,
+                weight_dtype=weight_dtype,
+                kv_dtype=kv_dtype,
+            )
+
+        self.runner = EngineRunner.start_on_own_thread(make)
+        self.loaded = self.runner.loaded
         self._mailboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopMailbox] = (
             weakref.WeakKeyDictionary()
         )
