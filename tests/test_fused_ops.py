@@ -64,16 +64,6 @@ def test_rope_rotates_only_the_first_heads_in_place() -> None:
     assert torch.equal(x[:, heads * dim :], before[:, heads * dim :])  # other heads untouched
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul_matches_the_chain(dtype: torch.dtype) -> None:
-    gu = (torch.randn(6, 2 * 40, generator=_gen(6)) * 4).to(dtype)
-    wide = gu.float()
-    want = F.silu(wide[:, :40]) * wide[:, 40:]  # in fp32
-    got = fused.silu_mul(gu)
-    assert got.dtype == dtype and got.shape == (6, 40)
-    assert rel_err(got, want) < (1e-6 if dtype == torch.float32 else 8e-3)
-
-
 def test_bad_inputs_are_refused_before_the_c_side_runs() -> None:
     h, w = torch.randn(2, 8), torch.ones(8)
     kept = h.clone()
@@ -84,7 +74,6 @@ def test_bad_inputs_are_refused_before_the_c_side_runs() -> None:
         (lambda: fused.add_rms_norm(h, None, w, 1e-5, torch.float64), "fp32 or bf16"),
         (lambda: fused.rope_(h, 2, torch.ones(2, 8), torch.ones(2, 8)), "do not fit"),
         (lambda: fused.rope_(h, 1, torch.ones(3, 8), torch.ones(3, 8)), "one row per cos row"),
-        (lambda: fused.silu_mul(torch.ones(2, 7)), r"\[T, 2I\]"),
     ]
     for call, match in cases:
         with pytest.raises(ValueError, match=match):

@@ -117,6 +117,7 @@ def _load_engine(args: argparse.Namespace):
 
     if args.threads:
         torch.set_num_threads(args.threads)
+
     def load() -> LoadedModel:  # runs on the engine's thread
         t0 = time.perf_counter()
         loaded = load_model(args.model)

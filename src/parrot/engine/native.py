@@ -50,7 +50,6 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     ),
     "parrot_add_rms_norm": ([_ptr, _ptr, _int, _ptr, _f32, _i64, _i64, _ptr, _int, _int], None),
     "parrot_rope": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _int], None),
-    "parrot_silu_mul": ([_ptr, _i64, _i64, _ptr, _int, _int], None),
 }
 
 _lock = threading.Lock()

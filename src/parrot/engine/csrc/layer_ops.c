@@ -74,16 +74,3 @@ void parrot_rope(float *x, int64_t rows, int64_t heads, int64_t dim, int64_t row
         }
     }
 }
-
-/* out[r, i] = silu(gu[r, i]) * gu[r, inter + i] for gu: [rows, 2 * inter]; gu and
- * out share one dtype (fp32 or bf16); computed in fp32. */
-void parrot_silu_mul(const void *gu, int64_t rows, int64_t inter, void *out, int bf16, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t in = r * 2 * inter, o = r * inter;
-        for (int64_t i = 0; i < inter; i++) {
-            const float g = load(gu, bf16, in + i), u = load(gu, bf16, in + inter + i);
-            store(out, bf16, o + i, g / (1.0f + expf(-g)) * u);
-        }
-    }
-}
