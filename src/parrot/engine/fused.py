@@ -2,15 +2,17 @@
 
 Each function here replaces a short chain of eager PyTorch ops: the residual add
 and the RMSNorm after it (and the cast of the normed rows to the next GEMM's
-dtype), and RoPE on q and k inside the fused q/k/v output.  (A fused
-``silu(gate) * up`` was tried and dropped: its scalar ``expf`` made prefill
-slower than PyTorch's vectorised SiLU.)  They compute in fp32 like the PyTorch chains (results
-differ only by rounding order) and take only what :func:`applies` accepts:
-contiguous CPU tensors, with :mod:`parrot.engine.native` built.  The model
-checks that once per forward and otherwise runs its PyTorch code.
+dtype), and RoPE on q and k inside the fused q/k/v output.  They compute in
+fp32 like the PyTorch chains (results differ only by rounding order) and take
+only what :func:`applies` accepts: contiguous CPU tensors, with
+:mod:`parrot.engine.native` built.  The model checks that once per forward and
+otherwise runs its PyTorch code.  (A fused ``silu(gate) * up`` was tried and
+dropped: its scalar ``expf`` made prefill slower than PyTorch's vectorised SiLU.)
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 from torch import Tensor
@@ -35,7 +37,7 @@ def applies(hidden: Tensor) -> bool:
     )
 
 
-def _lib():  # type: ignore[no-untyped-def]
+def _lib() -> ctypes.CDLL:
     lib = native.library()
     if lib is None:
         raise RuntimeError(f"Parrot's C ops are {native.status()}")
@@ -50,6 +52,8 @@ def add_rms_norm(
     rows, dim = h.shape
     if h.dtype != torch.float32 or not h.is_contiguous() or weight.dtype != torch.float32:
         raise ValueError("add_rms_norm needs a contiguous fp32 h and an fp32 weight")
+    if any(t is not None and t.device.type != "cpu" for t in (h, delta, weight)):
+        raise ValueError("add_rms_norm runs on CPU tensors only")
     if weight.shape != (dim,) or out_dtype not in _DTYPES:
         raise ValueError(f"add_rms_norm: weight must be [{dim}] and out fp32 or bf16")
     if delta is not None:
@@ -82,6 +86,8 @@ def rope_(x: Tensor, heads: int, cos: Tensor, sin: Tensor) -> None:
         raise ValueError(f"rope_: {heads} heads of {dim} do not fit rows of {x.shape[1]}")
     if cos.dtype != torch.float32 or sin.dtype != torch.float32:
         raise ValueError("rope_: cos and sin must be fp32")
+    if any(t.device.type != "cpu" for t in (x, cos, sin)):
+        raise ValueError("rope_ runs on CPU tensors only")
     cos, sin = cos.contiguous(), sin.contiguous()
     _lib().parrot_rope(
         x.data_ptr(), rows, heads, dim, x.shape[1], cos.data_ptr(), sin.data_ptr(), torch.get_num_threads()
