@@ -169,6 +169,10 @@ def test_layouts_are_checked_before_the_c_side_runs() -> None:
         ({"vf": c["vf"].to(torch.bfloat16)}, "mismatched"),
         ({"out": c["out"][:1]}, "mismatched"),
         ({"lse": c["lse"].double()}, "fp32"),
+        ({"qs": c["qs"].double()}, "queries must be fp32"),
+        ({"kf": c["kf"].half(), "vf": c["vf"].half()}, "caches fp32 or bf16"),
+        ({"seqs": c["seqs"][:1]}, "row counts"),
+        ({k: c[k][:, :3].contiguous() for k in ("qs", "out", "lse")}, "head counts"),  # 3 heads on 2 kv heads
     ]
     for change, match in bad:
         with pytest.raises(ValueError, match=match):

@@ -72,6 +72,10 @@ def decode_rows(
         raise ValueError("decode_rows: out and lse must be fp32 [R, H, D] and [R, H]")
     if seqs.dtype != torch.int64 or tok.dtype != torch.int64 or lens.dtype != torch.int64:
         raise ValueError("decode_rows: seqs, tok and lens must be int64")
+    if qs.dtype != torch.float32 or kf.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError("decode_rows: queries must be fp32 and the caches fp32 or bf16")
+    if kf.shape[2] != dim or heads % kv_heads or seqs.shape != (rows,) or lens.shape != (rows,):
+        raise ValueError("decode_rows: head dims, head counts or row counts do not match")
     vector = lib.parrot_decode_rows(
         qs.data_ptr(),
         heads * dim,
