@@ -188,11 +188,6 @@ class EngineRunner:
         }
 
     # ------------------------------------------------------------ threading
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="parrot-engine", daemon=True)
-            self._thread.start()
-
     @classmethod
     def start_on_own_thread(cls, make: Callable[[], EngineRunner]) -> EngineRunner:
         """Run ``make`` (e.g. load the model and build the runner) on a new thread that then
@@ -200,9 +195,9 @@ class EngineRunner:
 
         All of the engine's torch work then happens on one thread, so PyTorch's OpenMP
         runtime keeps one thread team (it keeps one per thread that starts parallel
-        work).  On the 2-core Xeon, decode steps on a worker thread ran 15-25% slower
-        than on the thread that had loaded the model, in an A/B within one process;
-        other runs were too noisy to confirm that this removes all of the difference.
+        work).  Why: decode steps on a worker thread measured slower than on the thread
+        that had loaded the model, in a scratch A/B within one process on the 2-core
+        Xeon (not a committed benchmark; other runs were too noisy to confirm more).
         """
         built: list[EngineRunner] = []
         failed: list[BaseException] = []

@@ -40,15 +40,20 @@ static inline const float *kv_row(const void *cache, int bf16, int64_t row, int6
     return buf;
 }
 
+/* The online softmax's starting state for m query vectors of dim: no keys seen. */
+static inline void softmax_start(float *run_max, float *run_sum, float *acc, int64_t m, int64_t dim) {
+    for (int64_t g = 0; g < m; g++) {
+        run_max[g] = -INFINITY;
+        run_sum[g] = 0.0f;
+    }
+    for (int64_t i = 0; i < m * dim; i++) acc[i] = 0.0f;
+}
+
 static void task_portable(const float *qh, const void *k, const void *v, int bf16, const int64_t *tok,
                           int64_t n, int64_t head, int64_t kv_heads, int64_t group, int64_t dim, float *out,
                           float *lse) {
     float acc[group * dim], run_max[group], run_sum[group], s[group * TILE], buf[dim];
-    for (int64_t g = 0; g < group; g++) {
-        run_max[g] = -INFINITY;
-        run_sum[g] = 0.0f;
-    }
-    for (int64_t i = 0; i < group * dim; i++) acc[i] = 0.0f;
+    softmax_start(run_max, run_sum, acc, group, dim);
     for (int64_t t0 = 0; t0 < n; t0 += TILE) {
         const int64_t nt = n - t0 < TILE ? n - t0 : TILE;
         for (int64_t j = 0; j < nt; j++) {
@@ -130,11 +135,7 @@ static inline __attribute__((always_inline)) void task16(
     float acc[m * dim] __attribute__((aligned(64)));
     float sc[m * TILE] __attribute__((aligned(64)));
     float run_max[m], run_sum[m];
-    for (int64_t g = 0; g < m; g++) {
-        run_max[g] = -INFINITY;
-        run_sum[g] = 0.0f;
-    }
-    for (int64_t i = 0; i < m * dim; i++) acc[i] = 0.0f;
+    softmax_start(run_max, run_sum, acc, m, dim);
     for (int64_t t0 = 0; t0 < n; t0 += TILE) {
         const int64_t nt = n - t0 < TILE ? n - t0 : TILE;
         for (int64_t j = 0; j < nt; j++) {
