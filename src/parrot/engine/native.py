@@ -3,8 +3,9 @@
 PyTorch's eager CPU ops each make their own pass over memory and pay a dispatch
 per call; at decode sizes (tens of rows) that overhead rivals the arithmetic.  The
 C sources hold the few ops where fusing pays: paged decode attention reading the
-cache in place (``decode_rows.c``, see :mod:`parrot.engine.attention.cpu_kernel`)
-and a decoder layer's elementwise steps (``layer_ops.c``, see
+cache in place (``decode_rows.c``; ``shared_rows.c`` for a prefix shared by many
+queries; see :mod:`parrot.engine.attention.cpu_kernel`) and a decoder layer's
+elementwise steps (``layer_ops.c``, see
 :mod:`parrot.engine.fused`).
 
 Build: ``$CC`` (default ``cc``) with ``-O3 -march=native -fopenmp``, all sources
@@ -36,7 +37,8 @@ __all__ = ["build", "library", "status"]
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("decode_rows.c", "layer_ops.c")
+SOURCES = ("decode_rows.c", "layer_ops.c", "shared_rows.c")
+HEADERS = ("simd.h",)  # included by the sources; part of the build key
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 # -DPARROT_PORTABLE leaves out the AVX-512 code (tests check the portable C on AVX-512 machines too).
 _PORTABLE_FLAGS = ("-DPARROT_PORTABLE",)
@@ -48,6 +50,11 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
         [_ptr, _i64, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _int],
         _int,
     ),
+    "parrot_shared_rows": (
+        [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _int, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _int],
+        _int,
+    ),
+    "parrot_shared_rows_supported": ([_i64], _int),
     "parrot_add_rms_norm": ([_ptr, _ptr, _int, _ptr, _f32, _i64, _i64, _ptr, _int, _int], None),
     "parrot_rope": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _int], None),
 }
@@ -90,7 +97,8 @@ def _compile(sources: dict[str, str], cc: str, flags: tuple[str, ...]) -> Path:
         for name, text in sources.items():
             path = Path(tmp) / name
             path.write_text(text)
-            paths.append(str(path))
+            if name.endswith(".c"):
+                paths.append(str(path))
         built = Path(tmp) / "ops.so"
         run = subprocess.run(
             [cc, *flags, *paths, "-o", str(built), "-lm"], capture_output=True, text=True, timeout=300
@@ -105,7 +113,7 @@ def build(*, portable: bool = False) -> ctypes.CDLL:
     """Compile (or take from the cache) and load the library; raises if that fails.
     ``portable``: without the AVX-512 code (what other CPUs run)."""
     folder = resources.files(__package__).joinpath("csrc")
-    sources = {name: folder.joinpath(name).read_text() for name in SOURCES}
+    sources = {name: folder.joinpath(name).read_text() for name in SOURCES + HEADERS}
     flags = _FLAGS + (_PORTABLE_FLAGS if portable else ())
     lib = ctypes.CDLL(str(_compile(sources, os.environ.get("CC") or "cc", flags)))
     for name, (args, ret) in _SIGNATURES.items():

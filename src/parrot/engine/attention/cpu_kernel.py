@@ -6,8 +6,13 @@ reads) before one fused attention call.  ``parrot_decode_rows``
 (``parrot/engine/csrc/decode_rows.c``, built by :mod:`parrot.engine.native`)
 reads the cache rows in place instead: one pass over each sequence's K and V per
 layer, with an online softmax, parallel over rows (and kv heads when rows are
-few) on PyTorch's own OpenMP threads.  Where the library is unavailable,
-:func:`supports` is False and attention keeps the PyTorch path.
+few) on PyTorch's own OpenMP threads.  ``parrot_shared_rows``
+(``csrc/shared_rows.c``) takes one shared prefix for all the queries under it,
+reading each of its keys and values once per kv head (:func:`shared_row`).
+Where the library is unavailable, :func:`supports` is False and attention keeps
+the PyTorch path; where the shared kernel is not built for a layout (no AVX-512,
+head dim not a multiple of 64), :func:`shared_supports` is False and shared
+prefixes keep PyTorch's matrix-matrix path.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from torch import Tensor
 
 from parrot.engine import native
 
-__all__ = ["decode_rows", "supports"]
+__all__ = ["decode_rows", "shared_row", "shared_supports", "supports"]
 
 
 def supports(compute_dtype: torch.dtype, cache: Tensor) -> bool:
@@ -95,3 +100,77 @@ def decode_rows(
         torch.get_num_threads(),
     )
     return bool(vector)
+
+
+def shared_supports(compute_dtype: torch.dtype, cache: Tensor) -> bool:
+    """Whether :func:`shared_row` runs for this cache: :func:`supports`, and the
+    shared kernel is built for its head dim (AVX-512, dim a multiple of 64)."""
+    lib = native.library()
+    return (
+        supports(compute_dtype, cache)
+        and lib is not None
+        and bool(lib.parrot_shared_rows_supported(cache.shape[-1]))
+    )
+
+
+def shared_row(
+    qs: Tensor,
+    seqs: Tensor,
+    kf: Tensor,
+    vf: Tensor,
+    tok: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    *,
+    lib: ctypes.CDLL | None = None,
+) -> None:
+    """Attention of the ``m`` queries ``qs[seqs]`` over one shared run of keys, written
+    into ``out`` [m, H, D] (normalised) and ``lse`` [m, H].
+
+    qs: [B, H, D] fp32, scaled; seqs: int64 [m]; kf, vf: [N, KVH, D] fp32/bf16
+    caches; tok: int64 [L >= 1], the run's key rows.  Index ranges are the caller's
+    (:class:`~parrot.engine.attention.torch_impl.TorchDecodePlan`); layouts, dtypes
+    and counts are checked here, because the C side trusts them.
+    """
+    lib = lib or native.library()
+    if lib is None:
+        raise RuntimeError(f"Parrot's C ops are {native.status()}")
+    _, heads, dim = qs.shape
+    _, kv_heads, _ = kf.shape
+    m = seqs.numel()
+    tensors = (qs, seqs, kf, vf, tok, out, lse)
+    if not all(t.is_contiguous() and t.device.type == "cpu" for t in tensors):
+        raise ValueError("shared_row needs contiguous CPU tensors")
+    if vf.shape != kf.shape or vf.dtype != kf.dtype or kf.shape[2] != dim or heads % kv_heads:
+        raise ValueError("shared_row: mismatched cache shapes or head counts")
+    if out.shape != (m, heads, dim) or lse.shape != (m, heads):
+        raise ValueError("shared_row: out and lse must be [m, H, D] and [m, H]")
+    if out.dtype != torch.float32 or lse.dtype != torch.float32 or qs.dtype != torch.float32:
+        raise ValueError("shared_row: queries, out and lse must be fp32")
+    if kf.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError("shared_row: the caches must be fp32 or bf16")
+    if seqs.dtype != torch.int64 or tok.dtype != torch.int64 or seqs.dim() != 1 or tok.dim() != 1:
+        raise ValueError("shared_row: seqs and tok must be 1-D int64")
+    if m < 1 or tok.numel() < 1:
+        raise ValueError("shared_row: needs at least one query and one key")
+    code = lib.parrot_shared_rows(
+        qs.data_ptr(),
+        heads * dim,
+        seqs.data_ptr(),
+        m,
+        kf.data_ptr(),
+        vf.data_ptr(),
+        int(kf.dtype == torch.bfloat16),
+        tok.data_ptr(),
+        tok.numel(),
+        kv_heads,
+        heads // kv_heads,
+        dim,
+        out.data_ptr(),
+        lse.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if code == 1:
+        raise ValueError(f"shared_row: not built for head dim {dim} (see shared_supports)")
+    if code != 0:
+        raise MemoryError("shared_row: could not allocate its scratch memory")

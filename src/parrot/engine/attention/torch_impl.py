@@ -319,7 +319,8 @@ class TorchDecodePlan:
     """The layer-independent part of one decode batch's attention (built once per step).
 
     ``kernel``: single-query rows run in the C kernel (:mod:`cpu_kernel`), which
-    reads the cache in place, so all of them are batched whatever their length.
+    reads the cache in place, so all of them are batched whatever their length;
+    shared rows too where the C shared kernel is built for the layout.
 
     Invariants: every partial slot has an owner; slots are filled in the order
     batched rows, looped single rows (one slot per piece), shared rows (one slot per
@@ -423,6 +424,17 @@ def _run_padded_kernel(pad: _Padded, qs: Tensor, kf: Tensor, vf: Tensor, parts: 
     parts.den[sl].fill_(1.0)
 
 
+def _run_shared_kernel(
+    row: _Row, qs: Tensor, kf: Tensor, vf: Tensor, bufs: _Buffers, parts: _Partials
+) -> None:
+    """A multi-query row in one call of the C shared-prefix kernel, which reads each
+    key and value row once per kv head in place (no gather); it returns normalised
+    rows and their log-sum-exp (``max = lse``, ``den = 1``)."""
+    sl = parts.take(row.seqs)
+    cpu_kernel.shared_row(qs, row.seqs.contiguous(), kf, vf, row.tok, parts.out[sl], parts.max[sl])
+    parts.den[sl].fill_(1.0)
+
+
 def torch_paged_decode_attention(
     q: Tensor,
     k_cache: Tensor,
@@ -471,8 +483,9 @@ def torch_paged_decode_attention(
         (_run_padded_kernel if plan.kernel else _run_padded)(plan.padded, qs, kf, vf, parts)
     for r in plan.looped:
         _run_single(r, qs, kf, vf, bufs, parts)
+    shared_in_c = plan.kernel and bool(plan.shared) and cpu_kernel.shared_supports(cdt, k_cache)
     for r in plan.shared:
-        _run_shared(r, qs, kf, vf, bufs, parts)
+        (_run_shared_kernel if shared_in_c else _run_shared)(r, qs, kf, vf, bufs, parts)
     if parts.next != plan.slots:  # internal invariant, not input validation
         raise RuntimeError(f"partial slot accounting mismatch: {parts.next} != {plan.slots}")
     if plan.direct:
