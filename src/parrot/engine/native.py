@@ -4,9 +4,10 @@ PyTorch's eager CPU ops each make their own pass over memory and pay a dispatch
 per call; at decode sizes (tens of rows) that overhead rivals the arithmetic.  The
 C sources hold the few ops where fusing pays: paged decode attention reading the
 cache in place (``decode_rows.c``; ``shared_rows.c`` for a prefix shared by many
-queries; see :mod:`parrot.engine.attention.cpu_kernel`) and a decoder layer's
-elementwise steps (``layer_ops.c``, see
-:mod:`parrot.engine.fused`).
+queries; see :mod:`parrot.engine.attention.cpu_kernel`), a decoder layer's
+elementwise steps (``layer_ops.c``, see :mod:`parrot.engine.fused`) and bf16
+linear layers at decode sizes on AMX tiles (``amx_linear.c``, see
+:mod:`parrot.engine.amx_linear`).
 
 Build: ``$CC`` (default ``cc``) with ``-O3 -march=native -fopenmp``, all sources
 into one shared library, once per source / compiler / CPU, cached in
@@ -37,7 +38,7 @@ __all__ = ["build", "library", "status"]
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("decode_rows.c", "layer_ops.c", "shared_rows.c")
+SOURCES = ("decode_rows.c", "layer_ops.c", "shared_rows.c", "amx_linear.c")
 HEADERS = ("simd.h",)  # included by the sources; part of the build key
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 # -DPARROT_PORTABLE leaves out the AVX-512 code (tests check the portable C on AVX-512 machines too).
@@ -55,6 +56,10 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
         _int,
     ),
     "parrot_shared_rows_supported": ([_i64], _int),
+    "parrot_amx_ready": ([], _int),
+    "parrot_amx_packed_size": ([_i64, _i64], _i64),
+    "parrot_amx_pack": ([_ptr, _i64, _i64, _ptr], None),
+    "parrot_amx_linear": ([_ptr, _int, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int], _int),
     "parrot_add_rms_norm": ([_ptr, _ptr, _int, _ptr, _f32, _i64, _i64, _ptr, _int, _int], None),
     "parrot_rope": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _int], None),
 }

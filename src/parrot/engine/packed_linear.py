@@ -20,6 +20,9 @@ half the bytes and use the CPU's bf16 dot products (2-4x faster again here),
 with inputs rounded to bf16 and fp32 accumulation; the residual stream, norms,
 attention and KV cache stay fp32.  That is a precision choice (greedy outputs
 can differ from fp32's), so it is opt-in: ``parrot serve --weight-dtype bfloat16``.
+Where Parrot's AMX kernel runs (:mod:`parrot.engine.amx_linear`), a bf16 layer
+also keeps the kernel's packed copy and sends calls of at most
+``amx_linear.MAX_ROWS`` rows (decode steps) there.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
+
+from parrot.engine import amx_linear, native
 
 __all__ = ["PackedLinear", "packed_linear_available", "prepack_linears"]
 
@@ -66,10 +71,23 @@ class PackedLinear:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, _BATCH_HINT)
         self.bias = None if bias is None else bias.detach().to(self.dtype)
         self.out_features, self.in_features = weight.shape
+        self.amx: amx_linear.AmxWeight | None = None  # the AMX kernel's copy (bf16 only)
+        self._amx_bias = None if bias is None else bias.detach().float()
+        self._amx_lib = native.library() if self.dtype == torch.bfloat16 and amx_linear.available() else None
+        if self._amx_lib is not None:  # the switches are read here, once: this layer keeps its choice
+            self.amx = amx_linear.pack(weight, lib=self._amx_lib)
 
     def __call__(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected last dim {self.in_features}, got {tuple(x.shape)}")
+        if (
+            self.amx is not None
+            and x.dim() == 2
+            and x.shape[0] <= amx_linear.MAX_ROWS
+            and x.dtype in (torch.float32, torch.bfloat16)
+            and x.device.type == "cpu"
+        ):
+            return amx_linear.linear(x, self.amx, self._amx_bias, lib=self._amx_lib)
         if x.dtype == self.dtype:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         y = torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.packed, self.bias, "none", [], "")

@@ -1,0 +1,142 @@
+"""The AMX bf16 linear kernel (parrot.engine.amx_linear, csrc/amx_linear.c).
+
+Results are checked against float64 products of the bf16-rounded operands; shapes
+cross the kernel's 16-row tiles, 32-row groups, 256-row chunks and 32-column /
+32-deep weight blocks.  Where AMX is not available (the portable build, or a CPU
+without AMX) the kernel must refuse instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import replace
+
+import pytest
+import torch
+
+from parrot.engine import amx_linear, native
+from parrot.engine.packed_linear import PackedLinear
+
+
+@pytest.fixture(scope="module")
+def lib() -> ctypes.CDLL:
+    return native.build()
+
+
+def _ready(lib: ctypes.CDLL) -> bool:
+    return bool(lib.parrot_amx_ready())
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = x.bfloat16().double() @ w.bfloat16().double().T
+    return out if bias is None else out + bias.double()
+
+
+def test_pack_layout_follows_the_documented_blocks(lib: ctypes.CDLL) -> None:
+    n, k = 40, 50  # padded to 64 x 64: 2 x 2 blocks of 16 rows x 64
+    w = torch.arange(n * k, dtype=torch.float32).view(n, k).bfloat16()
+    packed = amx_linear.pack(w, lib=lib).data.view(2, 2, 16, 64)
+    flat = w.view(torch.int16)
+    for nb, kb, r, c in [
+        (0, 0, 0, 0),
+        (0, 0, 0, 1),
+        (0, 0, 3, 33),
+        (1, 0, 2, 5),
+        (0, 1, 8, 17),
+        (1, 1, 0, 63),
+    ]:
+        col, kk = nb * 32 + (c // 32) * 16 + (c % 32) // 2, kb * 32 + 2 * r + c % 2
+        want = int(flat[col, kk]) if col < n and kk < k else 0
+        assert int(packed[nb, kb, r, c]) == want, (nb, kb, r, c)
+    assert int(packed[1, 1, 15, 63]) == 0  # padding (column 63 >= 40) is zero
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [(1, 16, 32), (3, 40, 50), (16, 96, 64), (17, 960, 576), (33, 33, 100), (300, 70, 64), (32, 576, 1536)],
+)
+def test_matches_float64_reference(lib: ctypes.CDLL, x_dtype: torch.dtype, m: int, n: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = torch.randn(n, k, generator=gen)
+    x = torch.randn(m, k, generator=gen).to(x_dtype)
+    bias = torch.randn(n, generator=gen)
+    if not _ready(lib):
+        with pytest.raises(RuntimeError, match="not available"):
+            amx_linear.linear(x, amx_linear.pack(w, lib=lib), bias, lib=lib)
+        return
+    packed = amx_linear.pack(w, lib=lib)
+    for b in (bias, None):
+        y = amx_linear.linear(x, packed, b, lib=lib)
+        assert y.shape == (m, n) and y.dtype == x_dtype
+        ref = _reference(x, w, b)
+        tol = 1e-6 if x_dtype == torch.float32 else 8e-3  # bf16 output: one rounding
+        assert float((y.double() - ref).abs().max() / ref.abs().max()) < tol
+
+
+def test_nan_stays_in_its_row(lib: ctypes.CDLL) -> None:
+    gen = torch.Generator().manual_seed(5)
+    w, x = torch.randn(64, 96, generator=gen), torch.randn(20, 96, generator=gen)
+    x[7, 3] = torch.nan
+    if not _ready(lib):
+        with pytest.raises(RuntimeError, match="not available"):
+            amx_linear.linear(x, amx_linear.pack(w, lib=lib), lib=lib)
+        return
+    y = amx_linear.linear(x, amx_linear.pack(w, lib=lib), lib=lib)
+    assert torch.isnan(y[7]).all()
+    assert torch.isfinite(torch.cat([y[:7], y[8:]])).all()
+
+
+def test_bad_inputs_are_refused(lib: ctypes.CDLL) -> None:
+    w = torch.randn(32, 64)
+    packed = amx_linear.pack(w, lib=lib)
+    x = torch.randn(4, 64)
+    bad = [
+        ({"x": x.view(2, 2, 64)}, "2-D"),
+        ({"x": x.half()}, "fp32/bf16"),
+        ({"x": torch.randn(4, 63)}, "takes 64"),  # pads to the same blocks: must still be refused
+        ({"weight": replace(packed, data=packed.data[:-1])}, "does not hold"),
+        ({"weight": replace(packed, data=packed.data.float())}, "does not hold"),
+        ({"weight": replace(packed, out_features=33)}, "does not hold"),
+        ({"bias": torch.randn(32).double()}, "bias"),
+        ({"bias": torch.randn(31)}, "bias"),
+    ]
+    for change, match in bad:
+        args = {"x": x, "weight": packed, "bias": None, **change}
+        with pytest.raises(ValueError, match=match):
+            amx_linear.linear(**args, lib=lib)
+    with pytest.raises(ValueError, match="2-D CPU weight"):
+        amx_linear.pack(w.view(-1), lib=lib)
+
+
+def test_the_portable_build_refuses() -> None:
+    portable = native.build(portable=True)
+    assert not _ready(portable)
+    w = torch.randn(32, 64)
+    with pytest.raises(RuntimeError, match="not available"):
+        amx_linear.linear(torch.randn(2, 64), amx_linear.pack(w, lib=portable), lib=portable)
+
+
+def test_packed_linear_sends_decode_sizes_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 PackedLinear: calls of at most MAX_ROWS rows go to the AMX kernel, larger
+    ones to oneDNN; both give the bf16 product."""
+    gen = torch.Generator().manual_seed(6)
+    w, bias = torch.randn(48, 64, generator=gen), torch.randn(48, generator=gen)
+    layer = PackedLinear(w, bias, dtype=torch.bfloat16)
+    assert (layer.amx is not None) == amx_linear.available()
+    calls = []
+    real = amx_linear.linear
+    monkeypatch.setattr(amx_linear, "linear", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    small = torch.randn(amx_linear.MAX_ROWS, 64, generator=gen)
+    large = torch.randn(amx_linear.MAX_ROWS + 1, 64, generator=gen)
+    for x in (small, large):
+        y = layer(x)
+        ref = _reference(x, w, bias.bfloat16())  # oneDNN adds a bf16 bias; the kernel an fp32 one
+        assert float((y.double() - ref).abs().max() / ref.abs().max()) < 1e-2
+    assert calls == ([amx_linear.MAX_ROWS] if layer.amx is not None else [])
+
+
+def test_parrot_amx_0_turns_the_kernel_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PARROT_AMX", "0")
+    assert not amx_linear.available()
+    assert PackedLinear(torch.randn(32, 64), dtype=torch.bfloat16).amx is None
