@@ -64,6 +64,29 @@ def test_rope_rotates_only_the_first_heads_in_place() -> None:
     assert torch.equal(x[:, heads * dim :], before[:, heads * dim :])  # other heads untouched
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("rows", "inter"), [(1, 16), (3, 40), (5, 1536), (2, 7)]
+)  # vector body, tails, scalar only
+def test_silu_mul_is_silu_of_gate_times_up(dtype: torch.dtype, rows: int, inter: int) -> None:
+    gu = (torch.randn(rows, 2 * inter, generator=_gen(rows + inter)) * 4).to(dtype)
+    gu[0, 0], gu[0, 1] = 100.0, -100.0  # sigmoid's saturated ends
+    want = F.silu(gu[:, :inter].double()) * gu[:, inter:].double()
+    got = fused.silu_mul(gu)
+    assert got.shape == (rows, inter) and got.dtype == dtype
+    assert rel_err(got, want) < (1e-6 if dtype == torch.float32 else 4e-3)  # bf16: one rounding of the result
+
+
+def test_silu_mul_keeps_a_nan_in_its_element() -> None:
+    gu = torch.randn(3, 64, generator=_gen(9))
+    gu[1, 5] = torch.nan  # gate element 5 of row 1
+    gu[2, 32 + 20] = torch.nan  # up element 20 of row 2
+    got = fused.silu_mul(gu)
+    nan = torch.zeros(3, 32, dtype=torch.bool)
+    nan[1, 5] = nan[2, 20] = True
+    assert torch.equal(got.isnan(), nan)
+
+
 def test_bad_inputs_are_refused_before_the_c_side_runs() -> None:
     h, w = torch.randn(2, 8), torch.ones(8)
     kept = h.clone()
@@ -74,6 +97,9 @@ def test_bad_inputs_are_refused_before_the_c_side_runs() -> None:
         (lambda: fused.add_rms_norm(h, None, w, 1e-5, torch.float64), "fp32 or bf16"),
         (lambda: fused.rope_(h, 2, torch.ones(2, 8), torch.ones(2, 8)), "do not fit"),
         (lambda: fused.rope_(h, 1, torch.ones(3, 8), torch.ones(3, 8)), "one row per cos row"),
+        (lambda: fused.silu_mul(torch.ones(2, 7)), r"\[T, 2I\]"),
+        (lambda: fused.silu_mul(torch.ones(2, 8).double()), "fp32/bf16"),
+        (lambda: fused.silu_mul(torch.ones(8, 2).t()), "contiguous"),
     ]
     for call, match in cases:
         with pytest.raises(ValueError, match=match):

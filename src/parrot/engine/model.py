@@ -367,10 +367,14 @@ class MLP(nn.Module):
         """Pack gate and up as one ``dtype`` weight [2 * intermediate, hidden]."""
         self.gate_up = PackedLinear(torch.cat([self.gate_proj.weight, self.up_proj.weight]), dtype=dtype)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, fused_ops: bool = False) -> Tensor:
+        """``fused_ops`` (needs :meth:`fuse`): ``silu(gate) * up`` in one C call
+        (:func:`parrot.engine.fused.silu_mul`)."""
         if self.gate_up is not None:
             inter = self.gate_proj.out_features
             gu = self.gate_up(x.to(self.gate_up.dtype))  # [T, D] -> [T, 2I], in the packed dtype
+            if fused_ops:
+                return self.down_proj(fused.silu_mul(gu))  # [T, I] -> [T, D]
             return self.down_proj(F.silu(gu[:, :inter]) * gu[:, inter:])  # [T, I] -> [T, D]
         # x: [T, D] -> gate, up: [T, I] -> [T, I] -> [T, D]
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -459,7 +463,7 @@ class LlamaModel(nn.Module):
             post, mlp = layer.post_attention_layernorm, layer.mlp
             mlp_dtype = torch.float32 if mlp.gate_up is None else mlp.gate_up.dtype
             x = fused.add_rms_norm(h, a, post.weight, post.eps, mlp_dtype)  # h += a; x = norm(h)
-            m = mlp(x)  # [T, D]
+            m = mlp(x, fused_ops=True)  # [T, D]
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             x = fused.add_rms_norm(h, m, nxt.weight, nxt.eps)  # h += m; x = norm(h)
         return x  # [T, D]

@@ -61,6 +61,7 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "parrot_amx_pack": ([_ptr, _i64, _i64, _ptr], None),
     "parrot_amx_linear": ([_ptr, _int, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int], _int),
     "parrot_add_rms_norm": ([_ptr, _ptr, _int, _ptr, _f32, _i64, _i64, _ptr, _int, _int], None),
+    "parrot_silu_mul": ([_ptr, _int, _i64, _i64, _ptr, _int, _int], None),
     "parrot_rope": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _int], None),
 }
 

@@ -10,6 +10,20 @@
 #include <stdint.h>
 #include <string.h>
 
+#if defined(__AVX512F__) && !defined(PARROT_PORTABLE)
+#define LAYER_AVX512 1
+#include "simd.h"
+#ifdef __AVX512BF16__
+#define LAYER_BF16_STORE 1
+static inline void store16_bf16(uint16_t *dst, __m512 v) {
+    _mm256_storeu_si256((__m256i *)dst, (__m256i)_mm512_cvtneps_pbh(v));
+}
+#else
+#define LAYER_BF16_STORE 0
+static inline void store16_bf16(uint16_t *dst, __m512 v) { (void)dst, (void)v; }
+#endif
+#endif
+
 static inline float bf16_to_f32(uint16_t b) {
     uint32_t bits = (uint32_t)b << 16;
     float f;
@@ -72,5 +86,40 @@ void parrot_rope(float *x, int64_t rows, int64_t heads, int64_t dim, int64_t row
                 v[i + half] = b * c[i + half] + a * s[i + half];
             }
         }
+    }
+}
+
+/* SwiGLU's middle: out[r, i] = silu(gu[r, i]) * gu[r, inter + i] for i < inter, with
+ * silu(g) = g * sigmoid(g) and sigmoid from exp(-|g|) (never overflows).  gu:
+ * [rows, 2 * inter] (the fused gate/up GEMM's output), out: [rows, inter]; each
+ * fp32 or bf16. */
+static inline float silu_mul1(float g, float u) {
+    const float e = expf(-fabsf(g));
+    return g * (g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e)) * u;
+}
+
+void parrot_silu_mul(const void *gu, int gu_bf16, int64_t rows, int64_t inter, void *out, int out_bf16,
+                     int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t g0 = r * 2 * inter, u0 = g0 + inter, o0 = r * inter;
+        int64_t i = 0;
+#ifdef LAYER_AVX512
+        const __m512 one = _mm512_set1_ps(1.0f);
+        for (; i + 16 <= inter && (!out_bf16 || LAYER_BF16_STORE); i += 16) {
+            const __m512 g = load16(gu, gu_bf16, g0 + i), u = load16(gu, gu_bf16, u0 + i);
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+            const __m512 inv = _mm512_div_ps(one, _mm512_add_ps(one, e));
+            const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+            const __m512 sig = _mm512_mask_mul_ps(inv, neg, inv, e); /* g < 0: e / (1 + e) */
+            const __m512 y = _mm512_mul_ps(_mm512_mul_ps(g, sig), u);
+            if (out_bf16)
+                store16_bf16((uint16_t *)out + o0 + i, y);
+            else
+                _mm512_storeu_ps((float *)out + o0 + i, y);
+        }
+#endif
+        for (; i < inter; i++)
+            store(out, out_bf16, o0 + i, silu_mul1(load(gu, gu_bf16, g0 + i), load(gu, gu_bf16, u0 + i)));
     }
 }
