@@ -617,6 +617,26 @@ def test_a_bf16_kv_cache_rounds_on_write_and_batches_exactly_like_alone(engines,
     assert asyncio.run(on.stats()).kv_blocks_used == 0
 
 
+def test_a_bf16_cache_prefills_in_bf16(engines, tiny_model, monkeypatch):
+    """Prefill chunks reach the attention kernel in bf16 with a bf16 cache (its keys and
+    values are bf16 already) and in fp32 with an fp32 cache."""
+    from parrot.engine import paged
+
+    seen: list[torch.dtype] = []
+    real = paged.prefill_attention
+    monkeypatch.setattr(
+        paged, "prefill_attention", lambda q, k, v, s: seen.append(q.dtype) or real(q, k, v, s)
+    )
+    tokens = prompt(11, 40, tiny_model.config.vocab_size)
+    for name, kw in (("fp32-prefill", {}), ("bf16kv-prefill", {"kv_dtype": torch.bfloat16})):
+        engine = engines(name, **kw)
+        ctx = next(_ids)
+        asyncio.run(engine.fill(tokens, ctx))
+        asyncio.run(engine.free_context(ctx))
+        assert set(seen) == {torch.float32 if not kw else torch.bfloat16}
+        seen.clear()
+
+
 def test_kv_dtype_is_checked(tiny_model):
     from parrot.engine.runner import EngineRunner
 

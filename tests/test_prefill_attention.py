@@ -36,3 +36,18 @@ def test_keys_must_end_with_the_chunk() -> None:
     q, k = torch.randn(4, 2, 8), torch.randn(10, 2, 8)
     with pytest.raises(ValueError, match=r"keys must cover positions \[0, start \+ n\): 10 != 5 \+ 4"):
         pa.prefill_attention(q, k, k, 5)
+
+
+@pytest.mark.parametrize(("start", "n"), [(0, 37), (64, 20), (300, 128)])
+def test_bf16_inputs_run_in_bf16_and_merge_in_fp32(start: int, n: int) -> None:
+    """With a bf16 cache the engine runs prefill attention in bf16: the result is the
+    attention of the bf16-rounded inputs (only the kernel's own bf16 steps differ) and
+    comes back as bf16; the past/chunk merge is done in fp32."""
+    gen = torch.Generator().manual_seed(start + n)
+    q = torch.randn(n, 6, 64, generator=gen).bfloat16()
+    k = torch.randn(start + n, 2, 64, generator=gen).bfloat16()
+    v = torch.randn(start + n, 2, 64, generator=gen).bfloat16()
+    expected = grouped_attention(q.double(), k.double(), v.double(), causal_mask(start, n, "cpu"))
+    got = pa.prefill_attention(q, k, v, start)
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+    assert float((got.double() - expected).abs().max() / expected.abs().max()) < 2e-2

@@ -132,8 +132,11 @@ class PagedStepAttention:
         if decoded is not None:
             out[:nd] = decoded
         kv_heads, dim = k.shape[1], k.shape[2]
+        # A bf16 cache on CPU: prefill attention runs in bf16 (the keys and values are
+        # bf16 already; the queries are rounded), 2-3x faster than fp32 here.
+        adt = torch.bfloat16 if k_layer.dtype == torch.bfloat16 and q.device.type == "cpu" else q.dtype
         for c in self.chunks:
-            kk = k_layer.index_select(0, c.blocks).view(-1, kv_heads, dim)[: c.total].to(q.dtype)
-            vv = v_layer.index_select(0, c.blocks).view(-1, kv_heads, dim)[: c.total].to(q.dtype)
-            out[c.rows] = prefill_attention(q[c.rows], kk, vv, c.start)
+            kk = k_layer.index_select(0, c.blocks).view(-1, kv_heads, dim)[: c.total].to(adt)
+            vv = v_layer.index_select(0, c.blocks).view(-1, kv_heads, dim)[: c.total].to(adt)
+            out[c.rows] = prefill_attention(q[c.rows].to(adt), kk, vv, c.start)
         return out

@@ -70,10 +70,11 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
     kp = k[:start].transpose(0, 1).unsqueeze(0)  # [1, KVH, start, D]
     vp = v[:start].transpose(0, 1).unsqueeze(0)
     out_a, lse_a = flash(qg, kp, vp, 0.0, False, scale=scale)  # [1, KVH, G * n, D], [1, KVH, G * n]
-    out_a = out_a.reshape(1, heads, n, dim)  # [KVH, G, n] rows are heads j * G + g, in order
-    lse_a = lse_a.reshape(1, heads, n)
+    out_a = out_a.reshape(1, heads, n, dim).float()  # [KVH, G, n] rows are heads j * G + g, in order
+    lse_a = lse_a.reshape(1, heads, n).float()  # merged in fp32 whatever the inputs' dtype
+    lse_b = lse_b.float()
     top = torch.maximum(lse_a, lse_b)
     w_a = (lse_a - top).exp_().unsqueeze(-1)  # [1, H, n, 1], each in (0, 1]
     w_b = (lse_b - top).exp_().unsqueeze(-1)
-    out = out_a.mul_(w_a).add_(out_b.mul_(w_b)).div_(w_a + w_b)
-    return out[0].transpose(0, 1)
+    out = out_a.mul_(w_a).add_(out_b.float().mul_(w_b)).div_(w_a + w_b)
+    return out[0].transpose(0, 1).to(q.dtype)
