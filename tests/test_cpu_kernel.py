@@ -93,7 +93,11 @@ LENGTHS = [1, 15, 16, 17, 40, 100]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("kv_heads", "group", "dim"), [(3, 3, 64), (2, 1, 128), (1, 4, 16), (2, 3, 24)])
+@pytest.mark.parametrize(
+    ("kv_heads", "group", "dim"),
+    # register kernels (dim 64: G 1-4, dim 128: G 1-2), the general AVX-512 task, portable C
+    [(3, 3, 64), (1, 4, 64), (2, 1, 128), (2, 2, 128), (1, 5, 64), (2, 3, 128), (1, 4, 16), (2, 3, 24)],
+)
 def test_kernel_matches_float64_reference(
     build: tuple[str, ctypes.CDLL], dtype: torch.dtype, kv_heads: int, group: int, dim: int
 ) -> None:
