@@ -74,6 +74,12 @@ def test_matches_float64_reference(lib: ctypes.CDLL, x_dtype: torch.dtype, m: in
         assert float((y.double() - ref).abs().max() / ref.abs().max()) < tol
 
 
+def test_no_rows_give_no_rows(lib: ctypes.CDLL) -> None:
+    w = torch.randn(32, 64)
+    y = amx_linear.linear(torch.randn(0, 64), amx_linear.pack(w, lib=lib), lib=lib)
+    assert y.shape == (0, 32)
+
+
 def test_nan_stays_in_its_row(lib: ctypes.CDLL) -> None:
     gen = torch.Generator().manual_seed(5)
     w, x = torch.randn(64, 96, generator=gen), torch.randn(20, 96, generator=gen)

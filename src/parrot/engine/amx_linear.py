@@ -88,6 +88,8 @@ def linear(
     x = x.contiguous()
     bias = None if bias is None else bias.contiguous()  # held: the C side reads it
     y = torch.empty(m, n, dtype=x.dtype)
+    if m == 0:
+        return y
     code = lib.parrot_amx_linear(
         x.data_ptr(),
         int(x.dtype == torch.bfloat16),
