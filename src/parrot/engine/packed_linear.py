@@ -72,10 +72,11 @@ class PackedLinear:
         self.bias = None if bias is None else bias.detach().to(self.dtype)
         self.out_features, self.in_features = weight.shape
         self.amx: amx_linear.AmxWeight | None = None  # the AMX kernel's copy (bf16 only)
-        self._amx_bias = None if bias is None else bias.detach().float()
+        self._amx_bias: Tensor | None = None
         self._amx_lib = native.library() if self.dtype == torch.bfloat16 and amx_linear.available() else None
         if self._amx_lib is not None:  # the switches are read here, once: this layer keeps its choice
             self.amx = amx_linear.pack(weight, lib=self._amx_lib)
+            self._amx_bias = None if bias is None else bias.detach().float()
 
     def __call__(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.in_features:

@@ -11,7 +11,7 @@ few) on PyTorch's own OpenMP threads.  ``parrot_shared_rows``
 reading each of its keys and values once per kv head (:func:`shared_row`).
 Where the library is unavailable, :func:`supports` is False and attention keeps
 the PyTorch path; where the shared kernel is not built for a layout (no AVX-512,
-head dim not a multiple of 64), :func:`shared_supports` is False and shared
+head dim not a multiple of 64), :func:`shared_built` is False and shared
 prefixes keep PyTorch's matrix-matrix path.
 """
 
@@ -24,7 +24,7 @@ from torch import Tensor
 
 from parrot.engine import native
 
-__all__ = ["decode_rows", "shared_row", "shared_supports", "supports"]
+__all__ = ["decode_rows", "shared_built", "shared_row", "supports"]
 
 
 def supports(compute_dtype: torch.dtype, cache: Tensor) -> bool:
@@ -38,6 +38,15 @@ def supports(compute_dtype: torch.dtype, cache: Tensor) -> bool:
         and cache.is_contiguous()
         and native.library() is not None
     )
+
+
+def _checked_lib(name: str, lib: ctypes.CDLL | None, tensors: tuple[Tensor, ...]) -> ctypes.CDLL:
+    """The library to call, after checking that every tensor is contiguous on CPU
+    (the C side reads raw pointers)."""
+    lib = native.require(lib)
+    if not all(t.is_contiguous() and t.device.type == "cpu" for t in tensors):
+        raise ValueError(f"{name} needs contiguous CPU tensors")
+    return lib
 
 
 def decode_rows(
@@ -62,15 +71,10 @@ def decode_rows(
     :func:`parrot.engine.native.build` (default: :func:`~parrot.engine.native.library`).
     Returns whether the AVX-512 path ran.
     """
-    lib = lib or native.library()
-    if lib is None:
-        raise RuntimeError(f"Parrot's C ops are {native.status()}")
+    lib = _checked_lib("decode_rows", lib, (qs, seqs, kf, vf, tok, lens, out, lse))
     _, heads, dim = qs.shape
     _, kv_heads, _ = kf.shape
     rows, width = tok.shape
-    tensors = (qs, seqs, kf, vf, tok, lens, out, lse)
-    if not all(t.is_contiguous() and t.device.type == "cpu" for t in tensors):
-        raise ValueError("decode_rows needs contiguous CPU tensors")
     if vf.shape != kf.shape or vf.dtype != kf.dtype or out.shape != (rows, heads, dim):
         raise ValueError("decode_rows: mismatched cache or output shapes")
     if lse.shape != (rows, heads) or out.dtype != torch.float32 or lse.dtype != torch.float32:
@@ -102,15 +106,11 @@ def decode_rows(
     return bool(vector)
 
 
-def shared_supports(compute_dtype: torch.dtype, cache: Tensor) -> bool:
-    """Whether :func:`shared_row` runs for this cache: :func:`supports`, and the
-    shared kernel is built for its head dim (AVX-512, dim a multiple of 64)."""
+def shared_built(dim: int) -> bool:
+    """Whether the loaded library has the shared kernel for head dim ``dim``
+    (AVX-512, dim a multiple of 64); the caches must also pass :func:`supports`."""
     lib = native.library()
-    return (
-        supports(compute_dtype, cache)
-        and lib is not None
-        and bool(lib.parrot_shared_rows_supported(cache.shape[-1]))
-    )
+    return lib is not None and bool(lib.parrot_shared_rows_supported(dim))
 
 
 def shared_row(
@@ -132,15 +132,10 @@ def shared_row(
     (:class:`~parrot.engine.attention.torch_impl.TorchDecodePlan`); layouts, dtypes
     and counts are checked here, because the C side trusts them.
     """
-    lib = lib or native.library()
-    if lib is None:
-        raise RuntimeError(f"Parrot's C ops are {native.status()}")
+    lib = _checked_lib("shared_row", lib, (qs, seqs, kf, vf, tok, out, lse))
     _, heads, dim = qs.shape
     _, kv_heads, _ = kf.shape
     m = seqs.numel()
-    tensors = (qs, seqs, kf, vf, tok, out, lse)
-    if not all(t.is_contiguous() and t.device.type == "cpu" for t in tensors):
-        raise ValueError("shared_row needs contiguous CPU tensors")
     if vf.shape != kf.shape or vf.dtype != kf.dtype or kf.shape[2] != dim or heads % kv_heads:
         raise ValueError("shared_row: mismatched cache shapes or head counts")
     if out.shape != (m, heads, dim) or lse.shape != (m, heads):
@@ -171,6 +166,6 @@ def shared_row(
         torch.get_num_threads(),
     )
     if code == 1:
-        raise ValueError(f"shared_row: not built for head dim {dim} (see shared_supports)")
+        raise ValueError(f"shared_row: not built for head dim {dim} (see shared_built)")
     if code != 0:
         raise MemoryError("shared_row: could not allocate its scratch memory")

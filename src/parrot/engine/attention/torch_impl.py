@@ -320,7 +320,8 @@ class TorchDecodePlan:
 
     ``kernel``: single-query rows run in the C kernel (:mod:`cpu_kernel`), which
     reads the cache in place, so all of them are batched whatever their length;
-    shared rows too where the C shared kernel is built for the layout.
+    ``shared_kernel``: with ``kernel``, shared rows run in the C shared kernel
+    where it is built for the head dim.
 
     Invariants: every partial slot has an owner; slots are filled in the order
     batched rows, looped single rows (one slot per piece), shared rows (one slot per
@@ -352,6 +353,7 @@ class TorchDecodePlan:
             rows = _rows_per_sequence(segments, batch, block_size, device)
         singles = [r for r in rows if r.m == 1]
         self.shared = [r for r in rows if r.m > 1]
+        self.shared_kernel = kernel and bool(self.shared) and cpu_kernel.shared_built(dim)
         batched, self.looped = (singles, []) if kernel else _split_singles(singles, kv_heads, dim)
         batched.sort(key=lambda r: int(r.seqs[0]))  # in batch order: the common case needs no merge
         self.padded = _pad_rows(batched, device) if batched else None
@@ -483,9 +485,8 @@ def torch_paged_decode_attention(
         (_run_padded_kernel if plan.kernel else _run_padded)(plan.padded, qs, kf, vf, parts)
     for r in plan.looped:
         _run_single(r, qs, kf, vf, bufs, parts)
-    shared_in_c = plan.kernel and bool(plan.shared) and cpu_kernel.shared_supports(cdt, k_cache)
     for r in plan.shared:
-        (_run_shared_kernel if shared_in_c else _run_shared)(r, qs, kf, vf, bufs, parts)
+        (_run_shared_kernel if plan.shared_kernel else _run_shared)(r, qs, kf, vf, bufs, parts)
     if parts.next != plan.slots:  # internal invariant, not input validation
         raise RuntimeError(f"partial slot accounting mismatch: {parts.next} != {plan.slots}")
     if plan.direct:
