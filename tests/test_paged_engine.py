@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import threading
 from collections import Counter
 
 import pytest
@@ -18,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import parrot.engine.paged as paged
-from parrot.engine.attention import DecodePlan
+from parrot.engine import prefill_sharing
+from parrot.engine.attention import DecodePlan, cpu_kernel
 from parrot.engine.local import LocalEngine
 from parrot.engine.prefix_tree import decode_runs
 from parrot.engine.runner import StepInfo
@@ -492,25 +494,117 @@ def test_many_forks_of_a_long_prefix_store_it_once(engines, tiny_model):
     assert after.kv_blocks_used == 0
 
 
+async def _fill_together(engine: LocalEngine, fills: list[tuple[list[int], int, int | None]]) -> None:
+    """Submit all ``fills`` (tokens, context, parent) while the worker is held, so that
+    they are admitted together and prefilled in the same step."""
+    gate = threading.Event()
+    engine.runner.call(gate.wait, lambda result, error: None)  # the worker blocks until set
+    tasks = [asyncio.ensure_future(engine.fill(t, c, p)) for t, c, p in fills]
+    await asyncio.sleep(0)  # one turn of the loop runs every fill up to its submit()
+    gate.set()
+    await asyncio.gather(*tasks)
+
+
+def _prefill_spy(monkeypatch) -> list[int]:
+    """Query rows reading a shared run, per call of the shared-prefill path."""
+    rows: list[int] = []
+    real = prefill_sharing.SharedPrefill.attend
+
+    def spy(self, q, k, v):
+        rows.append(self.shared_rows)
+        return real(self, q, k, v)
+
+    monkeypatch.setattr(prefill_sharing.SharedPrefill, "attend", spy)
+    return rows
+
+
+async def _forks_prefilled_together(engine: LocalEngine, vocab: int) -> list[list[int]]:
+    """Two prefixes (one with a nested fork) whose children are filled in one step."""
+    a, b, mid = next(_ids), next(_ids), next(_ids)
+    await engine.fill(prompt(1, 70, vocab), a)
+    await engine.fill(prompt(2, 45, vocab), b)
+    await engine.fill(prompt(3, 30, vocab), mid, a)
+    kids = [
+        (prompt(10 + i, 5 + 3 * i, vocab), next(_ids), parent)
+        for i, parent in enumerate([a, a, a, mid, mid, b, b])
+    ]
+    kids.append((prompt(30, 21, vocab), next(_ids), None))  # shares nothing
+    await _fill_together(engine, kids)
+    outs = [await gen(engine, ctx) for _, ctx, _ in kids]
+    for _, ctx, _ in kids:
+        await engine.free_context(ctx)
+    for ctx in (mid, a, b):
+        await engine.free_context(ctx)
+    return outs
+
+
+def _fork_prompts(vocab: int) -> list[list[int]]:
+    """The whole prompt of every child of :func:`_forks_prefilled_together`."""
+    a, b, mid = prompt(1, 70, vocab), prompt(2, 45, vocab), prompt(3, 30, vocab)
+    parents = [a, a, a, a + mid, a + mid, b, b]
+    return [parents[i] + prompt(10 + i, 5 + 3 * i, vocab) for i in range(7)] + [prompt(30, 21, vocab)]
+
+
+def test_forks_prefilled_together_read_their_shared_prefixes_once(engines, tiny_model, monkeypatch):
+    """Children of shared prefixes filled in one step: the shared blocks are attended
+    once for all the chunks under them, and every child then generates what it
+    generates alone and with sharing off."""
+    vocab = tiny_model.config.vocab_size
+    on, off = engines("share", share_prefix=True), engines("noshare", share_prefix=False)
+    expected = asyncio.run(_alone_all(on, _fork_prompts(vocab)))
+    rows = _prefill_spy(monkeypatch)
+    got_on = asyncio.run(_forks_prefilled_together(on, vocab))
+    shared_rows = list(rows)
+    rows.clear()
+    got_off = asyncio.run(_forks_prefilled_together(off, vocab))
+    assert got_on == expected
+    assert got_off == expected
+    # one step, every layer: A's 4 full blocks read by its 5 children (5 + 8 + 11 + 14
+    # + 17 rows), mid's own full block by its 2 (14 + 17), B's 2 full blocks by its 2
+    # (20 + 23)
+    n_layers = tiny_model.config.num_layers
+    assert shared_rows == [55 + 31 + 43] * n_layers
+    assert rows == []  # sharing off: every chunk reads its own keys
+    for eng in (on, off):
+        stats = asyncio.run(eng.stats())
+        assert stats.kv_blocks_used == 0 and stats.num_contexts == 0
+
+
 # ----------------------------------------------------------------- SmolLM2
 
 
 @pytest.mark.slow
-def test_smollm2_forks_generate_the_same_with_and_without_sharing():
+def test_smollm2_forks_generate_the_same_with_and_without_sharing(monkeypatch):
+    """Four questions under one system prompt, filled in one step: with sharing on, the
+    prompt's full blocks are attended once for all four chunks (in the C shared kernel
+    where it is built for SmolLM2's head dim), and the answers equal sharing off."""
     from parrot.engine.loader import load_model
 
     loaded = load_model("smollm2")
     tok = loaded.tokenizer
-    system = tok.encode("<|im_start|>system\nYou are a helpful assistant who answers briefly.<|im_end|>\n")
+    system = tok.encode(
+        "<|im_start|>system\nYou are a helpful assistant who answers briefly. Answer every "
+        "question with one word, the most common answer a person would give, and nothing "
+        "else: no punctuation, no explanation.<|im_end|>\n"
+    )
     questions = ["Name a colour.", "Name a fruit.", "Name a country.", "Name a planet."]
     users = [tok.encode(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n") for q in questions]
     sp = SamplingParams(max_tokens=10, temperature=0.0)
+    rows = _prefill_spy(monkeypatch)
+    kernel_calls: list[int] = []
+    real_kernel = cpu_kernel.shared_row
+
+    def counted(qs, seqs, *args, **kw):
+        kernel_calls.append(seqs.numel())
+        return real_kernel(qs, seqs, *args, **kw)
+
+    monkeypatch.setattr(cpu_kernel, "shared_row", counted)
 
     async def run(engine: LocalEngine):
         parent = next(_ids)
         await engine.fill(system, parent)
         kids = [next(_ids) for _ in users]
-        await asyncio.gather(*(engine.fill(u, k, parent) for u, k in zip(users, kids, strict=True)))
+        await _fill_together(engine, [(u, k, parent) for u, k in zip(users, kids, strict=True)])
         outs = await asyncio.gather(*(gen(engine, k, sp=sp) for k in kids))
         for k in (*kids, parent):
             await engine.free_context(k)
@@ -523,6 +617,14 @@ def test_smollm2_forks_generate_the_same_with_and_without_sharing():
             results.append(asyncio.run(run(engine)))
         finally:
             engine.close()
+        if share:
+            layers = loaded.config.num_layers
+            assert len(system) >= 32 and rows == [sum(len(u) for u in users)] * layers
+            prefill_kernel_calls = [n for n in kernel_calls if n == rows[0]]
+            built = cpu_kernel.shared_built(loaded.config.head_dim)
+            assert len(prefill_kernel_calls) == (layers if built else 0)
+            rows.clear()
+    assert rows == []
     assert results[0] == results[1]
     assert all(len(o) > 2 for o in results[0])
 

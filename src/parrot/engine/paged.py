@@ -34,6 +34,7 @@ from parrot.engine.attention import DecodePlan, Segment, paged_decode_attention,
 from parrot.engine.contexts import Context
 from parrot.engine.kv_store import PagedKVCache
 from parrot.engine.prefill_attention import prefill_attention
+from parrot.engine.prefill_sharing import SharedPrefill, plan_shared_prefill
 from parrot.engine.prefix_tree import decode_runs
 
 
@@ -107,6 +108,12 @@ class PagedStepAttention:
                 )
             )
             row += s.n
+        # Chunks whose pasts share blocks attend to the shared runs once for all of them;
+        # the plan is made by the first layer (it needs the queries' dtype and device).
+        chunk_slices = slices[self.num_decode :]
+        self._prefill_tables = [(s.ctx.block_table, s.start, s.start + s.n) for s in chunk_slices]
+        self._shared_prefill: SharedPrefill | None = None
+        self._prefill_planned = not share_prefix or len(self.chunks) < 2
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, KVH, D]
@@ -134,6 +141,13 @@ class PagedStepAttention:
         kv_heads, dim = k.shape[1], k.shape[2]
         # A bf16 cache on CPU: prefill attention runs in bf16 (the keys and values are
         # bf16 already; the queries are rounded), 2-3x faster than fp32 here.
+        if not self._prefill_planned:
+            self._prefill_planned = True
+            tables, starts, totals = zip(*self._prefill_tables, strict=True)
+            self._shared_prefill = plan_shared_prefill(tables, starts, totals, cache.block_size, q)
+        if self._shared_prefill is not None:
+            out[nd:] = self._shared_prefill.attend(q[nd:], k_layer, v_layer)
+            return out
         adt = torch.bfloat16 if k_layer.dtype == torch.bfloat16 and q.device.type == "cpu" else q.dtype
         for c in self.chunks:
             kk = k_layer.index_select(0, c.blocks).view(-1, kv_heads, dim)[: c.total].to(adt)

@@ -31,7 +31,7 @@ from torch import Tensor
 from parrot.engine.attention.torch_impl import cpu_flash_attention
 from parrot.engine.kv_store import causal_mask, grouped_attention
 
-__all__ = ["fused_prefill_available", "prefill_attention"]
+__all__ = ["fused_prefill_available", "prefill_attention", "prefill_partial"]
 
 
 _flash_op = cpu_flash_attention  # looked up at call time (tests replace it)
@@ -45,12 +45,34 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
     """q: [n, H, D], the chunk's queries (positions start .. start + n - 1); k, v:
     [start + n, KVH, D], every key of the sequence up to the chunk's end; H a multiple
     of KVH.  Returns [n, H, D]: causal attention, scale 1/sqrt(D)."""
-    n, heads, dim = q.shape
-    total, kv_heads, _ = k.shape
+    _check_keys(q, k, start)
+    if not fused_prefill_available(q):
+        return grouped_attention(q, k, v, causal_mask(start, q.shape[0], str(q.device)))
+    out, _ = _fused(q, k, v, start)
+    return out.to(q.dtype)
+
+
+def prefill_partial(q: Tensor, k: Tensor, v: Tensor, start: int) -> tuple[Tensor, Tensor]:
+    """:func:`prefill_attention` that also returns each query row's log-sum-exp, for
+    an exact merge with attention over other keys (:mod:`parrot.engine.prefill_sharing`):
+    (out [n, H, D] fp32, normalised; lse [n, H] fp32).  Needs
+    :func:`fused_prefill_available`."""
+    _check_keys(q, k, start)
+    if not fused_prefill_available(q):
+        raise ValueError("prefill_partial needs PyTorch's fused CPU attention kernel")
+    return _fused(q, k, v, start)
+
+
+def _check_keys(q: Tensor, k: Tensor, start: int) -> None:
+    n, total = q.shape[0], k.shape[0]
     if total != start + n or start < 0:
         raise ValueError(f"keys must cover positions [0, start + n): {total} != {start} + {n}")
-    if not fused_prefill_available(q):
-        return grouped_attention(q, k, v, causal_mask(start, n, str(q.device)))
+
+
+def _fused(q: Tensor, k: Tensor, v: Tensor, start: int) -> tuple[Tensor, Tensor]:
+    """The two flash calls and their merge: (out [n, H, D], lse [n, H]), both fp32."""
+    n, heads, dim = q.shape
+    kv_heads = k.shape[1]
     flash = _flash_op()
     scale = 1.0 / math.sqrt(dim)
     group = heads // kv_heads
@@ -59,9 +81,9 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
     kc = k[start:].transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)  # [1, H, n, D]
     vc = v[start:].transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)
-    out_b, lse_b = flash(qh, kc, vc, 0.0, True, scale=scale)
+    out_b, lse_b = flash(qh, kc, vc, 0.0, True, scale=scale)  # [1, H, n, D], [1, H, n]
     if start == 0:
-        return out_b[0].transpose(0, 1)
+        return out_b[0].transpose(0, 1).float(), lse_b[0].transpose(0, 1).float()
     # The past, unmasked: the G query heads of a kv head read the same keys, so they
     # go in as one query block of G * n rows per kv head; the past's keys (possibly
     # thousands) are read in place, never repeated.  Row g * n + i of kv head j is
@@ -76,5 +98,7 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
     top = torch.maximum(lse_a, lse_b)
     w_a = (lse_a - top).exp_().unsqueeze(-1)  # [1, H, n, 1], each in (0, 1]
     w_b = (lse_b - top).exp_().unsqueeze(-1)
-    out = out_a.mul_(w_a).add_(out_b.float().mul_(w_b)).div_(w_a + w_b)
-    return out[0].transpose(0, 1).to(q.dtype)
+    den = w_a + w_b
+    out = out_a.mul_(w_a).add_(out_b.float().mul_(w_b)).div_(den)
+    lse = top.add_(den.squeeze(-1).log_())  # [1, H, n]
+    return out[0].transpose(0, 1), lse[0].transpose(0, 1)
