@@ -3,7 +3,8 @@
 One run of keys at scattered cache rows (every other row NaN, so a wrong read
 shows) read by m queries; outputs NaN-poisoned before each call.  Lane counts
 cross the kernel's 16- and 32-lane chunks, key counts its 32-key tiles and the
-splits of keys over threads.  On a build without the kernel (the portable one,
+splits of keys over threads; with up to two chunks of lanes and several kv heads
+a task walks all kv heads per tile, with more lanes a task takes one kv head.  On a build without the kernel (the portable one,
 or a CPU without AVX-512) the call must refuse instead.
 """
 
@@ -95,6 +96,7 @@ def _check(c: dict[str, torch.Tensor]) -> None:
         (11, 200, 3, 3, 64),  # 33 lanes: a second chunk
         (32, 700, 2, 1, 128),  # 32 lanes, many tiles and splits
         (40, 130, 1, 2, 128),  # 80 lanes: chunks of 32, 32, 16
+        (22, 150, 3, 3, 64),  # 66 lanes on 3 kv heads: one kv head per task (the others: all heads)
     ],
 )
 def test_matches_float64_reference(

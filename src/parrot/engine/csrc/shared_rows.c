@@ -15,8 +15,9 @@
  *
  * Each key and value row is read from memory once per kv head and reused for all
  * lanes from cache (one tile is 32 keys).  Work: (kv head, run of keys) tasks on
- * `threads` OpenMP threads; when kv heads are fewer than two per thread the keys
- * are split too, and the split partial states are merged exactly (log-sum-exp).
+ * `threads` OpenMP threads, or, with few lanes, (all kv heads, run of keys) tasks that
+ * walk the cache rows in address order; keys are split when tasks would be fewer than
+ * two per thread, and the split partial states are merged exactly (log-sum-exp).
  *
  * Output: out [m, KVH * G, D] normalised, lse [m, KVH * G] (the log-sum-exp of
  * each query's scores), both fully written.  A NaN score reaches its lane's output.
@@ -123,11 +124,10 @@ static inline __attribute__((always_inline)) void values4(float *acc, const floa
         for (int z = 0; z < 4; z++) _mm512_store_ps(acc + (l0 + l) * dim + d0 + 16 * z, o[l][z]);
 }
 
-/* Keys [a, b) of kv head h for all `lanes` lanes, into state s (started here). */
-static void shared_task(const float *q, int64_t q_stride, const int64_t *seqs, int64_t lanes, const void *k,
-                        const void *v, int bf16, const int64_t *tok, int64_t a, int64_t b, int64_t h,
-                        int64_t kv_heads, int64_t group, const int64_t dim, State s) {
-    const int64_t chunks = (lanes + CH - 1) / CH, esize = bf16 ? 2 : 4;
+/* State s for kv head h, started: its lanes' queries transposed, nothing accumulated. */
+static void state_start(State s, const float *q, int64_t q_stride, const int64_t *seqs, int64_t lanes, int64_t h,
+                        int64_t group, int64_t dim) {
+    const int64_t chunks = (lanes + CH - 1) / CH;
     memset(s.qt, 0, sizeof(float) * chunks * CH * dim);
     for (int64_t i = 0; i < lanes; i++) {
         const float *qi = q + seqs[i / group] * q_stride + (h * group + i % group) * dim;
@@ -139,46 +139,77 @@ static void shared_task(const float *q, int64_t q_stride, const int64_t *seqs, i
         s.run_max[i] = -INFINITY;
         s.run_sum[i] = 0.0f;
     }
-    int64_t row[KT];
-    const float *kp[KT];
-    for (int64_t t0 = a; t0 < b; t0 += KT) {
-        const int64_t nt = b - t0 < KT ? b - t0 : KT;
-        for (int64_t j = 0; j < KT; j++) row[j] = (tok[t0 + (j < nt ? j : nt - 1)] * kv_heads + h) * dim;
-        /* The next tile's rows: consecutive blocks are anywhere in the pool, and one
-         * head's rows are a cache row apart, so the hardware prefetcher misses them.
-         * (Two tiles ahead, or into L2 only, measured no faster.) */
-        for (int64_t j = t0 + KT; j < t0 + 2 * KT && j < b; j++) {
-            const int64_t next = (tok[j] * kv_heads + h) * dim * esize;
-            for (int64_t o = 0; o < dim * esize; o += 64) {
-                __builtin_prefetch((const char *)k + next + o);
-                __builtin_prefetch((const char *)v + next + o);
-            }
-        }
-        for (int64_t j = 0; j < KT; j++) {
-            if (!bf16) {
-                kp[j] = (const float *)k + row[j];
-                continue;
-            }
-            float *dst = s.kbuf + j * dim;
-            for (int64_t d = 0; d < dim; d += 16) _mm512_storeu_ps(dst + d, load16(k, 1, row[j] + d));
-            kp[j] = dst;
-        }
-        for (int64_t c = 0; c < chunks; c++) {
-            const int64_t live = lanes - c * CH < CH ? lanes - c * CH : CH;
-            const int nq = live > 16 ? 2 : 1;
-            const float *qt = s.qt + c * CH * dim;
-            for (int64_t j = 0; j < nt; j += 8) {
-                if (nq == 2)
-                    scores8(qt, kp + j, dim, 2, s.p + j * CH);
-                else
-                    scores8(qt, kp + j, dim, 1, s.p + j * CH);
-            }
-            softmax_tile(s.p, nt, nq, s.run_max + c * CH, s.run_sum + c * CH, s.alpha);
-            float *acc = s.acc + c * CH * dim;
-            for (int64_t l0 = 0; l0 < live; l0 += 4)
-                for (int64_t d0 = 0; d0 < dim; d0 += 64) values4(acc, s.p, s.alpha, v, bf16, row, nt, l0, d0, dim);
+}
+
+/* Prefetch the key and value rows of keys [t0, t1) of kv head h. */
+static inline void prefetch_rows(const void *k, const void *v, const int64_t *tok, int64_t t0, int64_t t1, int64_t h,
+                                 int64_t kv_heads, int64_t dim, int64_t esize) {
+    for (int64_t j = t0; j < t1; j++) {
+        const int64_t at = (tok[j] * kv_heads + h) * dim * esize;
+        for (int64_t o = 0; o < dim * esize; o += 64) {
+            __builtin_prefetch((const char *)k + at + o);
+            __builtin_prefetch((const char *)v + at + o);
         }
     }
+}
+
+/* Keys [t0, t0 + nt) (nt <= KT) of kv head h for all `lanes` lanes, folded into s. */
+static void tile_step(State s, int64_t lanes, const void *k, const void *v, int bf16, const int64_t *tok, int64_t t0,
+                      int64_t nt, int64_t h, int64_t kv_heads, const int64_t dim) {
+    const int64_t chunks = (lanes + CH - 1) / CH;
+    int64_t row[KT];
+    const float *kp[KT];
+    for (int64_t j = 0; j < KT; j++) row[j] = (tok[t0 + (j < nt ? j : nt - 1)] * kv_heads + h) * dim;
+    for (int64_t j = 0; j < KT; j++) {
+        if (!bf16) {
+            kp[j] = (const float *)k + row[j];
+            continue;
+        }
+        float *dst = s.kbuf + j * dim;
+        for (int64_t d = 0; d < dim; d += 16) _mm512_storeu_ps(dst + d, load16(k, 1, row[j] + d));
+        kp[j] = dst;
+    }
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t live = lanes - c * CH < CH ? lanes - c * CH : CH;
+        const int nq = live > 16 ? 2 : 1;
+        const float *qt = s.qt + c * CH * dim;
+        for (int64_t j = 0; j < nt; j += 8) {
+            if (nq == 2)
+                scores8(qt, kp + j, dim, 2, s.p + j * CH);
+            else
+                scores8(qt, kp + j, dim, 1, s.p + j * CH);
+        }
+        softmax_tile(s.p, nt, nq, s.run_max + c * CH, s.run_sum + c * CH, s.alpha);
+        float *acc = s.acc + c * CH * dim;
+        for (int64_t l0 = 0; l0 < live; l0 += 4)
+            for (int64_t d0 = 0; d0 < dim; d0 += 64) values4(acc, s.p, s.alpha, v, bf16, row, nt, l0, d0, dim);
+    }
+}
+
+/* Keys [a, b) of kv heads [h0, h1) for all lanes; kv head h's state is states(h), started
+ * here.  Tiles go in the outer loop and heads in the inner one, so that with several
+ * heads the cache rows are walked in address order (all heads of a token are adjacent). */
+static void shared_task(const float *q, int64_t q_stride, const int64_t *seqs, int64_t lanes, const void *k,
+                        const void *v, int bf16, const int64_t *tok, int64_t a, int64_t b, int64_t h0, int64_t h1,
+                        int64_t kv_heads, int64_t group, const int64_t dim, float *mem, size_t each, int64_t splits,
+                        int64_t split) {
+    const int64_t chunks = (lanes + CH - 1) / CH, esize = bf16 ? 2 : 4;
+#define STATE(h) state_at(mem + each * (size_t)((h) * splits + split), chunks, dim)
+    for (int64_t h = h0; h < h1; h++) state_start(STATE(h), q, q_stride, seqs, lanes, h, group, dim);
+    for (int64_t t0 = a; t0 < b; t0 += KT) {
+        const int64_t nt = b - t0 < KT ? b - t0 : KT;
+        for (int64_t h = h0; h < h1; h++) {
+            /* The next (tile, head)'s rows: consecutive blocks are anywhere in the pool, and
+             * one head's rows are a cache row apart, so the hardware prefetcher misses them.
+             * (Two tiles ahead, or into L2 only, measured no faster.) */
+            if (h + 1 < h1)
+                prefetch_rows(k, v, tok, t0, t0 + nt, h + 1, kv_heads, dim, esize);
+            else if (t0 + KT < b)
+                prefetch_rows(k, v, tok, t0 + KT, t0 + 2 * KT < b ? t0 + 2 * KT : b, h0, kv_heads, dim, esize);
+            tile_step(STATE(h), lanes, k, v, bf16, tok, t0, nt, h, kv_heads, dim);
+        }
+    }
+#undef STATE
 }
 #endif
 
@@ -200,26 +231,35 @@ int parrot_shared_rows(const float *q, int64_t q_stride, const int64_t *seqs, in
 #ifdef SHARED_AVX512
     if (!parrot_shared_rows_supported(dim)) return 1;
     const int64_t lanes = m * group, chunks = (lanes + CH - 1) / CH, heads = kv_heads * group;
-    /* Key splits: enough tasks for two per thread, a multiple of the thread count,
-     * each split at least two tiles long. */
+    /* Few lanes (at most two chunks): each key row feeds little arithmetic, so memory
+     * traffic binds; tasks then take a run of keys for all kv heads (rows read in address
+     * order).  More lanes: a task takes one kv head, whose state stays in cache.  Key
+     * splits: enough tasks for two per thread (a multiple of the thread count), each
+     * split at least two tiles long. */
+    const int all_heads = chunks <= 2 && kv_heads > 1;
+    const int64_t units = all_heads ? 1 : kv_heads;
     int64_t splits = 1;
-    while (kv_heads * splits < 2 * threads || (kv_heads * splits) % threads) splits++;
+    while (units * splits < 2 * threads || (units * splits) % threads) splits++;
     if (splits > (n + 2 * KT - 1) / (2 * KT)) splits = (n + 2 * KT - 1) / (2 * KT);
     if (splits < 1) splits = 1;
-    const int64_t per = (n + splits - 1) / splits, tasks = kv_heads * splits;
+    const int64_t per = (n + splits - 1) / splits, tasks = units * splits;
     const size_t each = (state_floats(chunks, dim) + 15) / 16 * 16;
-    float *mem = aligned_alloc(64, sizeof(float) * each * (size_t)tasks);
+    float *mem = aligned_alloc(64, sizeof(float) * each * (size_t)(kv_heads * splits));
     if (!mem) return 2;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < tasks; t++) {
-        const int64_t h = t / splits, a = (t % splits) * per, b = a + per < n ? a + per : n;
-        State s = state_at(mem + each * (size_t)t, chunks, dim);
+        const int64_t sp = t % splits, a = sp * per, b = a + per < n ? a + per : n;
+        const int64_t h0 = all_heads ? 0 : t / splits, h1 = all_heads ? kv_heads : h0 + 1;
         if (a >= b) { /* an empty split: contributes nothing (weight 0 in the merge) */
-            memset(s.acc, 0, sizeof(float) * chunks * CH * dim);
-            for (int64_t i = 0; i < chunks * CH; i++) s.run_max[i] = -INFINITY, s.run_sum[i] = 0.0f;
+            for (int64_t h = h0; h < h1; h++) {
+                State s = state_at(mem + each * (size_t)(h * splits + sp), chunks, dim);
+                memset(s.acc, 0, sizeof(float) * chunks * CH * dim);
+                for (int64_t i = 0; i < chunks * CH; i++) s.run_max[i] = -INFINITY, s.run_sum[i] = 0.0f;
+            }
             continue;
         }
-        shared_task(q, q_stride, seqs, lanes, k, v, kv_bf16, tok, a, b, h, kv_heads, group, dim, s);
+        shared_task(q, q_stride, seqs, lanes, k, v, kv_bf16, tok, a, b, h0, h1, kv_heads, group, dim, mem, each,
+                    splits, sp);
     }
     /* Merge the splits of each (kv head, lane) and normalise. */
 #pragma omp parallel for schedule(static) num_threads(threads)
