@@ -3,7 +3,8 @@
 ``k_cache, v_cache: [num_layers, num_blocks, block_size, kv_heads, head_dim]``
 are allocated once (``torch.empty``: the OS commits pages only when a block is
 first written, and the block pool reuses recently freed blocks first, so the
-resident size follows the blocks actually used).  Which block belongs to
+resident size follows the blocks actually used; on Linux the tensors ask for
+2 MiB pages, :mod:`parrot.engine.hugepages`, so it grows in 2 MiB steps).  Which block belongs to
 which context is decided by :mod:`parrot.engine.contexts`; this module only
 moves data: writing a step's new K/V into their slots and copying blocks for
 copy-on-write.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from parrot.engine import hugepages
 from parrot.engine.model import ModelConfig
 
 DEFAULT_KV_CACHE_BYTES = 2 << 30
@@ -75,6 +77,8 @@ class PagedKVCache:
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
+        for t in (self.k, self.v):  # untouched yet: rows read at random want 2 MiB pages
+            hugepages.advise(t)
         flat = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
         self.k_rows = self.k.view(flat)  # [L, NB * BS, KVH, D]: row = block * BS + offset
         self.v_rows = self.v.view(flat)

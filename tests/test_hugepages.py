@@ -1,0 +1,36 @@
+"""Tensors on transparent huge pages (parrot.engine.hugepages)."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+import pytest
+import torch
+
+from parrot.engine import hugepages
+
+
+def test_huge_page_tensors_are_disjoint_aligned_and_outlive_their_chunk() -> None:
+    small = [hugepages.empty(n) for n in (1, 1000, 17, 300_000)]
+    big = hugepages.empty(3 << 20)  # 12 MiB: a chunk of its own
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * 4) for t in [*small, big])
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans))
+    assert all(t.data_ptr() % 64 == 0 and t.dtype == torch.float32 for t in [*small, big])
+    assert big.data_ptr() % hugepages.HUGE == 0
+    for i, t in enumerate(small):
+        t.fill_(float(i))
+    for _ in range(20):  # new chunks after the current one fills: earlier tensors untouched
+        hugepages.empty(2 << 20)
+    assert all(bool((t == float(i)).all()) for i, t in enumerate(small))
+    assert hugepages.empty(0, torch.bfloat16).shape == (0,)
+    with pytest.raises(ValueError, match="numel must be >= 0"):
+        hugepages.empty(-1)
+
+
+def test_advise_covers_whole_huge_pages_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert hugepages.advise(torch.empty(10)) == 0  # no whole 2 MiB page inside
+    big = hugepages.empty(4 << 20)  # 16 MiB starting on a huge page
+    assert hugepages.advise(big) == (16 << 20 if sys.platform.startswith("linux") else 0)
+    monkeypatch.setenv("PARROT_HUGEPAGES", "0")
+    assert hugepages.advise(big) == 0
