@@ -5,9 +5,10 @@ per call; at decode sizes (tens of rows) that overhead rivals the arithmetic.  T
 C sources hold the few ops where fusing pays: paged decode attention reading the
 cache in place (``decode_rows.c``; ``shared_rows.c`` for a prefix shared by many
 queries; see :mod:`parrot.engine.attention.cpu_kernel`), a decoder layer's
-elementwise steps (``layer_ops.c``, see :mod:`parrot.engine.fused`) and bf16
+elementwise steps (``layer_ops.c``, see :mod:`parrot.engine.fused`), bf16
 linear layers at decode sizes on AMX tiles (``amx_linear.c``, see
-:mod:`parrot.engine.amx_linear`).
+:mod:`parrot.engine.amx_linear`) and fp32 linear layers that stream their weights
+while computing (``f32_linear.c``, see :mod:`parrot.engine.f32_linear`).
 
 Build: ``$CC`` (default ``cc``) with ``-O3 -march=native -fopenmp``, all sources
 into one shared library, once per source / compiler / CPU, cached in
@@ -38,7 +39,7 @@ __all__ = ["build", "library", "require", "status"]
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("decode_rows.c", "layer_ops.c", "shared_rows.c", "amx_linear.c")
+SOURCES = ("decode_rows.c", "layer_ops.c", "shared_rows.c", "amx_linear.c", "f32_linear.c")
 HEADERS = ("simd.h",)  # included by the sources; part of the build key
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 # -DPARROT_PORTABLE leaves out the AVX-512 code (tests check the portable C on AVX-512 machines too).
@@ -60,6 +61,10 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "parrot_amx_packed_size": ([_i64, _i64], _i64),
     "parrot_amx_pack": ([_ptr, _i64, _i64, _ptr], None),
     "parrot_amx_linear": ([_ptr, _int, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int], _int),
+    "parrot_f32_linear_supported": ([], _int),
+    "parrot_f32_packed_size": ([_i64, _i64], _i64),
+    "parrot_f32_pack": ([_ptr, _i64, _i64, _ptr], None),
+    "parrot_f32_linear": ([_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int], _int),
     "parrot_add_rms_norm": ([_ptr, _ptr, _int, _ptr, _f32, _i64, _i64, _ptr, _int, _int], None),
     "parrot_silu_mul": ([_ptr, _int, _i64, _i64, _ptr, _int, _int], None),
     "parrot_rope": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _int], None),

@@ -22,7 +22,9 @@ attention and KV cache stay fp32.  That is a precision choice (greedy outputs
 can differ from fp32's), so it is opt-in: ``parrot serve --weight-dtype bfloat16``.
 Where Parrot's AMX kernel runs (:mod:`parrot.engine.amx_linear`), a bf16 layer
 also keeps the kernel's packed copy and sends calls of at most
-``amx_linear.MAX_ROWS`` rows (decode steps) there.
+``amx_linear.MAX_ROWS`` rows (decode steps) there; likewise an fp32 layer where
+Parrot's fp32 kernel runs (:mod:`parrot.engine.f32_linear`, AVX-512), for calls of
+at most ``f32_linear.MAX_ROWS`` rows.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
-from parrot.engine import amx_linear, native
+from parrot.engine import amx_linear, f32_linear, native
 
 __all__ = ["PackedLinear", "packed_linear_available", "prepack_linears"]
 
@@ -71,22 +73,30 @@ class PackedLinear:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, _BATCH_HINT)
         self.bias = None if bias is None else bias.detach().to(self.dtype)
         self.out_features, self.in_features = weight.shape
+        # The C kernels' own copies, for calls of few rows (the switches are read here,
+        # once: this layer keeps its choice): fp32 weights on AVX-512, bf16 on AMX.
+        self.f32: f32_linear.F32Weight | None = None
+        self._f32_lib = native.library() if self.dtype == torch.float32 and f32_linear.available() else None
+        if self._f32_lib is not None:
+            self.f32 = f32_linear.pack(weight, lib=self._f32_lib)
         self.amx: amx_linear.AmxWeight | None = None  # the AMX kernel's copy (bf16 only)
         self._amx_bias: Tensor | None = None
         self._amx_lib = native.library() if self.dtype == torch.bfloat16 and amx_linear.available() else None
-        if self._amx_lib is not None:  # the switches are read here, once: this layer keeps its choice
+        if self._amx_lib is not None:
             self.amx = amx_linear.pack(weight, lib=self._amx_lib)
             self._amx_bias = None if bias is None else bias.detach().float()
 
     def __call__(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected last dim {self.in_features}, got {tuple(x.shape)}")
+        few = x.dim() == 2 and x.device.type == "cpu"  # and then: rows within a kernel's MAX_ROWS
+        if self.f32 is not None and few and x.shape[0] <= f32_linear.MAX_ROWS and x.dtype == torch.float32:
+            return f32_linear.linear(x, self.f32, self.bias, lib=self._f32_lib)
         if (
             self.amx is not None
-            and x.dim() == 2
+            and few
             and x.shape[0] <= amx_linear.MAX_ROWS
             and x.dtype in (torch.float32, torch.bfloat16)
-            and x.device.type == "cpu"
         ):
             return amx_linear.linear(x, self.amx, self._amx_bias, lib=self._amx_lib)
         if x.dtype == self.dtype:

@@ -1,0 +1,88 @@
+"""One forward step's projections, Parrot's fp32 kernel against oneDNN, side by side.
+
+    python benchmarks/linear_step.py [--model smollm2] [--rows 1 16 32 64 128 512] [--repeats 7] [--threads 2]
+
+Builds every projection of the model's layers (q/k/v and gate/up fused, o, down)
+plus the logits, with seeded random weights of the model's shapes, twice: as
+``PackedLinear`` with Parrot's fp32 kernel (:mod:`parrot.engine.f32_linear`) and with
+``PARROT_F32_LINEAR=0`` (oneDNN's packed GEMM).  Each step calls all of them once
+with ``rows`` input rows, so every weight comes from memory as in a real step (the
+model's weights do not fit in cache).  The two variants alternate within each
+repeat; prints the median step time of each and their ratio per row count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from parrot.engine import f32_linear
+from parrot.engine.loader import load_model
+from parrot.engine.packed_linear import PackedLinear
+
+
+def layer_shapes(model: str) -> list[tuple[int, int]]:
+    c = load_model(model).config
+    per_layer = [
+        (c.q_size + 2 * c.kv_size, c.hidden_size),
+        (c.hidden_size, c.q_size),
+        (2 * c.intermediate_size, c.hidden_size),
+        (c.hidden_size, c.intermediate_size),
+    ]
+    return per_layer * c.num_layers + [(c.vocab_size, c.hidden_size)]
+
+
+def build(shapes: list[tuple[int, int]], kernel: bool) -> list[PackedLinear]:
+    os.environ["PARROT_F32_LINEAR"] = "1" if kernel else "0"
+    gen = torch.Generator().manual_seed(0)
+    try:
+        return [PackedLinear(torch.randn(n, k, generator=gen) * 0.02) for n, k in shapes]
+    finally:
+        os.environ.pop("PARROT_F32_LINEAR")
+
+
+def step_seconds(layers: list[PackedLinear], inputs: dict[int, torch.Tensor]) -> float:
+    t = time.perf_counter()
+    for lin in layers:
+        lin(inputs[lin.in_features])
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32, 64, 128, 512])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if not f32_linear.available():
+        raise SystemExit("Parrot's fp32 kernel is not available here (needs AVX-512 and the C ops)")
+    shapes = layer_shapes(args.model)
+    mine, onednn = build(shapes, True), build(shapes, False)
+    assert mine[0].f32 is not None and onednn[0].f32 is None
+    mb = sum(n * k for n, k in shapes) * 4 / 2**20
+    print(f"# {args.model}: {len(shapes)} projections, {mb:.0f} MiB of fp32 weights, {args.threads} threads")
+    for rows in args.rows:
+        gen = torch.Generator().manual_seed(rows)
+        inputs = {k: torch.randn(rows, k, generator=gen) for k in {k for _, k in shapes}}
+        times: dict[str, list[float]] = {"kernel": [], "onednn": []}
+        step_seconds(mine, inputs), step_seconds(onednn, inputs)  # warm-up
+        for r in range(args.repeats):
+            for name in ("kernel", "onednn") if r % 2 == 0 else ("onednn", "kernel"):
+                times[name].append(step_seconds(mine if name == "kernel" else onednn, inputs))
+        ratios = [o / k for k, o in zip(times["kernel"], times["onednn"], strict=True)]
+        print(
+            f"rows {rows:4d}: kernel {statistics.median(times['kernel']) * 1e3:7.1f} ms, "
+            f"oneDNN {statistics.median(times['onednn']) * 1e3:7.1f} ms, "
+            f"oneDNN / kernel {statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}]",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""fp32 linear layers that stream their weights while computing (``csrc/f32_linear.c``).
+
+A decode step multiplies a few dozen rows by every weight once: the weights come
+from memory as they are used.  oneDNN's fp32 GEMM reads and computes one after the
+other at those sizes; the C kernel reads each weight from a panel layout packed
+for it (:func:`pack`) and prefetches the next panel while it computes, so the two
+overlap.  :class:`~parrot.engine.packed_linear.PackedLinear` keeps this copy
+beside oneDNN's and sends fp32 calls of at most :data:`MAX_ROWS` rows here
+(``benchmarks/linear_step.py``: all of SmolLM2's projections of one step, on the
+2-core Xeon of this project, with the packed weights on 2 MiB pages
+(:mod:`parrot.engine.hugepages`): 1.31x faster than oneDNN at 32 rows, 1.38x at
+64, 1.18x at 128, 1.03x at 256 and 0.96x at 512 rows, so larger calls keep
+oneDNN; ``docs/engine.md``).
+
+Available where Parrot's C ops are built with AVX-512F (``-march=native`` on a CPU
+that has it); ``PARROT_F32_LINEAR=0`` turns it off (for A/B runs).  Each output is
+one fp32 sum over the input features in order plus the bias, the same whatever
+the number of rows or threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from parrot.engine import hugepages, native
+
+__all__ = ["MAX_ROWS", "F32Weight", "available", "linear", "pack"]
+
+# Calls with more rows (prefill chunks) go to oneDNN, which is as fast or faster there.
+MAX_ROWS = 256
+
+
+def available() -> bool:
+    """Whether the kernel can run here (built for AVX-512, and not turned off)."""
+    if os.environ.get("PARROT_F32_LINEAR", "1") == "0":
+        return False
+    lib = native.library()
+    return lib is not None and bool(lib.parrot_f32_linear_supported())
+
+
+@dataclass(frozen=True)
+class F32Weight:
+    """A weight [out_features, in_features] packed for the kernel: ``data`` is fp32 in
+    the panel layout of ``csrc/f32_linear.c``, zero-padded to whole panels."""
+
+    data: Tensor
+    out_features: int
+    in_features: int
+
+
+def pack(weight: Tensor, *, lib: ctypes.CDLL | None = None) -> F32Weight:
+    """The kernel's packed copy of ``weight`` [N, K] (converted to fp32).  ``lib``: a
+    library from :func:`parrot.engine.native.build` (default: the loaded one)."""
+    lib = native.require(lib)
+    if weight.dim() != 2 or weight.device.type != "cpu" or not weight.is_floating_point():
+        raise ValueError(f"pack needs a 2-D float CPU weight, got {tuple(weight.shape)} {weight.dtype}")
+    n, k = weight.shape
+    if n < 1 or k < 1:
+        raise ValueError(f"pack needs a non-empty weight, got {tuple(weight.shape)}")
+    w = weight.detach().to(torch.float32).contiguous()
+    out = hugepages.empty(lib.parrot_f32_packed_size(n, k))  # streamed every step: 2 MiB pages
+    lib.parrot_f32_pack(w.data_ptr(), n, k, out.data_ptr())
+    return F32Weight(out, n, k)
+
+
+def linear(
+    x: Tensor, weight: F32Weight, bias: Tensor | None = None, *, lib: ctypes.CDLL | None = None
+) -> Tensor:
+    """``x @ W^T + bias`` for x [M, K] fp32 and ``weight = pack(W)``; returns [M, N]
+    fp32.  ``bias``: fp32 [N] or None."""
+    lib = native.require(lib)
+    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"linear needs a 2-D fp32 CPU input, got {tuple(x.shape)} {x.dtype} on {x.device}")
+    m, k = x.shape
+    n, data = weight.out_features, weight.data
+    if k != weight.in_features:
+        raise ValueError(f"x has {k} features; the weight takes {weight.in_features}")
+    if (
+        data.dtype != torch.float32
+        or not data.is_contiguous()
+        or data.numel() != lib.parrot_f32_packed_size(n, k)
+    ):
+        raise ValueError(f"packed data does not hold a [{n}, {k}] weight")
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)):
+        raise ValueError(f"bias must be fp32 [{n}]")
+    x = x.contiguous()
+    bias = None if bias is None else bias.contiguous()  # held: the C side reads it
+    y = torch.empty(m, n, dtype=torch.float32)
+    if m == 0:
+        return y
+    code = lib.parrot_f32_linear(
+        x.data_ptr(),
+        m,
+        k,
+        data.data_ptr(),
+        n,
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if code != 0:
+        raise RuntimeError("the fp32 linear kernel is not built here (see f32_linear.available)")
+    return y
