@@ -7,6 +7,7 @@ import time
 import parrot as P
 from parrot.manager.graph import Call, OutputSpec, Variable
 from parrot.manager.prefix import PrefixEntry, PrefixIndex, prefix_keys
+from parrot.manager.render import render
 from parrot.manager.service import Manager, ManagerConfig
 from parrot.protocol.sampling import SamplingParams
 from parrot.protocol.template import parse_template
@@ -23,6 +24,27 @@ def make_call(template: str, chat: bool = False, **inputs: str | Variable) -> Ca
         if p.direction == "output"
     }
     return Call("c", "s", None, t, dict(inputs), outs, chat=chat)
+
+
+def test_constant_text_is_tokenized_once_and_renders_the_same(tiny_model):
+    tok = tiny_model.tokenizer
+    seen: list[str] = []
+
+    class Counting:  # the tiny tokenizer, recording what it is asked to encode
+        add_bos, bos_token_id, chat = tok.add_bos, tok.bos_token_id, tok.chat
+
+        def encode(self, text: str) -> list[int]:
+            seen.append(text)
+            return tok.encode(text)
+
+    counting = Counting()
+    template = SYSTEM + "Q: {{input:q}} A: {{output:a}}"
+    first = render(make_call(template, q="why?"), counting, 4096)
+    second = render(make_call(template, q="how?"), counting, 4096)
+    assert seen.count(SYSTEM + "Q: ") == 1  # the constant text once for both calls
+    assert seen.count("why?") == 1 and seen.count("how?") == 1  # input values every time
+    assert first.steps[0].tokens == tok.encode(SYSTEM + "Q: ") + tok.encode("why?") + tok.encode(" A: ")
+    assert second.steps[0].tokens[: len(tok.encode(SYSTEM + "Q: "))] == tok.encode(SYSTEM + "Q: ")
 
 
 def test_same_constant_prefix_same_key_across_calls():

@@ -14,6 +14,7 @@ edges of the user's text is dropped.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from parrot.manager.graph import Call, OutputSpec, Variable
@@ -84,6 +85,14 @@ class Rendered:
         return sum(len(s.tokens) for s in self.steps if isinstance(s, FillStep))
 
 
+@functools.lru_cache(maxsize=256)
+def _constant_tokens(tokenizer: TextTokenizer, text: str) -> tuple[int, ...]:
+    """Token ids of a template's constant text.  Calls of one template repeat the same
+    text (a long system prompt would be tokenized again for every call), so it is
+    tokenized once per tokenizer and text; input values are not cached."""
+    return tuple(tokenizer.encode(text))
+
+
 def render(call: Call, tokenizer: TextTokenizer, max_seq_len: int) -> Rendered:
     """Engine steps for ``call``; raises ContextTooLong if the prompt cannot fit."""
     pieces = user_pieces(call)
@@ -99,12 +108,12 @@ def render(call: Call, tokenizer: TextTokenizer, max_seq_len: int) -> Rendered:
     if tokenizer.add_bos and tokenizer.bos_token_id is not None:
         pending.append(tokenizer.bos_token_id)
     if before:
-        pending.extend(tokenizer.encode(before))
+        pending.extend(_constant_tokens(tokenizer, before))
     total = 0
     seen_output = False
     for i, piece in enumerate(pieces):
         if isinstance(piece, Text):
-            pending.extend(tokenizer.encode(piece.text))
+            pending.extend(_constant_tokens(tokenizer, piece.text))
             if not seen_output and i + 1 < len(pieces) and isinstance(pieces[i + 1], Placeholder):
                 prefixes.append((next(keys), total + len(pending)))
         elif piece.direction == "input":
@@ -112,7 +121,7 @@ def render(call: Call, tokenizer: TextTokenizer, max_seq_len: int) -> Rendered:
         else:
             seen_output = True
             if between:
-                pending.extend(tokenizer.encode(between))
+                pending.extend(_constant_tokens(tokenizer, between))
             if pending:
                 steps.append(FillStep(pending))
                 total += len(pending)
