@@ -24,6 +24,7 @@ from parrot.engine.attention import (
     plan_decode_attention,
     reference_decode_attention,
 )
+from parrot.engine.attention.merge import merge_partials
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -204,6 +205,82 @@ def test_the_engine_plans_use_the_kernel_when_it_is_built() -> None:
     assert rel_err(out, reference_decode_attention(q, k, v, SEGMENTS)) < 1e-5
     with pytest.raises(ValueError, match="built for the CPU kernel"):
         paged_decode_attention(q.double(), k.double(), v.double(), plan)
+
+
+def _partials(seed: int, owner: list[int], heads: int = 6, dim: int = 20):
+    gen = torch.Generator().manual_seed(seed)
+    slots = len(owner)
+    return (
+        torch.randn(slots, heads, dim, generator=gen),
+        torch.randn(slots, heads, generator=gen) * 5,
+        torch.tensor(owner, dtype=torch.int64),
+    )
+
+
+def _csr(owner: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    starts = torch.zeros(batch + 1, dtype=torch.int64)
+    starts[1:] = torch.bincount(owner, minlength=batch).cumsum(0)
+    return starts, torch.argsort(owner, stable=True)
+
+
+def test_merge_lse_equals_the_pytorch_merge(build: tuple[str, ctypes.CDLL]) -> None:
+    """Sequences with one to four partials, in any slot order."""
+    _, lib = build
+    out, lse, owner = _partials(21, [2, 0, 1, 2, 3, 2, 0, 4, 2])
+    expected = merge_partials(out.clone(), lse, torch.ones_like(lse), owner, 5)
+    result = torch.full((5, 6, 20), torch.nan)
+    cpu_kernel.merge_lse(out, lse, *_csr(owner, 5), result, lib=lib)
+    assert rel_err(result, expected) < 1e-6
+
+
+def test_merge_lse_keeps_a_nan_in_its_sequence_and_head(build: tuple[str, ctypes.CDLL]) -> None:
+    _, lib = build
+    out, lse, owner = _partials(22, [0, 1, 1, 2])
+    lse[2, 3] = torch.nan  # sequence 1, head 3
+    out[3, 0, 5] = torch.nan  # sequence 2, head 0
+    result = torch.zeros(3, 6, 20)
+    cpu_kernel.merge_lse(out, lse, *_csr(owner, 3), result, lib=lib)
+    bad = torch.isnan(result).any(-1)
+    expected = torch.zeros(3, 6, dtype=torch.bool)
+    expected[1, 3] = expected[2, 0] = True
+    assert torch.equal(bad, expected)
+
+
+def test_merge_lse_checks_layouts_before_the_c_side() -> None:
+    out, lse, owner = _partials(23, [0, 1])
+    starts, slots = _csr(owner, 2)
+    result = torch.full((2, 6, 20), torch.nan)
+    bad = [
+        ({"out": out.double()}, "fp32"),
+        ({"lse": lse[:, :5].contiguous()}, "do not match"),
+        ({"result": torch.full((2, 6, 21), torch.nan)}, "do not match"),
+        ({"starts": starts[:-1]}, r"\[B \+ 1\]"),
+        ({"slots": slots.int()}, "int64"),
+        ({"out": out.transpose(1, 2).contiguous().transpose(1, 2)}, "contiguous"),
+    ]
+    for change, match in bad:
+        args = {"out": out, "lse": lse, "starts": starts, "slots": slots, "result": result, **change}
+        with pytest.raises(ValueError, match=match):
+            cpu_kernel.merge_lse(**args)
+        assert result.isnan().all()  # nothing was written
+
+
+def test_plans_with_sharing_merge_in_c_when_the_kernels_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three sequences under one shared 32-token run, each with a private tail: with
+    the C kernels built for head dim 64 the partials merge in C, exactly."""
+    gen = torch.Generator().manual_seed(24)
+    q = torch.randn(3, 4, 64, generator=gen)
+    k, v = torch.randn(8, 16, 2, 64, generator=gen), torch.randn(8, 16, 2, 64, generator=gen)
+    segments = [Segment(torch.tensor([0, 1]), 0, 32, torch.tensor([0, 1, 2]))]
+    segments += [Segment(torch.tensor([2 + s]), 0, 5 + s, torch.tensor([s])) for s in range(3)]
+    plan = plan_decode_attention(segments, q, k)
+    calls = []
+    real = cpu_kernel.merge_lse
+    monkeypatch.setattr(cpu_kernel, "merge_lse", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    out = paged_decode_attention(q, k, v, plan)
+    assert rel_err(out, reference_decode_attention(q, k, v, segments)) < 1e-5
+    c_merge = plan.kernel and plan.shared_kernel
+    assert (plan.lse_merge is not None) == c_merge and len(calls) == int(c_merge)
 
 
 def test_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:

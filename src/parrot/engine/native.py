@@ -57,6 +57,7 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
         _int,
     ),
     "parrot_shared_rows_supported": ([_i64], _int),
+    "parrot_merge_lse": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _int], None),
     "parrot_amx_ready": ([], _int),
     "parrot_amx_packed_size": ([_i64, _i64], _i64),
     "parrot_amx_pack": ([_ptr, _i64, _i64, _ptr], None),

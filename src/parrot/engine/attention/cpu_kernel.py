@@ -24,7 +24,7 @@ from torch import Tensor
 
 from parrot.engine import native
 
-__all__ = ["decode_rows", "shared_built", "shared_row", "supports"]
+__all__ = ["decode_rows", "merge_lse", "shared_built", "shared_row", "supports"]
 
 
 def supports(compute_dtype: torch.dtype, cache: Tensor) -> bool:
@@ -169,3 +169,42 @@ def shared_row(
         raise ValueError(f"shared_row: not built for head dim {dim} (see shared_built)")
     if code != 0:
         raise MemoryError("shared_row: could not allocate its scratch memory")
+
+
+def merge_lse(
+    out: Tensor,
+    lse: Tensor,
+    starts: Tensor,
+    slots: Tensor,
+    result: Tensor,
+    *,
+    lib: ctypes.CDLL | None = None,
+) -> None:
+    """Merge normalised partials into ``result`` [B, H, D]: sequence b's partials are rows
+    ``slots[starts[b]:starts[b + 1]]`` of ``out`` [S, H, D] and ``lse`` [S, H], weighted
+    by ``exp(lse - max)`` (what :func:`~parrot.engine.attention.merge.merge_partials`
+    computes with ``den = 1``, in one pass).  Index ranges are the caller's
+    (:class:`~parrot.engine.attention.torch_impl.TorchDecodePlan`: every sequence has a
+    partial); layouts, dtypes and counts are checked here."""
+    lib = _checked_lib("merge_lse", lib, (out, lse, starts, slots, result))
+    slot_count, heads, dim = out.shape
+    batch = result.shape[0]
+    if any(t.dtype != torch.float32 for t in (out, lse, result)):
+        raise ValueError("merge_lse: out, lse and result must be fp32")
+    if starts.dtype != torch.int64 or slots.dtype != torch.int64:
+        raise ValueError("merge_lse: starts and slots must be int64")
+    if lse.shape != (slot_count, heads) or result.shape[1:] != (heads, dim):
+        raise ValueError("merge_lse: out [S, H, D], lse [S, H] and result [B, H, D] do not match")
+    if starts.shape != (batch + 1,) or slots.dim() != 1:
+        raise ValueError("merge_lse: starts must be [B + 1] and slots 1-D")
+    lib.parrot_merge_lse(
+        out.data_ptr(),
+        lse.data_ptr(),
+        starts.data_ptr(),
+        slots.data_ptr(),
+        batch,
+        heads,
+        dim,
+        result.data_ptr(),
+        torch.get_num_threads(),
+    )

@@ -326,7 +326,10 @@ class TorchDecodePlan:
     Invariants: every partial slot has an owner; slots are filled in the order
     batched rows, looped single rows (one slot per piece), shared rows (one slot per
     query); with ``kernel`` nothing is looped; ``direct`` is True exactly when each
-    sequence has one slot and slot i belongs to sequence i, so outputs need no merge.
+    sequence has one slot and slot i belongs to sequence i, so outputs need no merge;
+    ``lse_merge`` (starts [B + 1], slots [S]: each sequence's slots, CSR) is set when
+    every partial comes from a C kernel (normalised, with its log-sum-exp) and a merge
+    is needed, which then runs in :func:`cpu_kernel.merge_lse`.
     """
 
     def __init__(
@@ -370,6 +373,13 @@ class TorchDecodePlan:
             and self.padded.rows == batch
             and bool((self.padded.seqs == torch.arange(batch, device=device)).all())
         )
+        # With the C kernels every partial is normalised with its log-sum-exp: they
+        # merge in one C pass, sequence by sequence (each one's slots, in slot order).
+        self.lse_merge: tuple[Tensor, Tensor] | None = None
+        if kernel and not self.direct and (self.shared_kernel or not self.shared):
+            starts = torch.zeros(batch + 1, dtype=torch.int64, device=device)
+            starts[1:] = torch.bincount(self.owner, minlength=batch).cumsum(0)
+            self.lse_merge = (starts, torch.argsort(self.owner, stable=True))
 
 
 def cpu_flash_attention() -> Any:
@@ -491,4 +501,8 @@ def torch_paged_decode_attention(
         raise RuntimeError(f"partial slot accounting mismatch: {parts.next} != {plan.slots}")
     if plan.direct:
         return parts.out.div_(parts.den.unsqueeze(-1)).to(q.dtype)
+    if plan.lse_merge is not None:
+        merged = torch.empty(batch, heads, dim, dtype=cdt, device=device)
+        cpu_kernel.merge_lse(parts.out, parts.max, *plan.lse_merge, merged)
+        return merged.to(q.dtype)
     return merge_partials(parts.out, parts.max, parts.den, plan.owner, batch).to(q.dtype)

@@ -231,3 +231,34 @@ int parrot_decode_rows(const float *q, int64_t q_stride, const int64_t *seqs, co
     }
     return vector;
 }
+
+/* The exact merge of normalised partial results (each with its log-sum-exp): sequence
+ * b's partials are rows slots[starts[b] .. starts[b + 1]) of out [S, H, D] / lse [S, H];
+ * with m = the largest of their lse and w = exp(lse - m),
+ *   result[b, h] = sum w * out / sum w.
+ * Every sequence has >= 1 partial (the caller's); result [batch, H, D] is fully
+ * written; a NaN lse or output reaches its sequence's result for that head. */
+void parrot_merge_lse(const float *out, const float *lse, const int64_t *starts, const int64_t *slots,
+                      int64_t batch, int64_t heads, int64_t dim, float *result, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t bh = 0; bh < batch * heads; bh++) {
+        const int64_t b = bh / heads, h = bh % heads, lo = starts[b], hi = starts[b + 1];
+        float top = -INFINITY;
+        for (int64_t i = lo; i < hi; i++) {
+            const float x = lse[slots[i] * heads + h];
+            if (x > top) top = x;
+        }
+        float *r = result + bh * dim;
+        for (int64_t d = 0; d < dim; d++) r[d] = 0.0f;
+        float den = 0.0f;
+        for (int64_t i = lo; i < hi; i++) {
+            const int64_t s = slots[i];
+            const float w = expf(lse[s * heads + h] - top); /* NaN lse: NaN weight */
+            const float *o = out + (s * heads + h) * dim;
+            den += w;
+            for (int64_t d = 0; d < dim; d++) r[d] += w * o[d];
+        }
+        const float inv = 1.0f / den;
+        for (int64_t d = 0; d < dim; d++) r[d] *= inv;
+    }
+}
