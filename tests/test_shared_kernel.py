@@ -4,8 +4,9 @@ One run of keys at scattered cache rows (every other row NaN, so a wrong read
 shows) read by m queries; outputs NaN-poisoned before each call.  Lane counts
 cross the kernel's 16- and 32-lane chunks, key counts its 32-key tiles and the
 splits of keys over threads; with up to two chunks of lanes and several kv heads
-a task walks all kv heads per tile, with more lanes a task takes one kv head.  On a build without the kernel (the portable one,
-or a CPU without AVX-512) the call must refuse instead.
+a task walks all kv heads per tile, with more lanes a task takes one kv head.  On
+a build without the kernel (the portable one, or a CPU without AVX-512) the call
+must refuse instead.
 """
 
 from __future__ import annotations
