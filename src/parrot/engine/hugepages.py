@@ -1,13 +1,16 @@
 """CPU tensors on transparent huge pages, for memory the engine streams through.
 
 A decode step reads every weight once (hundreds of MiB) and the KV cache at
-scattered rows.  With 4 KiB pages each few KiB of that is a TLB miss and a page
-walk, and the C kernels' prefetches of the next weights stall on them:
-``benchmarks/linear_step.py`` measured the fp32 kernel bimodal on 4 KiB pages
-(64 rows: 0.97x-1.83x of oneDNN's time across repeats) and steady on 2 MiB pages
-(1.36x-1.43x).  Linux's transparent huge pages are commonly in ``madvise`` mode:
-memory gets 2 MiB pages only when asked with ``madvise(MADV_HUGEPAGE)`` before it
-is first touched.
+scattered rows; with 4 KiB pages each few KiB of that is a TLB miss and a page
+walk.  Linux's transparent huge pages are commonly in ``madvise`` mode: memory gets
+2 MiB pages only when asked with ``madvise(MADV_HUGEPAGE)`` before it is first
+touched.  On the 2-core Xeon of this project they made the decode steps of
+``benchmarks/shared_prompt_steps.py`` about 2% faster (median 77.3 ms against
+79.0-79.3 ms with ``PARROT_HUGEPAGES=0``, two runs each).  The chunks below also
+keep many weights contiguous: the fp32 kernel's weights, first allocated one by
+one, measured bimodal (0.97x-1.83x of oneDNN's time at 64 rows in
+``benchmarks/linear_step.py``) and steady once carved from chunks, with or
+without huge pages (``docs/engine.md``).
 
 * :func:`advise` asks for the 2 MiB-aligned interior of a tensor not yet touched
   (e.g. the KV cache right after ``torch.empty``);
