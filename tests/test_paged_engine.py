@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import parrot.engine.paged as paged
 from parrot.engine import prefill_sharing
-from parrot.engine.attention import DecodePlan, cpu_kernel
+from parrot.engine.attention import cpu_kernel
 from parrot.engine.local import LocalEngine
 from parrot.engine.prefix_tree import decode_runs
 from parrot.engine.runner import StepInfo
@@ -187,14 +187,14 @@ def test_prefix_groups_generate_the_same_with_sharing_on_off_and_alone(engines, 
     expected = asyncio.run(_alone_all(on, [full for _, _, full in leaves] + [e]))
 
     widths: list[int] = []
-    real = paged.paged_decode_attention
+    real = paged.decode_segments
 
-    def spy(q, k, v, segments, **kw):
-        segs = segments.segments if isinstance(segments, DecodePlan) else segments
+    def spy(*args):  # the segments every decode step's attention reads (Python or C forward)
+        segs = real(*args)
         widths.append(max(len(s.seqs) for s in segs))
-        return real(q, k, v, segments, **kw)
+        return segs
 
-    monkeypatch.setattr(paged, "paged_decode_attention", spy)
+    monkeypatch.setattr(paged, "decode_segments", spy)
     got_on = asyncio.run(_run_groups(on, vocab))
     shared_widths = list(widths)
     widths.clear()

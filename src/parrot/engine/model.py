@@ -427,6 +427,19 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
         """Hidden states [T, hidden_size] (after the final norm) of the T new tokens."""
+        self.check_inputs(input_ids, positions)
+        inv_freq = self._inv_freq.to(input_ids.device)
+        cos, sin = rope_cos_sin(inv_freq, positions)  # [T, Dh] each
+        h = self.model.embed_tokens(input_ids)  # [T] -> [T, D]
+        if self.model.layers[0].self_attn.qkv is not None and fused.applies(h):
+            return self._forward_fused(h, cos, sin, attn)
+        for i, layer in enumerate(self.model.layers):
+            h = layer(i, h, cos, sin, attn)  # [T, D]
+        return self.model.norm(h)  # [T, D]
+
+    def check_inputs(self, input_ids: Tensor, positions: Tensor) -> None:
+        """Raise ValueError unless ``input_ids`` is a non-empty 1-D int64 tensor of ids in
+        the vocabulary and ``positions`` an int64 tensor like it, within the context."""
         if input_ids.dim() != 1 or input_ids.dtype != torch.long:
             raise ValueError(
                 f"input_ids must be a 1-D int64 tensor, got {input_ids.dtype} {tuple(input_ids.shape)}"
@@ -440,14 +453,6 @@ class LlamaModel(nn.Module):
             raise ValueError(f"token id out of range [0, {self.config.vocab_size}): {lo if lo < 0 else hi}")
         if int(positions.min()) < 0 or int(positions.max()) >= self.config.max_seq_len:
             raise ValueError(f"positions must lie in [0, {self.config.max_seq_len})")
-        inv_freq = self._inv_freq.to(input_ids.device)
-        cos, sin = rope_cos_sin(inv_freq, positions)  # [T, Dh] each
-        h = self.model.embed_tokens(input_ids)  # [T] -> [T, D]
-        if self.model.layers[0].self_attn.qkv is not None and fused.applies(h):
-            return self._forward_fused(h, cos, sin, attn)
-        for i, layer in enumerate(self.model.layers):
-            h = layer(i, h, cos, sin, attn)  # [T, D]
-        return self.model.norm(h)  # [T, D]
 
     def _forward_fused(self, h: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
         """The layers with their elementwise steps fused (:mod:`parrot.engine.fused`); the

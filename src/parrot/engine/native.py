@@ -39,7 +39,14 @@ __all__ = ["build", "library", "require", "status"]
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("decode_rows.c", "layer_ops.c", "shared_rows.c", "amx_linear.c", "f32_linear.c")
+SOURCES = (
+    "decode_rows.c",
+    "layer_ops.c",
+    "shared_rows.c",
+    "amx_linear.c",
+    "f32_linear.c",
+    "decode_forward.c",
+)
 HEADERS = ("simd.h",)  # included by the sources; part of the build key
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 # -DPARROT_PORTABLE leaves out the AVX-512 code (tests check the portable C on AVX-512 machines too).
@@ -66,6 +73,10 @@ _SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "parrot_f32_packed_size": ([_i64, _i64], _i64),
     "parrot_f32_pack": ([_ptr, _i64, _i64, _ptr], None),
     "parrot_f32_linear": ([_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int], _int),
+    "parrot_decode_forward": (
+        [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _int],
+        _int,
+    ),
     "parrot_add_rms_norm": ([_ptr, _ptr, _int, _ptr, _f32, _i64, _i64, _ptr, _int, _int], None),
     "parrot_silu_mul": ([_ptr, _int, _i64, _i64, _ptr, _int, _int], None),
     "parrot_rope": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _int], None),

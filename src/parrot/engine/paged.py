@@ -115,6 +115,16 @@ class PagedStepAttention:
         self._shared_prefill: SharedPrefill | None = None
         self._prefill_planned = not share_prefix or len(self.chunks) < 2
 
+    def decode_plan(self, q_probe: torch.Tensor) -> DecodePlan | None:
+        """The decode slices' attention plan every layer of the step uses (made once, from
+        the shapes of ``q_probe`` [num_decode, H, D] and the cache), or None on devices
+        other than CPU (where each layer takes the segments)."""
+        if self._plan is None and self.num_decode and q_probe.device.type == "cpu":
+            self._plan = plan_decode_attention(
+                self.segments, q_probe, self.cache.k[0], share=self.share, validate=False
+            )
+        return self._plan
+
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, KVH, D]
         cache = self.cache
@@ -126,10 +136,7 @@ class PagedStepAttention:
         decoded = None
         if nd:
             qd = q[:nd] if self.chunks else q
-            if self._plan is None and qd.device.type == "cpu":
-                self._plan = plan_decode_attention(
-                    self.segments, qd, k_layer, share=self.share, validate=False
-                )
+            self.decode_plan(qd)
             decoded = paged_decode_attention(
                 qd, k_layer, v_layer, self._plan or self.segments, share=self.share, validate=False
             )

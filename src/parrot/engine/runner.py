@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from parrot.engine import decode_forward
 from parrot.engine.block_pool import DEFAULT_BLOCK_SIZE, BlockPool
 from parrot.engine.contexts import Context, ContextTable
 from parrot.engine.kv_store import PagedKVCache, kv_cache_blocks
@@ -600,7 +601,9 @@ class EngineRunner:
         try:
             with torch.inference_mode():
                 attn = PagedStepAttention(self.cache, slices, slots, share_prefix=self.share_prefix)
-                hidden = self.model(input_ids, pos, attn)
+                hidden = decode_forward.run(self.model, input_ids, pos, attn, self.cache)
+                if hidden is None:  # not a step the C forward takes: the model's own
+                    hidden = self.model(input_ids, pos, attn)
         except BaseException:
             for s in slices:  # give back the blocks reserved for this step
                 self.contexts.truncate(s.ctx, s.ctx.computed_len)

@@ -1,0 +1,254 @@
+"""A decode step's layers in one C call (``csrc/decode_forward.c``).
+
+On the fused fp32 path a decode step is a few hundred calls of Parrot's C ops (four
+projections, two norms, RoPE, SiLU and the attention kernels per layer), each
+wrapped in Python and PyTorch glue: views, argument checks, output allocation, the
+KV write, the partials' buffers.  At SmolLM2's size that glue is a tenth of a step.
+:func:`run` makes the same calls from C in one go, with the step's attention plan
+converted once into index arrays, and returns the same bits as the Python path
+(every op is the same function with the same arguments, in the same order).
+
+It applies to a step when all of these hold (else :func:`run` returns None and the
+model runs as before): every new token is a decode token (no prefill chunk); the
+KV cache is fp32 on CPU; the step has at most ``f32_linear.MAX_ROWS`` tokens; every
+projection of the model has Parrot's fp32 kernel copy
+(:mod:`parrot.engine.f32_linear`) and fp32 norms; the attention plan runs on the C
+kernels only (:class:`~parrot.engine.attention.torch_impl.TorchDecodePlan` with
+``kernel``, and ``shared_kernel`` if it has shared rows); and
+``PARROT_DECODE_FORWARD`` is not ``0`` (for A/B runs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+
+import torch
+from torch import Tensor
+
+from parrot.engine import f32_linear, native
+from parrot.engine.attention.torch_impl import TorchDecodePlan
+from parrot.engine.kv_store import PagedKVCache
+from parrot.engine.model import LlamaModel, rope_cos_sin
+from parrot.engine.packed_linear import PackedLinear
+from parrot.engine.paged import PagedStepAttention
+
+__all__ = ["run"]
+
+_p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("in_norm", _p),
+        ("post_norm", _p),
+        ("in_eps", _f32),
+        ("post_eps", _f32),
+        ("qkv", _p),
+        ("qkv_bias", _p),
+        ("o", _p),
+        ("gate_up", _p),
+        ("down", _p),
+    ]
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [
+        ("tokens", _i64),
+        ("hidden", _i64),
+        ("heads", _i64),
+        ("kv_heads", _i64),
+        ("head_dim", _i64),
+        ("inter", _i64),
+        ("scale", _f32),
+        ("final_eps", _f32),
+        ("final_norm", _p),
+    ]
+
+
+class _Attention(ctypes.Structure):
+    _fields_ = [
+        ("rows", _i64),
+        ("width", _i64),
+        ("row_seqs", _p),
+        ("row_tok", _p),
+        ("row_lens", _p),
+        ("shared", _i64),
+        ("seq_off", _p),
+        ("seqs", _p),
+        ("tok_off", _p),
+        ("tok", _p),
+        ("slots", _i64),
+        ("merge_starts", _p),
+        ("merge_slots", _p),
+    ]
+
+
+class _Weights:
+    """A model's layer table for the C side, valid while the model keeps these packed
+    layers (``packed``: every PackedLinear it points into, held so the pointers stay
+    valid and compared by identity to notice a re-pack)."""
+
+    def __init__(self, model: LlamaModel, packed: list[PackedLinear]):
+        self.packed = packed
+        self.keep: list[Tensor] = []
+        layers = model.model.layers
+        self.table = (_Layer * len(layers))()
+        for entry, layer, (qkv, o, gate_up, down) in zip(
+            self.table, layers, zip(*[iter(packed)] * 4, strict=True), strict=True
+        ):
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            in_w, post_w = (self._hold(n.weight.detach().contiguous()) for n in norms)
+            entry.in_norm, entry.post_norm = in_w, post_w
+            entry.in_eps, entry.post_eps = norms[0].eps, norms[1].eps
+            entry.qkv, entry.o, entry.gate_up, entry.down = (
+                p.f32.data.data_ptr() for p in (qkv, o, gate_up, down)
+            )  # type: ignore[union-attr]
+            entry.qkv_bias = None if qkv.bias is None else self._hold(qkv.bias.contiguous())
+        final = model.model.norm
+        self.final_norm, self.final_eps = self._hold(final.weight.detach().contiguous()), final.eps
+
+    def _hold(self, t: Tensor) -> int:
+        self.keep.append(t)
+        return t.data_ptr()
+
+
+def _packed_layers(model: LlamaModel) -> list[PackedLinear] | None:
+    """The model's projections in layer order (q/k/v, o, gate/up, down), if every one
+    runs on the fp32 kernel with fp32 norms; else None."""
+    out: list[PackedLinear] = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        parts = (
+            attn.qkv,
+            attn.o_proj.__dict__.get("forward"),
+            mlp.gate_up,
+            mlp.down_proj.__dict__.get("forward"),
+        )
+        if not all(isinstance(p, PackedLinear) and p.f32 is not None for p in parts):
+            return None
+        if layer.input_layernorm.weight.dtype != torch.float32:
+            return None
+        out.extend(parts)  # type: ignore[arg-type]
+    return out
+
+
+def _weights(model: LlamaModel) -> _Weights | None:
+    """The model's cached layer table, rebuilt when its packed layers changed."""
+    packed = _packed_layers(model)
+    if packed is None or model.model.norm.weight.dtype != torch.float32:
+        return None
+    cached: _Weights | None = model.__dict__.get("_decode_forward_weights")
+    if (
+        cached is None
+        or len(cached.packed) != len(packed)
+        or any(a is not b for a, b in zip(cached.packed, packed, strict=True))
+    ):
+        cached = _Weights(model, packed)
+        model.__dict__["_decode_forward_weights"] = cached
+    return cached
+
+
+def _attention(plan: TorchDecodePlan, batch: int) -> tuple[_Attention, list[Tensor]] | None:
+    """The plan as the C side's index arrays (and the tensors they point into), or None
+    when it does not run on the C kernels alone."""
+    if not plan.kernel or plan.looped or (plan.shared and not plan.shared_kernel):
+        return None
+    if not plan.direct and plan.lse_merge is None:
+        return None
+    keep: list[Tensor] = []
+    a = _Attention()
+    pad = plan.padded
+    if pad is not None:
+        keep += [pad.seqs, pad.tok, pad.lengths]
+        a.rows, a.width = pad.rows, pad.width
+        a.row_seqs, a.row_tok, a.row_lens = (t.data_ptr() for t in keep[-3:])
+    if plan.shared:
+        seqs = torch.cat([r.seqs for r in plan.shared]).to(torch.int64).contiguous()
+        tok = torch.cat([r.tok for r in plan.shared]).to(torch.int64).contiguous()
+        seq_off = torch.tensor(
+            [0, *torch.tensor([r.m for r in plan.shared]).cumsum(0).tolist()], dtype=torch.int64
+        )
+        tok_off = torch.tensor([0, *torch.tensor([r.tok.numel() for r in plan.shared]).cumsum(0).tolist()])
+        keep += [seqs, tok, seq_off, tok_off]
+        a.shared = len(plan.shared)
+        a.seqs, a.tok, a.seq_off, a.tok_off = (
+            seqs.data_ptr(),
+            tok.data_ptr(),
+            seq_off.data_ptr(),
+            tok_off.data_ptr(),
+        )
+    a.slots = plan.slots
+    if plan.lse_merge is not None:
+        starts, order = plan.lse_merge
+        keep += [starts, order]
+        a.merge_starts, a.merge_slots = starts.data_ptr(), order.data_ptr()
+    elif plan.slots != batch:  # direct means one slot per sequence
+        return None
+    return a, keep
+
+
+def run(
+    model: LlamaModel, input_ids: Tensor, positions: Tensor, attn: PagedStepAttention, cache: PagedKVCache
+) -> Tensor | None:
+    """The step's final hidden states [T, D] through the C forward, or None when it does
+    not apply (see the module docstring); ``attn`` is the step's attention backend
+    and ``cache`` its KV cache."""
+    if os.environ.get("PARROT_DECODE_FORWARD", "1") == "0":
+        return None
+    if attn.chunks or not attn.num_decode or input_ids.numel() != attn.num_decode:
+        return None
+    k, v, t = cache.k, cache.v, input_ids.numel()
+    if k.dtype != torch.float32 or k.device.type != "cpu" or not (k.is_contiguous() and v.is_contiguous()):
+        return None
+    if t > f32_linear.MAX_ROWS or input_ids.requires_grad:
+        return None
+    weights = _weights(model)
+    lib = native.library()
+    if weights is None or lib is None:
+        return None
+    c = model.config
+    model.check_inputs(input_ids, positions)
+    plan = attn.decode_plan(torch.empty(t, c.num_heads, c.head_dim))
+    if not isinstance(plan, TorchDecodePlan):
+        return None
+    converted = _attention(plan, t)
+    if converted is None:
+        return None
+    table, _keep = converted
+    cos, sin = (x.contiguous() for x in rope_cos_sin(model._inv_freq, positions))  # [T, Dh] each
+    h = model.model.embed_tokens(input_ids).contiguous()  # [T, D], the residual stream
+    out = torch.empty(t, c.hidden_size)
+    shape = _Shape(
+        t,
+        c.hidden_size,
+        c.num_heads,
+        c.num_kv_heads,
+        c.head_dim,
+        c.intermediate_size,
+        1.0 / math.sqrt(c.head_dim),
+        weights.final_eps,
+        weights.final_norm,
+    )
+    layer_stride = k[0].numel()
+    code = lib.parrot_decode_forward(
+        weights.table,
+        len(weights.table),
+        ctypes.byref(shape),
+        h.data_ptr(),
+        out.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        layer_stride,
+        attn.slots.data_ptr(),
+        ctypes.byref(table),
+        torch.get_num_threads(),
+    )
+    if code == 2:
+        raise MemoryError("decode_forward: could not allocate its scratch memory")
+    if code != 0:
+        return None  # a kernel it needs is not built here: nothing was written
+    return out
