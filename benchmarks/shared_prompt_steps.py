@@ -15,8 +15,10 @@ step.  Modes, interleaved within each repeat so that drift hits all alike:
   time (``plan_shared_prefill`` disabled) — the A/B of prefill sharing alone;
 * ``unshared``: ``share_prefix=False`` (per-sequence attention everywhere).
 
-``--time-kernels`` also times every call of the C attention kernels
-(``cpu_kernel.shared_row`` / ``decode_rows``) and prints their total per decode step.
+``--time-kernels`` also times every call of the C attention kernels made from Python
+(``cpu_kernel.shared_row`` / ``decode_rows``) and prints their mean per step.  Decode
+steps that take the C forward (:mod:`parrot.engine.decode_forward`) call them from C
+and are not counted: run with ``PARROT_DECODE_FORWARD=0`` to time those too.
 """
 
 from __future__ import annotations
