@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from parrot.engine import native
+from parrot.engine.linear_args import check_linear_args
 
 __all__ = ["MAX_ROWS", "AmxWeight", "available", "linear", "pack"]
 
@@ -67,22 +68,16 @@ def linear(
     """``x @ W^T + bias`` for x [M, K] fp32 or bf16 and ``weight = pack(W)``; returns
     [M, N] in x's dtype.  ``bias``: fp32 [N] or None."""
     lib = native.require(lib)
-    if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
-        raise ValueError(f"linear needs a 2-D fp32/bf16 CPU input, got {tuple(x.shape)} {x.dtype}")
-    m, k = x.shape
-    n, data = weight.out_features, weight.data
-    if k != weight.in_features:
-        raise ValueError(f"x has {k} features; the weight takes {weight.in_features}")
-    if (
-        data.dtype != torch.int16
-        or not data.is_contiguous()
-        or data.numel() != lib.parrot_amx_packed_size(n, k)
-    ):
-        raise ValueError(f"packed data does not hold a [{n}, {k}] weight")
-    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)):
-        raise ValueError(f"bias must be fp32 [{n}]")
-    x = x.contiguous()
-    bias = None if bias is None else bias.contiguous()  # held: the C side reads it
+    n, k = weight.out_features, weight.in_features
+    x, bias = check_linear_args(
+        x,
+        weight,
+        bias,
+        x_dtypes=(torch.float32, torch.bfloat16),
+        data_dtype=torch.int16,
+        packed_size=lib.parrot_amx_packed_size(n, k),
+    )
+    m, data = x.shape[0], weight.data
     y = torch.empty(m, n, dtype=x.dtype)
     if m == 0:
         return y

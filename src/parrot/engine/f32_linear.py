@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from parrot.engine import hugepages, native
+from parrot.engine.linear_args import check_linear_args
 
 __all__ = ["MAX_ROWS", "F32Weight", "available", "linear", "pack"]
 
@@ -74,22 +75,16 @@ def linear(
     """``x @ W^T + bias`` for x [M, K] fp32 and ``weight = pack(W)``; returns [M, N]
     fp32.  ``bias``: fp32 [N] or None."""
     lib = native.require(lib)
-    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
-        raise ValueError(f"linear needs a 2-D fp32 CPU input, got {tuple(x.shape)} {x.dtype} on {x.device}")
-    m, k = x.shape
-    n, data = weight.out_features, weight.data
-    if k != weight.in_features:
-        raise ValueError(f"x has {k} features; the weight takes {weight.in_features}")
-    if (
-        data.dtype != torch.float32
-        or not data.is_contiguous()
-        or data.numel() != lib.parrot_f32_packed_size(n, k)
-    ):
-        raise ValueError(f"packed data does not hold a [{n}, {k}] weight")
-    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)):
-        raise ValueError(f"bias must be fp32 [{n}]")
-    x = x.contiguous()
-    bias = None if bias is None else bias.contiguous()  # held: the C side reads it
+    n, k = weight.out_features, weight.in_features
+    x, bias = check_linear_args(
+        x,
+        weight,
+        bias,
+        x_dtypes=(torch.float32,),
+        data_dtype=torch.float32,
+        packed_size=lib.parrot_f32_packed_size(n, k),
+    )
+    m, data = x.shape[0], weight.data
     y = torch.empty(m, n, dtype=torch.float32)
     if m == 0:
         return y
