@@ -21,6 +21,7 @@ kernels only (:class:`~parrot.engine.attention.torch_impl.TorchDecodePlan` with
 from __future__ import annotations
 
 import ctypes
+import itertools
 import math
 import os
 
@@ -167,10 +168,8 @@ def _attention(plan: TorchDecodePlan, batch: int) -> tuple[_Attention, list[Tens
     if plan.shared:
         seqs = torch.cat([r.seqs for r in plan.shared]).to(torch.int64).contiguous()
         tok = torch.cat([r.tok for r in plan.shared]).to(torch.int64).contiguous()
-        seq_off = torch.tensor(
-            [0, *torch.tensor([r.m for r in plan.shared]).cumsum(0).tolist()], dtype=torch.int64
-        )
-        tok_off = torch.tensor([0, *torch.tensor([r.tok.numel() for r in plan.shared]).cumsum(0).tolist()])
+        seq_off = torch.tensor([0, *itertools.accumulate(r.m for r in plan.shared)])
+        tok_off = torch.tensor([0, *itertools.accumulate(r.tok.numel() for r in plan.shared)])
         keep += [seqs, tok, seq_off, tok_off]
         a.shared = len(plan.shared)
         a.seqs, a.tok, a.seq_off, a.tok_off = (

@@ -8,9 +8,9 @@ overlap.  :class:`~parrot.engine.packed_linear.PackedLinear` keeps this copy
 beside oneDNN's and sends fp32 calls of at most :data:`MAX_ROWS` rows here
 (``benchmarks/linear_step.py``: all of SmolLM2's projections of one step, on the
 2-core Xeon of this project, with the packed weights on 2 MiB pages
-(:mod:`parrot.engine.hugepages`): 1.31x faster than oneDNN at 32 rows, 1.38x at
-64, 1.18x at 128, 1.03x at 256 and 0.96x at 512 rows, so larger calls keep
-oneDNN; ``docs/engine.md``).
+(:mod:`parrot.engine.hugepages`): 1.32x faster than oneDNN at 32 rows, 1.36x at
+64, 1.20x at 128; in an inline run with the row limit raised, 1.03x at 256 and
+0.96x at 512 rows, so larger calls keep oneDNN; ``docs/engine.md``).
 
 Available where Parrot's C ops are built with AVX-512F (``-march=native`` on a CPU
 that has it); ``PARROT_F32_LINEAR=0`` turns it off (for A/B runs).  Each output is

@@ -145,9 +145,6 @@ class PagedStepAttention:
         out = torch.empty_like(q)
         if decoded is not None:
             out[:nd] = decoded
-        kv_heads, dim = k.shape[1], k.shape[2]
-        # A bf16 cache on CPU: prefill attention runs in bf16 (the keys and values are
-        # bf16 already; the queries are rounded), 2-3x faster than fp32 here.
         if not self._prefill_planned:
             self._prefill_planned = True
             tables, starts, totals = zip(*self._prefill_tables, strict=True)
@@ -155,6 +152,9 @@ class PagedStepAttention:
         if self._shared_prefill is not None:
             out[nd:] = self._shared_prefill.attend(q[nd:], k_layer, v_layer)
             return out
+        kv_heads, dim = k.shape[1], k.shape[2]
+        # A bf16 cache on CPU: prefill attention runs in bf16 (the keys and values are
+        # bf16 already; the queries are rounded), 2-3x faster than fp32 here.
         adt = torch.bfloat16 if k_layer.dtype == torch.bfloat16 and q.device.type == "cpu" else q.dtype
         for c in self.chunks:
             kk = k_layer.index_select(0, c.blocks).view(-1, kv_heads, dim)[: c.total].to(adt)
