@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from parrot.engine import decode_forward, f32_linear, native
+from parrot.engine import amx_linear, decode_forward, f32_linear, native
 from parrot.engine.attention import cpu_kernel
 from parrot.engine.loader import LoadedModel
 from parrot.engine.model import LlamaModel, ModelConfig
@@ -75,9 +75,11 @@ def _spy_run(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     return took
 
 
-def _logits_per_step(monkeypatch: pytest.MonkeyPatch, loaded: LoadedModel, c_forward: bool, seed: int = 1):
+def _logits_per_step(
+    monkeypatch: pytest.MonkeyPatch, loaded: LoadedModel, c_forward: bool, seed: int = 1, **runner_options
+):
     monkeypatch.setenv("PARROT_DECODE_FORWARD", "1" if c_forward else "0")
-    runner = EngineRunner(loaded, kv_cache_tokens=4096)
+    runner = EngineRunner(loaded, kv_cache_tokens=4096, **runner_options)
     got: list[torch.Tensor] = []
     real_logits = loaded.model.compute_logits
     monkeypatch.setattr(loaded.model, "compute_logits", lambda h: got.append(real_logits(h)) or got[-1])
@@ -139,16 +141,28 @@ def test_it_declines_steps_it_does_not_cover(monkeypatch: pytest.MonkeyPatch) ->
         assert decode_forward.run(loaded.model, every, every, chunk, runner.cache) is None
         with pytest.raises(ValueError, match="token id out of range"):
             decode_forward.run(loaded.model, torch.tensor([TINY_VOCAB_SIZE]), pos, step(), runner.cache)
-        # re-packed as bf16: no fp32 kernel copies, so the C forward steps aside
+        # re-packed as bf16: the AMX kernel's copies where it runs, else none
         assert loaded.model.prepack(torch.bfloat16)
-        assert decode_forward.run(loaded.model, ids, pos, step(), runner.cache) is None
+        bf16 = decode_forward.run(loaded.model, ids, pos, step(), runner.cache)
+        assert (bf16 is not None) == amx_linear.available()
         assert loaded.model.prepack(torch.float32)  # back: a new layer table is built
         assert decode_forward.run(loaded.model, ids, pos, step(), runner.cache) is not None
 
 
-def test_a_bf16_cache_keeps_the_python_path(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("weight_dtype", "kv_dtype"),
+    [(None, torch.bfloat16), (torch.bfloat16, None), (torch.bfloat16, torch.bfloat16)],
+)
+def test_bf16_weights_and_caches_give_the_python_paths_bits(
+    monkeypatch: pytest.MonkeyPatch, weight_dtype: torch.dtype | None, kv_dtype: torch.dtype | None
+) -> None:
+    """bf16 weights run on the AMX kernel (the MLP in bf16 from its norm to the residual
+    add), a bf16 cache gets its new rows rounded to nearest even: as in Python."""
     loaded = _loaded(4)
-    runner = EngineRunner(loaded, kv_cache_tokens=1024, kv_dtype=torch.bfloat16)
-    took = _spy_run(monkeypatch)
-    _workload(runner, 5)
-    assert took and not any(took)
+    options = {"weight_dtype": weight_dtype, "kv_dtype": kv_dtype}
+    on, took = _logits_per_step(monkeypatch, loaded, True, 5, **options)
+    off, _ = _logits_per_step(monkeypatch, loaded, False, 5, **options)
+    assert len(on) == len(off) > 20
+    assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
+    kernels = amx_linear.available() if weight_dtype == torch.bfloat16 else f32_linear.available()
+    assert any(took) == (kernels and cpu_kernel.shared_built(CONFIG.head_dim))

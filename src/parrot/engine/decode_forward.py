@@ -1,6 +1,6 @@
 """A decode step's layers in one C call (``csrc/decode_forward.c``).
 
-On the fused fp32 path a decode step is a few hundred calls of Parrot's C ops (four
+On the fused path a decode step is a few hundred calls of Parrot's C ops (four
 projections, two norms, RoPE, SiLU and the attention kernels per layer), each
 wrapped in Python and PyTorch glue: views, argument checks, output allocation, the
 KV write, the partials' buffers.  At SmolLM2's size that glue is a tenth of a step.
@@ -10,12 +10,14 @@ converted once into index arrays, and returns the same bits as the Python path
 
 It applies to a step when all of these hold (else :func:`run` returns None and the
 model runs as before): every new token is a decode token (no prefill chunk); the
-KV cache is fp32 on CPU; the step has at most ``f32_linear.MAX_ROWS`` tokens; every
-projection of the model has Parrot's fp32 kernel copy
-(:mod:`parrot.engine.f32_linear`) and fp32 norms; the attention plan runs on the C
-kernels only (:class:`~parrot.engine.attention.torch_impl.TorchDecodePlan` with
-``kernel``, and ``shared_kernel`` if it has shared rows); and
-``PARROT_DECODE_FORWARD`` is not ``0`` (for A/B runs).
+KV cache is fp32 or bf16 on CPU; every projection of the model has the C kernel
+copy the Python path would use for this many rows: Parrot's fp32 kernel
+(:mod:`parrot.engine.f32_linear`, at most its ``MAX_ROWS`` tokens) or, for bf16
+weights, the AMX kernel (:mod:`parrot.engine.amx_linear`, at most its
+``MAX_ROWS``), with fp32 norms; the attention plan runs on the C kernels only
+(:class:`~parrot.engine.attention.torch_impl.TorchDecodePlan` with ``kernel``, and
+``shared_kernel`` if it has shared rows); and ``PARROT_DECODE_FORWARD`` is not
+``0`` (for A/B runs).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import os
 import torch
 from torch import Tensor
 
-from parrot.engine import f32_linear, native
+from parrot.engine import amx_linear, f32_linear, native
 from parrot.engine.attention.torch_impl import TorchDecodePlan
 from parrot.engine.kv_store import PagedKVCache
 from parrot.engine.model import LlamaModel, rope_cos_sin
@@ -65,6 +67,8 @@ class _Shape(ctypes.Structure):
         ("scale", _f32),
         ("final_eps", _f32),
         ("final_norm", _p),
+        ("weights_bf16", ctypes.c_int),
+        ("kv_bf16", ctypes.c_int),
     ]
 
 
@@ -89,10 +93,13 @@ class _Attention(ctypes.Structure):
 class _Weights:
     """A model's layer table for the C side, valid while the model keeps these packed
     layers (``packed``: every PackedLinear it points into, held so the pointers stay
-    valid and compared by identity to notice a re-pack)."""
+    valid and compared by identity to notice a re-pack).  ``bf16``: the layers run on
+    the AMX kernel (bf16 weights), else on the fp32 kernel."""
 
-    def __init__(self, model: LlamaModel, packed: list[PackedLinear]):
+    def __init__(self, model: LlamaModel, packed: list[PackedLinear], bf16: bool):
         self.packed = packed
+        self.bf16 = bf16
+        self.max_rows = amx_linear.MAX_ROWS if bf16 else f32_linear.MAX_ROWS
         self.keep: list[Tensor] = []
         layers = model.model.layers
         self.table = (_Layer * len(layers))()
@@ -104,9 +111,10 @@ class _Weights:
             entry.in_norm, entry.post_norm = in_w, post_w
             entry.in_eps, entry.post_eps = norms[0].eps, norms[1].eps
             entry.qkv, entry.o, entry.gate_up, entry.down = (
-                p.f32.data.data_ptr() for p in (qkv, o, gate_up, down)
-            )  # type: ignore[union-attr]
-            entry.qkv_bias = None if qkv.bias is None else self._hold(qkv.bias.contiguous())
+                _kernel_copy(p, bf16).data_ptr() for p in (qkv, o, gate_up, down)
+            )
+            bias = qkv._amx_bias if bf16 else qkv.bias  # what each kernel gets from Python
+            entry.qkv_bias = None if bias is None else self._hold(bias.contiguous())
         final = model.model.norm
         self.final_norm, self.final_eps = self._hold(final.weight.detach().contiguous()), final.eps
 
@@ -115,10 +123,19 @@ class _Weights:
         return t.data_ptr()
 
 
-def _packed_layers(model: LlamaModel) -> list[PackedLinear] | None:
-    """The model's projections in layer order (q/k/v, o, gate/up, down), if every one
-    runs on the fp32 kernel with fp32 norms; else None."""
+def _kernel_copy(p: PackedLinear, bf16: bool) -> Tensor:
+    """The packed weight the C kernel of this mode reads (checked present)."""
+    copy = p.amx if bf16 else p.f32
+    assert copy is not None  # _packed_layers chose the mode every layer has
+    return copy.data
+
+
+def _packed_layers(model: LlamaModel) -> tuple[list[PackedLinear], bool] | None:
+    """The model's projections in layer order (q/k/v, o, gate/up, down) and whether
+    they are bf16, if every one has the C kernel copy of one mode (fp32 kernel, or
+    AMX for bf16 weights) and the norms are fp32; else None."""
     out: list[PackedLinear] = []
+    modes: set[bool] = set()
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         parts = (
@@ -127,26 +144,31 @@ def _packed_layers(model: LlamaModel) -> list[PackedLinear] | None:
             mlp.gate_up,
             mlp.down_proj.__dict__.get("forward"),
         )
-        if not all(isinstance(p, PackedLinear) and p.f32 is not None for p in parts):
-            return None
+        for p in parts:
+            if not isinstance(p, PackedLinear) or (p.f32 is None) == (p.amx is None):
+                return None
+            modes.add(p.amx is not None)
         if layer.input_layernorm.weight.dtype != torch.float32:
             return None
         out.extend(parts)  # type: ignore[arg-type]
-    return out
+    if len(modes) != 1:
+        return None
+    return out, modes.pop()
 
 
 def _weights(model: LlamaModel) -> _Weights | None:
     """The model's cached layer table, rebuilt when its packed layers changed."""
-    packed = _packed_layers(model)
-    if packed is None or model.model.norm.weight.dtype != torch.float32:
+    found = _packed_layers(model)
+    if found is None or model.model.norm.weight.dtype != torch.float32:
         return None
+    packed, bf16 = found
     cached: _Weights | None = model.__dict__.get("_decode_forward_weights")
     if (
         cached is None
         or len(cached.packed) != len(packed)
         or any(a is not b for a, b in zip(cached.packed, packed, strict=True))
     ):
-        cached = _Weights(model, packed)
+        cached = _Weights(model, packed, bf16)
         model.__dict__["_decode_forward_weights"] = cached
     return cached
 
@@ -199,13 +221,13 @@ def run(
     if attn.chunks or not attn.num_decode or input_ids.numel() != attn.num_decode:
         return None
     k, v, t = cache.k, cache.v, input_ids.numel()
-    if k.dtype != torch.float32 or k.device.type != "cpu" or not (k.is_contiguous() and v.is_contiguous()):
+    if k.dtype not in (torch.float32, torch.bfloat16) or k.device.type != "cpu":
         return None
-    if t > f32_linear.MAX_ROWS or input_ids.requires_grad:
+    if not (k.is_contiguous() and v.is_contiguous()) or input_ids.requires_grad:
         return None
     weights = _weights(model)
     lib = native.library()
-    if weights is None or lib is None:
+    if weights is None or lib is None or t > weights.max_rows:
         return None
     c = model.config
     model.check_inputs(input_ids, positions)
@@ -229,6 +251,8 @@ def run(
         1.0 / math.sqrt(c.head_dim),
         weights.final_eps,
         weights.final_norm,
+        int(weights.bf16),
+        int(k.dtype == torch.bfloat16),
     )
     layer_stride = k[0].numel()
     code = lib.parrot_decode_forward(

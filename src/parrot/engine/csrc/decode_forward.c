@@ -1,4 +1,4 @@
-/* A whole fp32 decode step of the decoder's layers in one call (CPU).
+/* A whole decode step of the decoder's layers in one call (CPU).
  *
  * The same sequence of C ops that the model's fused Python forward makes layer by
  * layer (parrot/engine/model.py _forward_fused with the paged decode attention of
@@ -14,18 +14,26 @@
  *
  * Each op is the library's own function, called with the same arguments and in the
  * same order as from Python, so the result is the same bits as the Python path.
+ * Weights are fp32 panels (parrot_f32_linear) or, with `weights_bf16`, AMX blocks
+ * (parrot_amx_linear), and then the MLP runs in bf16 from its norm to the residual
+ * add, as in Python; the KV cache is fp32 or, with `kv_bf16`, bf16 (new rows rounded
+ * to nearest even, like PyTorch's conversion).
  * Inputs: h [T, D] the embedded tokens (the residual stream, updated in place);
- * out [T, D] the final hidden states; the caches as [layers][N, KVH, Dh] fp32 rows,
- * `layer_stride` floats apart; the attention plan's index arrays, whose ranges the
- * caller (parrot/engine/decode_forward.py) has checked.  Returns 0, 1 when a kernel
- * this needs is not built here (nothing written), 2 when scratch memory could not be
- * allocated.
+ * out [T, D] the final hidden states; the caches as [layers][N, KVH, Dh] rows,
+ * `layer_stride` elements apart; the attention plan's index arrays, whose ranges the
+ * caller (parrot/engine/decode_forward.py) has checked.  Returns 0; 1 when a kernel
+ * this needs is not built or allowed here (checked first: nothing written); 2 when
+ * scratch memory could not be allocated (possibly part-way, after some layers wrote
+ * their cache rows: the caller fails the step, and a redone step rewrites them).
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 int parrot_f32_linear_supported(void);
+int parrot_amx_ready(void);
+int parrot_amx_linear(const void *x, int x_bf16, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
+                      const float *bias, void *y, int threads);
 int parrot_f32_linear(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *bias,
                       float *y, int threads);
 int parrot_shared_rows_supported(int64_t dim);
@@ -44,17 +52,21 @@ void parrot_rope(float *x, int64_t rows, int64_t heads, int64_t dim, int64_t row
 void parrot_silu_mul(const void *gu, int gu_bf16, int64_t rows, int64_t inter, void *out, int out_bf16,
                      int threads);
 
-/* One layer's weights: norms [D], projections packed by parrot_f32_pack. */
+/* One layer's weights: norms [D]; projections packed by parrot_f32_pack (fp32) or
+ * parrot_amx_pack (bf16); the q/k/v bias fp32 or NULL. */
 typedef struct {
     const float *in_norm, *post_norm;
     float in_eps, post_eps;
-    const float *qkv, *qkv_bias, *o, *gate_up, *down;
+    const void *qkv;
+    const float *qkv_bias;
+    const void *o, *gate_up, *down;
 } ParrotDecodeLayer;
 
 typedef struct {
     int64_t tokens, hidden, heads, kv_heads, head_dim, inter;
     float scale, final_eps;
     const float *final_norm;
+    int weights_bf16, kv_bf16;
 } ParrotDecodeShape;
 
 /* Single-query rows r < rows: the query of sequence row_seqs[r] over keys
@@ -71,59 +83,90 @@ typedef struct {
     const int64_t *merge_starts, *merge_slots;
 } ParrotDecodeAttention;
 
+/* PyTorch's fp32 -> bf16 conversion: round to nearest even, NaN to the canonical NaN. */
+static inline uint16_t to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* y = x W (+ bias) through the weights' kernel; x and y are bf16 where the flags say. */
+static int linear(const ParrotDecodeShape *s, const void *x, int x_bf16, int64_t m, int64_t k, const void *w,
+                  int64_t n, const float *bias, void *y, int threads) {
+    if (s->weights_bf16) return parrot_amx_linear(x, x_bf16, m, k, (const uint16_t *)w, n, bias, y, threads);
+    return parrot_f32_linear((const float *)x, m, k, (const float *)w, n, bias, (float *)y, threads);
+}
+
+/* The new tokens' k and v rows (heads [H, H + KVH) and [H + KVH, H + 2 KVH) of each
+ * qkv row) into the layer's cache rows at `slots`. */
+static void write_kv(const float *qkv, int64_t t, int64_t qkv_n, int64_t hd, int64_t row, const int64_t *slots,
+                     void *kc, void *vc, int bf16) {
+    for (int64_t i = 0; i < t; i++) {
+        const float *k = qkv + i * qkv_n + hd, *v = k + row;
+        if (!bf16) {
+            memcpy((float *)kc + slots[i] * row, k, sizeof(float) * row);
+            memcpy((float *)vc + slots[i] * row, v, sizeof(float) * row);
+            continue;
+        }
+        uint16_t *kd = (uint16_t *)kc + slots[i] * row, *vd = (uint16_t *)vc + slots[i] * row;
+        for (int64_t j = 0; j < row; j++) kd[j] = to_bf16(k[j]), vd[j] = to_bf16(v[j]);
+    }
+}
+
 int parrot_decode_forward(const ParrotDecodeLayer *layers, int64_t n_layers, const ParrotDecodeShape *shape,
-                          float *h, float *out, const float *cos_t, const float *sin_t, float *k_cache,
-                          float *v_cache, int64_t layer_stride, const int64_t *slots,
+                          float *h, float *out, const float *cos_t, const float *sin_t, void *k_cache,
+                          void *v_cache, int64_t layer_stride, const int64_t *slots,
                           const ParrotDecodeAttention *plan, int threads) {
     const int64_t t = shape->tokens, d = shape->hidden, heads = shape->heads, kvh = shape->kv_heads;
     const int64_t dh = shape->head_dim, inter = shape->inter, qkv_n = (heads + 2 * kvh) * dh;
     const int64_t group = heads / kvh, hd = heads * dh;
-    if (!parrot_f32_linear_supported() || (plan->shared && !parrot_shared_rows_supported(dh))) return 1;
-    const size_t floats = (size_t)(t * d + t * qkv_n + t * hd + plan->slots * hd + plan->slots * heads + t * hd +
-                                   t * 2 * inter + t * inter + t * d);
+    const int wb = shape->weights_bf16, kb = shape->kv_bf16, esize = kb ? 2 : 4;
+    if (wb ? !parrot_amx_ready() : !parrot_f32_linear_supported()) return 1;
+    if (plan->shared && !parrot_shared_rows_supported(dh)) return 1;
+    const size_t floats = (size_t)(t * d + t * d + t * qkv_n + t * hd + plan->slots * hd + plan->slots * heads +
+                                   t * hd + t * 2 * inter + t * inter + t * d);
     float *mem = malloc(sizeof(float) * floats);
     if (!mem) return 2;
-    float *x = mem, *qkv = x + t * d, *qs = qkv + t * qkv_n, *pout = qs + t * hd, *plse = pout + plan->slots * hd;
-    float *attn = plse + plan->slots * heads, *gu = attn + t * hd, *act = gu + t * 2 * inter, *mo = act + t * inter;
+    /* x: an attention input (fp32); xm: an MLP input (bf16 with bf16 weights) */
+    float *x = mem, *xm = x + t * d, *qkv = xm + t * d, *qs = qkv + t * qkv_n, *pout = qs + t * hd;
+    float *plse = pout + plan->slots * hd, *attn = plse + plan->slots * heads, *gu = attn + t * hd;
+    float *act = gu + t * 2 * inter, *mo = act + t * inter;
     /* With one partial per sequence in batch order the partials are the output. */
     float *merged = plan->merge_starts ? attn : pout;
+    int code = 0;
     parrot_add_rms_norm(h, NULL, 0, layers[0].in_norm, layers[0].in_eps, t, d, x, 0, threads);
-    for (int64_t l = 0; l < n_layers; l++) {
+    for (int64_t l = 0; l < n_layers && !code; l++) {
         const ParrotDecodeLayer *ly = &layers[l];
-        float *kc = k_cache + l * layer_stride, *vc = v_cache + l * layer_stride;
-        parrot_f32_linear(x, t, d, ly->qkv, qkv_n, ly->qkv_bias, qkv, threads);
+        char *kc = (char *)k_cache + l * layer_stride * esize, *vc = (char *)v_cache + l * layer_stride * esize;
+        if ((code = linear(shape, x, 0, t, d, ly->qkv, qkv_n, ly->qkv_bias, qkv, threads))) break;
         parrot_rope(qkv, t, heads + kvh, dh, qkv_n, cos_t, sin_t, threads);
-        for (int64_t i = 0; i < t; i++) {
-            memcpy(kc + slots[i] * kvh * dh, qkv + i * qkv_n + hd, sizeof(float) * kvh * dh);
-            memcpy(vc + slots[i] * kvh * dh, qkv + i * qkv_n + hd + kvh * dh, sizeof(float) * kvh * dh);
+        write_kv(qkv, t, qkv_n, hd, kvh * dh, slots, kc, vc, kb);
+        for (int64_t i = 0; i < t; i++)
             for (int64_t j = 0; j < hd; j++) qs[i * hd + j] = qkv[i * qkv_n + j] * shape->scale;
-        }
         if (plan->rows)
-            parrot_decode_rows(qs, hd, plan->row_seqs, kc, vc, 0, plan->row_tok, plan->row_lens, plan->rows,
+            parrot_decode_rows(qs, hd, plan->row_seqs, kc, vc, kb, plan->row_tok, plan->row_lens, plan->rows,
                                plan->width, kvh, group, dh, pout, plse, threads);
         int64_t slot = plan->rows;
-        for (int64_t s = 0; s < plan->shared; s++) {
+        for (int64_t s = 0; s < plan->shared && !code; s++) {
             const int64_t m = plan->seq_off[s + 1] - plan->seq_off[s];
-            const int code = parrot_shared_rows(qs, hd, plan->seqs + plan->seq_off[s], m, kc, vc, 0,
-                                                plan->tok + plan->tok_off[s], plan->tok_off[s + 1] - plan->tok_off[s],
-                                                kvh, group, dh, pout + slot * hd, plse + slot * heads, threads);
-            if (code) {
-                free(mem);
-                return code;
-            }
+            code = parrot_shared_rows(qs, hd, plan->seqs + plan->seq_off[s], m, kc, vc, kb,
+                                      plan->tok + plan->tok_off[s], plan->tok_off[s + 1] - plan->tok_off[s], kvh,
+                                      group, dh, pout + slot * hd, plse + slot * heads, threads);
             slot += m;
         }
+        if (code) break;
         if (plan->merge_starts)
             parrot_merge_lse(pout, plse, plan->merge_starts, plan->merge_slots, t, heads, dh, attn, threads);
-        parrot_f32_linear(merged, t, hd, ly->o, d, NULL, mo, threads);
-        parrot_add_rms_norm(h, mo, 0, ly->post_norm, ly->post_eps, t, d, x, 0, threads);
-        parrot_f32_linear(x, t, d, ly->gate_up, 2 * inter, NULL, gu, threads);
-        parrot_silu_mul(gu, 0, t, inter, act, 0, threads);
-        parrot_f32_linear(act, t, inter, ly->down, d, NULL, mo, threads);
+        if ((code = linear(shape, merged, 0, t, hd, ly->o, d, NULL, mo, threads))) break;
+        parrot_add_rms_norm(h, mo, 0, ly->post_norm, ly->post_eps, t, d, xm, wb, threads);
+        if ((code = linear(shape, xm, wb, t, d, ly->gate_up, 2 * inter, NULL, gu, threads))) break;
+        parrot_silu_mul(gu, wb, t, inter, act, wb, threads);
+        if ((code = linear(shape, act, wb, t, inter, ly->down, d, NULL, mo, threads))) break;
         const int last = l + 1 == n_layers;
-        parrot_add_rms_norm(h, mo, 0, last ? shape->final_norm : layers[l + 1].in_norm,
+        parrot_add_rms_norm(h, mo, wb, last ? shape->final_norm : layers[l + 1].in_norm,
                             last ? shape->final_eps : layers[l + 1].in_eps, t, d, last ? out : x, 0, threads);
     }
     free(mem);
-    return 0;
+    return code;
 }
