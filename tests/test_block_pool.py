@@ -83,6 +83,7 @@ def compute(table: ContextTable, cache: PagedKVCache, ctx: Context) -> bool:
     cache.k_rows[0].index_copy_(0, slots, values.view(-1, 1, 1))
     cache.v_rows[0].index_copy_(0, slots, -values.view(-1, 1, 1))
     ctx.computed_len += n
+    table.index_computed(ctx)  # no-op without a prefix cache
     return True
 
 
@@ -99,6 +100,7 @@ def check_consistent(table: ContextTable, cache: PagedKVCache) -> None:
         assert pool.refcount(b) == entries.get(b, 0), f"block {b}"
     assert pool.num_free == pool.num_blocks - len(entries)
     assert len(set(pool._free)) == len(pool._free) and not set(pool._free) & set(entries)
+    assert not set(pool._cached) & (set(pool._free) | set(entries)), "a cached block is neither free nor used"
     fill: dict[int, int] = {}
     for ctx in table:
         for i, b in enumerate(ctx.block_table):
@@ -109,6 +111,12 @@ def check_consistent(table: ContextTable, cache: PagedKVCache) -> None:
         refs = [pool.refcount(b) for b in ctx.block_table]
         assert refs == sorted(refs, reverse=True), "refcounts must not increase along a table"
         assert gathered(table, cache, ctx) == [float(t) for t in ctx.tokens(0, ctx.computed_len)]
+        if table.cache is not None:
+            assert len(ctx.block_hashes) == ctx.computed_len // table.block_size
+    if table.cache is not None:  # every indexed block, used or cached, holds the tokens of its digest
+        for digest, block in table.cache._block_of.items():
+            assert table.cache._digest_of[block] == digest
+            assert pool.refcount(block) > 0 or pool.is_cached(block)
 
 
 class TablesMachine(RuleBasedStateMachine):
@@ -188,6 +196,40 @@ class TablesMachine(RuleBasedStateMachine):
 
 TablesMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 test_block_tables_stay_consistent = TablesMachine.TestCase
+
+DOCS = [[100 + 50 * d + i for i in range(40)] for d in range(3)]
+
+
+class CachedTablesMachine(TablesMachine):
+    """The same operations with a prefix cache, plus roots that repeat a prefix of one of
+    three documents (so later roots hit blocks earlier ones computed) and take cache hits
+    before computing.  The invariants also check every hit's KV: a context's gathered
+    keys must equal its tokens, so a block reused for other tokens would show."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = ContextTable(10_000, pool=BlockPool(24, block_size=BS), prefix_cache=True)
+        self.memory = MemoryManager(self.table)
+        self.hits = 0
+
+    @rule(d=st.integers(0, 2), n=st.integers(1, 40), tail=st.integers(0, 5))
+    def new_repeating_root(self, d: int, n: int, tail: int) -> None:
+        self.next_id += 1
+        ctx = self.table.open(self.next_id, None)
+        self.table.append(ctx, DOCS[d][:n] + self._tokens(tail))
+        reused = self.table.reuse_cached(ctx)
+        assert reused % BS == 0 and reused < ctx.length  # whole blocks, never the last token
+        if reused:
+            self.hits += 1
+            event("prefix cache hit")
+        if not compute(self.table, self.cache, ctx):
+            need = self.table.blocks_needed(ctx, ctx.num_pending)
+            if self.memory.make_room(need, {ctx.context_id}):
+                assert compute(self.table, self.cache, ctx)
+
+
+CachedTablesMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+test_block_tables_with_a_prefix_cache_stay_consistent = CachedTablesMachine.TestCase
 
 
 def test_copy_on_write_keeps_the_shared_prefix_intact_for_every_writer():

@@ -437,8 +437,10 @@ def test_token_capacity_changes_at_run_time_and_never_deadlocks(engines, tiny_mo
 
 
 def test_token_capacity_counts_a_shared_prefix_once(engines, tiny_model):
-    """Four forks of a 200-token prefix need 200 + 4 x (5 + 12) distinct tokens: a capacity of
-    300 runs them together.  Counting the prefix per fork (4 x 217) would run them one by one."""
+    """Four forks of a 200-token prefix read its 12 full blocks (192 tokens) once and each its
+    own copy of the prefix's partly filled last block (8 rows, copied on write) plus its own
+    5 + 12 tokens: 192 + 4 x 25 = 292 <= a capacity of 300 runs them together.  Counting
+    the prefix per fork (4 x 217) would run them one by one."""
     vocab = tiny_model.config.vocab_size
     eng = engines("shared-capacity", share_prefix=True, token_capacity=300)
     steps: list[StepInfo] = []
@@ -458,8 +460,8 @@ def test_token_capacity_counts_a_shared_prefix_once(engines, tiny_model):
     outs = asyncio.run(run())
     assert all(len(o) == GREEDY.max_tokens for o in outs)
     assert max(s.num_running for s in steps) == 4
-    # the load is the distinct tokens: the prefix once, each fork's own tokens once
-    assert max(s.token_load for s in steps) <= 200 + 4 * (5 + GREEDY.max_tokens)
+    # the load is the distinct KV rows: the prefix's full blocks once, each fork's own rows once
+    assert max(s.token_load for s in steps) <= 192 + 4 * (8 + 5 + GREEDY.max_tokens)
     assert max(s.token_load for s in steps) > 200 + 4 * 5
 
 

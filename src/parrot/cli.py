@@ -52,6 +52,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "and the bytes each decode step reads; attention still computes in fp32",
     )
     p.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="do not reuse the KV of earlier prompts' leading blocks (automatic prefix caching is "
+        "on by default); for request-level baselines and ablations",
+    )
+    p.add_argument(
         "--no-shared-attention",
         action="store_true",
         help="plain per-sequence decode attention (forks still share KV blocks); for A/B runs",
@@ -130,6 +136,7 @@ def _load_engine(args: argparse.Namespace):
         token_capacity=args.token_capacity,
         kv_cache_tokens=args.kv_cache_tokens,
         share_prefix=not args.no_shared_attention,
+        prefix_cache=not args.no_prefix_cache,
         weight_dtype=getattr(torch, args.weight_dtype) if args.weight_dtype else None,
         kv_dtype=getattr(torch, args.kv_dtype) if args.kv_dtype else None,
     )

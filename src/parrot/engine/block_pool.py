@@ -5,9 +5,18 @@ slots each; the tensors live in :mod:`parrot.engine.kv_store`, this module only
 decides which block ids are in use.
 
 Invariants:
-- every block id in ``[0, num_blocks)`` is either *free* (refcount 0, on the
-  free list exactly once) or *used* (refcount >= 1, not on the free list);
-- ``num_free + num_used == num_blocks``;
+- every block id in ``[0, num_blocks)`` is exactly one of *free* (refcount 0,
+  on the free list exactly once), *cached* (refcount 0, retained, in the
+  least-recently-used order of cached blocks exactly once) or *used*
+  (refcount >= 1);
+- a *retained* block keeps its content when its last reference goes: it
+  becomes cached instead of free (the prefix cache retains the blocks it
+  indexes, :mod:`parrot.engine.prefix_cache`).  Cached blocks count as
+  obtainable: ``num_free`` includes them, and :meth:`allocate` takes free
+  blocks first, then evicts cached ones, least recently cached first, telling
+  ``on_evict`` so their owner forgets them; :meth:`incref` of a cached block
+  makes it used again;
+- ``num_free + num_used == num_blocks`` (``num_free`` counting cached blocks);
 - allocation and release are O(1) per block; the free list is a stack, so the
   most recently freed blocks (whose memory is warm) are reused first.
 
@@ -17,7 +26,8 @@ Running out of blocks is control flow, not an error: :meth:`allocate` returns
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -32,54 +42,97 @@ class BlockPool:
         self.block_size = block_size
         self._refs = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ... first
+        self._retained: set[int] = set()
+        self._cached: OrderedDict[int, None] = OrderedDict()  # least recently cached first
+        self.on_evict: Callable[[int], None] | None = None
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can obtain: free ones and cached ones."""
+        return len(self._free) + len(self._cached)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    def is_cached(self, block: int) -> bool:
+        return block in self._cached
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens from position 0."""
         return -(-num_tokens // self.block_size)
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self.num_free
 
     def allocate(self, n: int) -> list[int] | None:
-        """``n`` fresh blocks with refcount 1, or ``None`` (nothing allocated) if fewer are free."""
+        """``n`` fresh blocks with refcount 1, or ``None`` (nothing allocated, nothing
+        evicted) if fewer are obtainable.  Free blocks go first, then cached ones are
+        evicted (least recently cached first; ``on_evict(block)`` is called for each)."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
-        if n > len(self._free):
+        if n > self.num_free:
             return None
-        free, refs = self._free, self._refs
-        out = [free.pop() for _ in range(n)]
+        free, refs, cached = self._free, self._refs, self._cached
+        out = [free.pop() for _ in range(min(n, len(free)))]
+        while len(out) < n:
+            b, _ = cached.popitem(last=False)
+            self._retained.discard(b)
+            if self.on_evict is not None:
+                self.on_evict(b)
+            out.append(b)
         for b in out:
             refs[b] = 1
         return out
+
+    def retain(self, block: int) -> None:
+        """Keep ``block``'s content when its last reference goes (it must be used now)."""
+        if self._refs[block] <= 0:
+            raise ValueError(f"retain of unused block {block}")
+        self._retained.add(block)
+
+    def unretain(self, block: int) -> None:
+        """Undo :meth:`retain`: a cached block becomes free at once (its owner has
+        forgotten it; ``on_evict`` is not called)."""
+        self._retained.discard(block)
+        if block in self._cached:
+            del self._cached[block]
+            self._free.append(block)
 
     def refcount(self, block: int) -> int:
         return self._refs[block]
 
     def incref(self, blocks: Iterable[int]) -> None:
-        """Add a reference to each (used) block; a block listed twice gains two."""
+        """Add a reference to each used or cached block (a cached one is used again);
+        a block listed twice gains two."""
         refs = self._refs
         for b in blocks:
             if refs[b] <= 0:
-                raise ValueError(f"incref of free block {b}")
+                if b not in self._cached:
+                    raise ValueError(f"incref of free block {b}")
+                del self._cached[b]
             refs[b] += 1
 
     def decref(self, blocks: Iterable[int]) -> list[int]:
-        """Drop a reference from each block; returns the blocks that became free."""
-        refs, freed = self._refs, []
+        """Drop a reference from each block; returns the blocks whose last reference
+        went (free, or cached if retained).  Of the blocks one call caches, the
+        last listed is evicted first: a block table's tail goes before its head."""
+        refs, released = self._refs, []
         for b in blocks:
             r = refs[b]
             if r <= 0:
                 raise ValueError(f"decref of free block {b}")
             refs[b] = r - 1
             if r == 1:
-                freed.append(b)
-        self._free.extend(reversed(freed))  # the first freed is reused first
-        return freed
+                released.append(b)
+        retained, cached = self._retained, self._cached
+        for b in reversed(released):  # the tail enters the eviction order first
+            if b in retained:
+                cached[b] = None
+        # the first freed is reused first
+        self._free.extend(b for b in reversed(released) if b not in retained)
+        return released

@@ -25,11 +25,17 @@ Invariants:
 - Between steps, ``len(ctx.block_table) == ceil(computed_len / bs)``; during a
   step :meth:`ContextTable.reserve` may extend it to cover the step's writes.
 - A block's refcount equals the number of block-table entries naming it, over
-  all contexts in the table.  Blocks shared by two tables form a common
-  prefix of both (sharing only ever arises from a fork), so along one table
-  refcounts never increase: a context's *private* blocks (refcount 1) are a
-  suffix of its table.
+  all contexts in the table.  Blocks shared by two tables arise from a fork
+  or from a prefix-cache hit (:mod:`parrot.engine.prefix_cache`; a hit is
+  taken only right after the indexed block before it), hold the same tokens
+  at the same positions and form a common prefix of both tables, so along one
+  table refcounts never increase: a context's *private* blocks (refcount 1)
+  are a suffix of its table.
 - A context is forked only when its parent has no pending tokens.
+- With a prefix cache, ``ctx.block_hashes`` holds the digests of exactly the
+  context's full computed blocks: ``len(ctx.block_hashes) == ctx.computed_len // bs``
+  between steps (:meth:`ContextTable.index_computed` extends it after a step;
+  :meth:`ContextTable.truncate` and forks keep it so).  Without one it stays empty.
 - ``free`` drops a context at once: its id may be reused immediately and its
   block references go; blocks still read by children stay alive through the
   children's references.  A child keeps a Python reference to its parent's
@@ -45,6 +51,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from parrot.engine.block_pool import BlockPool
+from parrot.engine.prefix_cache import ROOT, PrefixCache, block_digest
 from parrot.protocol.errors import BadRequest, Conflict, ContextTooLong, NotFound
 
 
@@ -58,6 +65,7 @@ class Context:
     block_table: list[int] = field(default_factory=list)
     busy: bool = False  # a job owns it (running, or preempted and waiting to resume)
     last_used: int = 0  # a logical clock, for least-recently-used eviction
+    block_hashes: list[bytes] = field(default_factory=list)  # digests of the full computed blocks
 
     @property
     def length(self) -> int:
@@ -110,7 +118,8 @@ class ContextTable:
 
     ``pool`` holds the KV blocks (default: room for four full-length contexts,
     for bookkeeping-only use).  ``on_release(context_id)`` is called when a
-    context is freed.
+    context is freed.  ``prefix_cache``: index full computed blocks by their
+    tokens so that later contexts reuse them (:meth:`reuse_cached`).
     """
 
     def __init__(
@@ -119,10 +128,12 @@ class ContextTable:
         on_release: Callable[[int], None] | None = None,
         *,
         pool: BlockPool | None = None,
+        prefix_cache: bool = False,
     ):
         self.max_seq_len = max_seq_len
         self.pool = pool if pool is not None else BlockPool(4 * -(-max_seq_len // 16))
         self.block_size = self.pool.block_size
+        self.cache = PrefixCache(self.pool) if prefix_cache else None
         self._contexts: dict[int, Context] = {}
         self._on_release = on_release
 
@@ -170,6 +181,7 @@ class ContextTable:
         if parent is not None:
             ctx.block_table = parent.block_table[: self.pool.blocks_for(ctx.prefix_len)]
             self.pool.incref(ctx.block_table)
+            ctx.block_hashes = parent.block_hashes[: prefix // self.block_size]
         self._contexts[context_id] = ctx
         return ctx
 
@@ -223,8 +235,55 @@ class ContextTable:
             table[c // bs] = dst
             pool.decref((src,))
             copies.append((src, dst))
+        elif c % bs and self.cache is not None:
+            self.cache.forget(table[c // bs])  # rows of it are about to be rewritten
         table.extend(fresh)
         return copies
+
+    # ------------------------------------------------------- prefix cache
+    def index_computed(self, ctx: Context) -> None:
+        """After ``ctx.computed_len`` grew: digest its newly full blocks and index
+        them in the prefix cache (no-op without one)."""
+        cache = self.cache
+        if cache is None:
+            return
+        bs, hashes = self.block_size, ctx.block_hashes
+        previous = hashes[-1] if hashes else ROOT
+        for i in range(len(hashes), ctx.computed_len // bs):
+            digest = block_digest(previous, ctx.tokens(i * bs, (i + 1) * bs))
+            hashes.append(digest)
+            cache.add(digest, ctx.block_table[i])
+            previous = digest
+
+    def reuse_cached(self, ctx: Context) -> int:
+        """Take indexed blocks for ``ctx``'s next pending tokens (whole blocks, never
+        its last token); returns the number of tokens they cover (0 without a cache,
+        or when its computed length is not at a block boundary)."""
+        cache, bs = self.cache, self.block_size
+        if cache is None or ctx.computed_len % bs:
+            return 0
+        start, stop = ctx.computed_len // bs, (ctx.length - 1) // bs
+        if stop <= start:
+            return 0
+        previous = ctx.block_hashes[start - 1] if start else ROOT
+        if start and cache.lookup(previous) != ctx.block_table[start - 1]:
+            return 0  # its last block is a private duplicate: shared blocks must stay a common prefix
+        found = cache.match(previous, ctx.tokens, start, stop)
+        if not found:
+            return 0
+        blocks = [b for _, b in found]
+        self.pool.incref(blocks)
+        ctx.block_table.extend(blocks)
+        ctx.block_hashes.extend(d for d, _ in found)
+        ctx.computed_len += bs * len(found)
+        return bs * len(found)
+
+    def cached_prefix(self, tokens: list[int]) -> list[int]:
+        """The indexed blocks a new context of ``tokens`` would reuse (nothing is taken)."""
+        if self.cache is None:
+            return []
+        stop = (len(tokens) - 1) // self.block_size
+        return [b for _, b in self.cache.match(ROOT, lambda lo, hi: tokens[lo:hi], 0, stop)]
 
     def slots(self, ctx: Context, start: int, n: int) -> list[int]:
         """Flat cache rows (``block * bs + offset``) of positions ``[start, start + n)``."""
@@ -244,6 +303,7 @@ class ContextTable:
         returns the number of blocks that went back to the pool."""
         keep = self.pool.blocks_for(num_tokens)
         ctx.computed_len = min(ctx.computed_len, num_tokens)
+        del ctx.block_hashes[ctx.computed_len // self.block_size :]
         dropped = ctx.block_table[keep:]
         del ctx.block_table[keep:]
         return len(self.pool.decref(dropped))

@@ -65,8 +65,8 @@ class LocalEngine:
     """See :class:`~parrot.engine.runner.EngineRunner` for the options: ``max_step_tokens``
     (tokens per forward step), ``token_capacity`` (sum of running contexts' lengths;
     see :meth:`set_token_capacity`), ``share_prefix`` (shared-prefix decode attention;
-    False for baselines), ``block_size``, and the KV pool's size as
-    ``kv_cache_tokens`` or ``kv_cache_bytes`` (default: 2 GiB worth of tokens, see
+    False for baselines), ``prefix_cache`` (automatic prefix caching), ``block_size``,
+    and the KV pool's size as ``kv_cache_tokens`` or ``kv_cache_bytes`` (default: 2 GiB worth of tokens, see
     :mod:`parrot.engine.kv_store`), ``weight_dtype`` (bf16 packed GEMM weights) and
     ``kv_dtype`` (a bf16 KV cache).
 
@@ -82,6 +82,7 @@ class LocalEngine:
         max_step_tokens: int = 512,
         token_capacity: int | None = None,
         share_prefix: bool = True,
+        prefix_cache: bool = True,
         block_size: int = DEFAULT_BLOCK_SIZE,
         kv_cache_tokens: int | None = None,
         kv_cache_bytes: int | None = None,
@@ -95,6 +96,7 @@ class LocalEngine:
                 max_step_tokens=max_step_tokens,
                 token_capacity=token_capacity,
                 share_prefix=share_prefix,
+                prefix_cache=prefix_cache,
                 block_size=block_size,
                 kv_cache_tokens=kv_cache_tokens,
                 kv_cache_bytes=kv_cache_bytes,

@@ -14,13 +14,19 @@ Each step:
    time) or free KV memory (after evicting idle contexts' KV) — unless
    nothing runs, so a job larger than the capacity still runs alone;
 2. plan: every running job has pending tokens (a fill's prompt, the last
-   sampled token of a generate, or KV to recompute); all one-token (decode)
-   slices go in, then prompt chunks up to ``max_step_tokens``;
+   sampled token of a generate, or KV to recompute).  Pending tokens whose KV
+   the prefix cache already holds are taken from it first (whole blocks, by
+   their tokens: :mod:`parrot.engine.prefix_cache`); then all one-token
+   (decode) slices go in, then prompt chunks up to ``max_step_tokens``.  Taking
+   cache hits at planning time, not at admission, lets calls that arrive
+   together under one long prompt compute it once: the oldest computes it
+   chunk by chunk (in arrival order) and the others find its blocks;
 3. reserve KV blocks for the plan in arrival order; when the pool is short,
    make room (:mod:`parrot.engine.memory`): evict idle contexts' KV, then
    preempt the newest running jobs (their private blocks go back to the pool;
    their KV is recomputed from their tokens when they resume);
 4. one forward over the concatenated tokens (:mod:`parrot.engine.paged`);
+   the blocks it filled are indexed in the prefix cache;
 5. jobs whose pending tokens are all computed get logits; fills finish,
    generates sample their next token (or finish on a stop condition).
 
@@ -110,7 +116,9 @@ class EngineRunner:
     pool's size, so memory is what binds; :meth:`set_token_capacity` changes it at
     run time); ``share_prefix`` — decode attention reads a shared prefix once for
     all sequences under it (False: plain per-sequence paged attention, for
-    baselines); ``block_size`` and ``kv_cache_tokens`` / ``kv_cache_bytes`` — the
+    baselines); ``prefix_cache`` — reuse the KV of any earlier prompt's leading
+    whole blocks (automatic prefix caching; False for request-level baselines
+    without sharing); ``block_size`` and ``kv_cache_tokens`` / ``kv_cache_bytes`` — the
     KV pool (see :func:`~parrot.engine.kv_store.kv_cache_blocks`); ``prepack`` —
     run the model's projections through oneDNN-packed weights where possible
     (see :mod:`~parrot.engine.packed_linear`); ``weight_dtype`` — pack them as this
@@ -126,6 +134,7 @@ class EngineRunner:
         max_step_tokens: int = 512,
         token_capacity: int | None = None,
         share_prefix: bool = True,
+        prefix_cache: bool = True,
         block_size: int = DEFAULT_BLOCK_SIZE,
         kv_cache_tokens: int | None = None,
         kv_cache_bytes: int | None = None,
@@ -163,7 +172,9 @@ class EngineRunner:
             kv_dtype,
             str(param.device),
         )
-        self.contexts = ContextTable(cfg.max_seq_len, on_release=self._on_release, pool=self.pool)
+        self.contexts = ContextTable(
+            cfg.max_seq_len, on_release=self._on_release, pool=self.pool, prefix_cache=prefix_cache
+        )
         self.memory = MemoryManager(self.contexts)
         self.max_seq_len = min(cfg.max_seq_len, num_blocks * block_size)  # the longest context it can hold
         self.max_step_tokens = max_step_tokens
@@ -186,6 +197,7 @@ class EngineRunner:
             "generated_tokens": 0,
             "steps": 0,
             "preemptions": 0,
+            "cached_tokens": 0,  # pending tokens whose KV came from the prefix cache
         }
 
     # ------------------------------------------------------------ threading
@@ -274,9 +286,16 @@ class EngineRunner:
         self.contexts.free(context_id)
 
     def token_load(self) -> int:
-        """Distinct KV tokens the running work reads: a prefix shared by several running
-        contexts counts once (shared-prefix attention reads it once per step)."""
-        return _UniqueTokens([j.ctx for j in self._running if j.ctx is not None]).total
+        """KV tokens the running work reads, a block shared by several running contexts
+        once (shared-prefix attention reads it once per step); see :class:`_Load`."""
+        return self._load().total
+
+    def _load(self) -> _Load:
+        load = _Load(self.pool.block_size)
+        for job in self._running:
+            if job.ctx is not None:
+                load.add(job.ctx.block_table, job.ctx.computed_len, job.ctx.num_pending)
+        return load
 
     def stats(self) -> EngineStats:
         bs = self.pool.block_size
@@ -290,12 +309,14 @@ class EngineRunner:
             kv_tokens_total=self.pool.num_blocks * bs,
             kv_blocks_used=self.pool.num_used,
             kv_blocks_total=self.pool.num_blocks,
+            kv_blocks_cached=self.pool.num_cached,
             kv_block_size=bs,
             preemptions=self.counters["preemptions"],
             fills=self.counters["fills"],
             filled_tokens=self.counters["filled_tokens"],
             generates=self.counters["generates"],
             generated_tokens=self.counters["generated_tokens"],
+            cached_tokens=self.counters["cached_tokens"],
         )
 
     def _on_release(self, context_id: int) -> None:
@@ -379,7 +400,7 @@ class EngineRunner:
         ready: list[tuple[Job, torch.Tensor]] = []
         blocked: set[int] = set()
         still_waiting: list[Job] = []
-        load = _UniqueTokens([j.ctx for j in self._running if j.ctx is not None])
+        load = self._load()
         full = False  # a job did not fit: everything behind it waits (no starvation)
         for job in self._waiting:
             if job.cancelled:
@@ -389,15 +410,16 @@ class EngineRunner:
                 still_waiting.append(job)
                 continue
             if job.preempted:
-                assert job.ctx is not None
-                extra = load.extra(job.ctx.lineage())
-                if not self._fits(job, extra, self.memory.blocks_to_compute(job.ctx), load.total):
+                ctx = job.ctx
+                assert ctx is not None
+                extra = load.extra(ctx.block_table, ctx.computed_len, ctx.num_pending)
+                if not self._fits(job, extra, self.memory.blocks_to_compute(ctx), load.total):
                     full = True
                     still_waiting.append(job)
                     continue
                 job.preempted = False
                 self._running.append(job)
-                load.add(job.ctx.lineage())
+                load.add(ctx.block_table, ctx.computed_len, ctx.num_pending)
                 if job.is_generate and not job.ctx.num_pending:
                     self._logits_or_recompute(job, ready)
                 continue
@@ -408,8 +430,8 @@ class EngineRunner:
             if job.is_generate and job.parent_context_id is None and job.context_id not in self.contexts:
                 self._finish(job, BadRequest(f"context {job.context_id} has no tokens to generate from"))
                 continue
-            _, blocks = self.memory.prospective(job.context_id, job.parent_context_id, len(job.tokens))
-            if not self._fits(job, load.extra(self._prospective_lineage(job)), blocks, load.total):
+            held, computed, pending, blocks = self._prospective(job)
+            if not self._fits(job, load.extra(held, computed, pending), blocks, load.total):
                 full = True
                 still_waiting.append(job)
                 continue
@@ -432,7 +454,7 @@ class EngineRunner:
             job.ctx = ctx
             ctx.busy = True
             self._running.append(job)
-            load.add(ctx.lineage())
+            load.add(ctx.block_table, ctx.computed_len, ctx.num_pending)
             if job.is_generate:
                 self._start_generate(job)
                 if not ctx.num_pending:
@@ -443,15 +465,24 @@ class EngineRunner:
         self._waiting = still_waiting
         return ready
 
-    def _prospective_lineage(self, job: Job) -> list[tuple[int, int]]:
-        """(context id, own tokens visible) from the root to ``job``'s context as it will
-        be once the job's tokens are appended (creating or forking it if needed)."""
-        table = self.contexts
+    def _prospective(self, job: Job) -> tuple[list[int], int, int, int]:
+        """``job``'s context as it will be once its tokens are appended (creating or
+        forking it if needed): (blocks it will hold, tokens computed in them, tokens
+        pending, fresh blocks computing those needs at most).  A new context's leading
+        tokens that the prefix cache holds count as held blocks, not as pending."""
+        table, bs = self.contexts, self.pool.block_size
+        n = len(job.tokens)
+        _, fresh = self.memory.prospective(job.context_id, job.parent_context_id, n)
         if job.context_id in table:
-            *above, (own, visible) = table.get(job.context_id).lineage()
-            return [(c.context_id, n) for c, n in above] + [(own.context_id, visible + len(job.tokens))]
-        chain = table.get(job.parent_context_id).lineage() if job.parent_context_id in table else []
-        return [(c.context_id, n) for c, n in chain] + [(job.context_id, len(job.tokens))]
+            ctx = table.get(job.context_id)
+            return ctx.block_table, ctx.computed_len, ctx.num_pending + n, fresh
+        if job.parent_context_id in table:
+            parent = table.get(job.parent_context_id)
+            return parent.block_table[: self.pool.blocks_for(parent.length)], parent.length, n, fresh
+        hits = table.cached_prefix(job.tokens)
+        # a hit on a cached block takes it from the free count like a fresh one
+        in_use = sum(1 for b in hits if not self.pool.is_cached(b))
+        return hits, bs * len(hits), n - bs * len(hits), fresh - in_use
 
     def _fits(self, job: Job, extra: int, blocks: int, load: int) -> bool:
         """Whether ``job`` may start now: its ``extra`` distinct tokens within the token
@@ -507,12 +538,15 @@ class EngineRunner:
 
     # ------------------------------------------------------------- planning
     def _plan(self) -> list[tuple[Job, SeqSlice]]:
-        """Decode slices (one token) first, then prompt chunks within ``max_step_tokens``."""
+        """Pending tokens the prefix cache holds are taken from it; then decode slices
+        (one token) first, then prompt chunks within ``max_step_tokens``."""
         decodes: list[tuple[Job, SeqSlice]] = []
         chunks: list[tuple[Job, SeqSlice]] = []
         for job in self._running:
             ctx = job.ctx
             assert ctx is not None
+            if ctx.num_pending > 1:
+                self.counters["cached_tokens"] += self.contexts.reuse_cached(ctx)
             if ctx.num_pending == 1:
                 decodes.append((job, SeqSlice(ctx, ctx.computed_len, 1)))
         budget = self.max_step_tokens - len(decodes)
@@ -614,6 +648,7 @@ class EngineRunner:
         for job, s in plan:
             row += s.n
             s.ctx.computed_len += s.n
+            self.contexts.index_computed(s.ctx)
             if not s.ctx.num_pending:
                 finishing.append((job, row - 1))
         if self.on_step is not None:
@@ -693,33 +728,33 @@ class EngineRunner:
             job.on_finish = None
 
 
-class _UniqueTokens:
-    """Distinct tokens of a set of contexts: each context's own tokens count once,
-    however many running descendants see them (as many as the deepest one sees).
+class _Load:
+    """KV tokens a set of contexts reads: the filled rows of the distinct blocks of
+    their tables (a block shared through a fork or a prefix-cache hit counts once,
+    with the most rows any holder has filled) plus their pending tokens (not in a
+    block yet)."""
 
-    Lineages are ``[(context or id, own tokens visible), ...]`` from the root down
-    (:meth:`Context.lineage`).  ``total`` is the sum over contexts of the most own
-    tokens any added lineage shows.
-    """
-
-    def __init__(self, contexts: list[Context]):
-        self.seen: dict[int, int] = {}
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.rows: dict[int, int] = {}  # block -> filled rows
         self.total = 0
-        for ctx in contexts:
-            self.add(ctx.lineage())
 
-    @staticmethod
-    def _key(node: Context | int) -> int:
-        return node if isinstance(node, int) else node.context_id
+    def _rows(self, blocks: list[int], computed: int):
+        bs = self.block_size
+        for i, b in enumerate(blocks):
+            yield b, min(bs, computed - i * bs)
 
-    def extra(self, lineage: list[tuple[Context, int]] | list[tuple[int, int]]) -> int:
-        """Tokens that adding ``lineage`` would add to ``total``."""
-        return sum(max(0, n - self.seen.get(self._key(c), 0)) for c, n in lineage)
+    def extra(self, blocks: list[int], computed: int, pending: int) -> int:
+        """Tokens that adding a context (its ``blocks``, ``computed`` tokens in them,
+        ``pending`` more) would add to ``total``."""
+        rows = self.rows
+        return pending + sum(max(0, n - rows.get(b, 0)) for b, n in self._rows(blocks, computed))
 
-    def add(self, lineage: list[tuple[Context, int]] | list[tuple[int, int]]) -> None:
-        for c, n in lineage:
-            key = self._key(c)
-            have = self.seen.get(key, 0)
+    def add(self, blocks: list[int], computed: int, pending: int) -> None:
+        rows = self.rows
+        self.total += pending
+        for b, n in self._rows(blocks, computed):
+            have = rows.get(b, 0)
             if n > have:
-                self.seen[key] = n
+                rows[b] = n
                 self.total += n - have

@@ -175,7 +175,10 @@ class BatchResult(BaseModel):
 # ------------------------------------------------------------------ engines
 class EngineStats(BaseModel):
     """A snapshot of an engine's load.  ``token_load`` counts KV tokens of
-    running work; ``token_capacity`` is the engine's batching knob."""
+    running work; ``token_capacity`` is the engine's batching knob.
+    ``kv_blocks_cached`` are blocks no context holds that the prefix cache keeps
+    (reclaimable; not in ``kv_blocks_used``); ``cached_tokens`` counts prompt
+    tokens whose KV came from the prefix cache instead of being computed."""
 
     num_contexts: int = 0
     num_running: int = 0
@@ -186,12 +189,14 @@ class EngineStats(BaseModel):
     kv_tokens_total: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    kv_blocks_cached: int = 0
     kv_block_size: int = 0
     preemptions: int = 0
     fills: int = 0
     filled_tokens: int = 0
     generates: int = 0
     generated_tokens: int = 0
+    cached_tokens: int = 0
 
 
 class EngineDescription(_Strict):
