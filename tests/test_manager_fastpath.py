@@ -18,7 +18,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from parrot.manager.objectives import CallObjective
-from parrot.manager.prefix import PrefixEntry
 from parrot.manager.scheduler import (
     POLICIES,
     EngineSnapshot,
@@ -304,7 +303,7 @@ def test_executor_snapshots_follow_every_kind_of_change():
         local = pool.register(SlowishEngine(tokenizer))
         remote = pool.register(SlowishEngine(tokenizer), url="http://fake")
         assert in_sync()
-        executor.prefixes.add(PrefixEntry("k", local.engine_id, 1, 40))  # a prefix context appears
+        executor.prefixes.record(local.engine_id, ["k"])  # a call with prefix key k was placed there
         assert in_sync() and {s.engine_id: s.prefixes for s in executor._sched.engines}[local.engine_id] == {
             "k"
         }

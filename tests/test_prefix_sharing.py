@@ -1,12 +1,14 @@
-"""Prefix hashing at variable boundaries, and sharing a prefix context across sessions."""
+"""Whole-string rendering, prefix keys at variable boundaries, the per-engine key index, and
+system prompts computed once across calls and sessions through the engine's prefix cache."""
 
 from __future__ import annotations
 
 import time
 
 import parrot as P
+from parrot.engine.local import LocalEngine
 from parrot.manager.graph import Call, OutputSpec, Variable
-from parrot.manager.prefix import PrefixEntry, PrefixIndex, prefix_keys
+from parrot.manager.prefix import PrefixIndex, prefix_keys
 from parrot.manager.render import render
 from parrot.manager.service import Manager, ManagerConfig
 from parrot.protocol.sampling import SamplingParams
@@ -26,7 +28,25 @@ def make_call(template: str, chat: bool = False, **inputs: str | Variable) -> Ca
     return Call("c", "s", None, t, dict(inputs), outs, chat=chat)
 
 
-def test_constant_text_is_tokenized_once_and_renders_the_same(tiny_model):
+def test_the_prompt_is_tokenized_as_one_string_like_a_request(tiny_model):
+    tok = tiny_model.tokenizer
+    template = SYSTEM + "Q: {{input:q}} A: {{output:a}}"
+    rendered = render(make_call(template, q="why?"), tok, 4096)
+    bos = [tok.bos_token_id] if tok.add_bos and tok.bos_token_id is not None else []
+    assert rendered.steps[0].tokens == bos + tok.encode(SYSTEM + "Q: why? A: ")
+    key = prefix_keys(make_call(template, q="x"))[0]
+    assert rendered.constant_prefix == (key, len(tok.encode(SYSTEM + "Q: ")))
+
+
+def test_text_between_outputs_is_one_string_and_text_after_the_last_is_not_filled(tiny_model):
+    tok = tiny_model.tokenizer
+    call = make_call("A {{input:x}} B{{output:o1}} C {{input:y}} D{{output:o2}} tail", x="1", y="2")
+    steps = render(call, tok, 4096).steps
+    assert [type(s).__name__ for s in steps] == ["FillStep", "GenerateStep", "FillStep", "GenerateStep"]
+    assert steps[2].tokens == tok.encode(" C 2 D")
+
+
+def test_the_leading_constant_text_is_tokenized_once(tiny_model):
     tok = tiny_model.tokenizer
     seen: list[str] = []
 
@@ -39,21 +59,18 @@ def test_constant_text_is_tokenized_once_and_renders_the_same(tiny_model):
 
     counting = Counting()
     template = SYSTEM + "Q: {{input:q}} A: {{output:a}}"
-    first = render(make_call(template, q="why?"), counting, 4096)
-    second = render(make_call(template, q="how?"), counting, 4096)
-    assert seen.count(SYSTEM + "Q: ") == 1  # the constant text once for both calls
-    assert seen.count("why?") == 1 and seen.count("how?") == 1  # input values every time
-    assert first.steps[0].tokens == tok.encode(SYSTEM + "Q: ") + tok.encode("why?") + tok.encode(" A: ")
-    assert second.steps[0].tokens[: len(tok.encode(SYSTEM + "Q: "))] == tok.encode(SYSTEM + "Q: ")
+    render(make_call(template, q="why?"), counting, 4096)
+    render(make_call(template, q="how?"), counting, 4096)
+    assert seen.count(SYSTEM + "Q: ") == 1  # its token count, once for both calls
 
 
 def test_same_constant_prefix_same_key_across_calls():
     a = make_call(SYSTEM + "Q: {{input:q}} A: {{output:a}}", q="why?")
     b = make_call(SYSTEM + "Q: {{input:q}} A: {{output:a}}", q="how?")
     ka, kb = prefix_keys(a), prefix_keys(b)
-    assert len(ka) == len(kb) == 2  # before the input, and before the output
+    assert len(ka) == len(kb) == 3  # after the system prompt, after the question, before the output
     assert ka[0] == kb[0]  # the system prompt is shared
-    assert ka[1] != kb[1]  # the question differs
+    assert ka[1] != kb[1] and ka[2] != kb[2]  # the question differs
 
 
 def test_keys_depend_on_text_and_chat_and_stop_at_unknown_inputs():
@@ -64,7 +81,16 @@ def test_keys_depend_on_text_and_chat_and_stop_at_unknown_inputs():
     keys = prefix_keys(make_call(SYSTEM + "{{input:q}} then {{output:a}}", q=pending))
     assert len(keys) == 1  # known up to the unresolved input only
     pending.value = "x"
-    assert len(prefix_keys(make_call(SYSTEM + "{{input:q}} then {{output:a}}", q=pending))) == 2
+    assert len(prefix_keys(make_call(SYSTEM + "{{input:q}} then {{output:a}}", q=pending))) == 3
+
+
+def test_a_value_read_by_two_templates_gives_them_a_common_key():
+    """A document read by a call and then by its dependent call: their templates differ
+    right after the document, but both have a key right after it."""
+    doc = "a long document " * 20
+    k1 = prefix_keys(make_call("{{input:doc}}\n\nSummarise it: {{output:s}}", doc=doc))
+    k2 = prefix_keys(make_call("{{input:doc}}\n\nAnswer about it: {{output:a}}", doc=doc))
+    assert k1[0] == k2[0] and k1[1] != k2[1]
 
 
 def test_value_boundaries_do_not_collide_with_text():
@@ -74,21 +100,19 @@ def test_value_boundaries_do_not_collide_with_text():
     assert k1[-1] != k2[-1]
 
 
-def test_index_pins_used_and_wanted_prefixes_and_evicts_lru():
-    index = PrefixIndex(max_unpinned_per_engine=1)
-    entries = [PrefixEntry(f"k{i}", "e1", i, 10) for i in range(3)]
-    for e in entries:
-        index.add(e)
-    index.acquire(entries[0])  # in use
-    wanted = make_call("x{{input:q}}{{output:a}}", q="1")
-    index.add_interest(wanted, ["k1"])  # a queued call will use k1
-    assert index.evictable("e1") == []  # only k2 unpinned: within budget
-    index.release(entries[0])
-    assert index.evictable("e1") == [entries[2]]  # k0 was used after k2 was added
-    wanted.state = "done"
-    assert index.interest("k1") == 0
-    assert index.evictable("e1") == [entries[1], entries[2]]  # least recently used first
-    assert index.longest(["k9", "k2", "k5"], "e1") == (1, entries[2])
+def test_index_remembers_recent_keys_per_engine_and_reports_changes():
+    index = PrefixIndex(keys_per_engine=3)
+    index.record("e1", ["k0", "k1"])
+    assert index.take_changed() == {"e1"} and index.take_changed() == set()
+    first = index.keys_on("e1")
+    assert first == {"k0", "k1"} and index.keys_on("e1") is first  # the same object until it changes
+    index.record("e1", ["k0"])  # known keys: refreshed, not a change
+    assert index.take_changed() == set() and index.keys_on("e1") is first
+    index.record("e1", ["k2", "k3"])  # over the bound: the least recently placed (k1) goes
+    assert index.keys_on("e1") == {"k0", "k2", "k3"} and index.take_changed() == {"e1"}
+    assert index.engines_holding("k2") == ["e1"] and index.holds("k0", "e1")
+    index.forget_engine("e1")
+    assert index.keys_on("e1") == frozenset() and index.take_changed() == {"e1"}
 
 
 def ask_template() -> P.SemanticFunction:
@@ -98,46 +122,50 @@ def ask_template() -> P.SemanticFunction:
     )
 
 
-def test_two_sessions_share_one_filled_system_prompt(live, tiny_engine):
+def test_two_sessions_share_one_computed_system_prompt(live, tiny_engine, tiny_model):
+    """The second session's call finds the system prompt's whole blocks in the engine's
+    prefix cache, and generates what an engine without a prefix cache generates."""
     ask = ask_template()
-    before = live.run_on_loop(tiny_engine.stats())
+    bs = live.run_on_loop(tiny_engine.stats()).kv_block_size
+    prompts = [SYSTEM + f"Question: {q}\nAnswer: " for q in ("what is a lighthouse?", "who keeps it?")]
     with P.connect(live.url):
         first = ask("what is a lighthouse?").get(timeout=60)
+    before = live.run_on_loop(tiny_engine.stats())
     with P.connect(live.url):
         second = ask("who keeps it?").get(timeout=60)
     after = live.run_on_loop(tiny_engine.stats())
-    prefix_tokens = len(tiny_engine.tokenizer.encode(SYSTEM + "Question: "))
-    suffixes = [
-        len(tiny_engine.tokenizer.encode(q)) + len(tiny_engine.tokenizer.encode("\nAnswer: "))
-        for q in ("what is a lighthouse?", "who keeps it?")
-    ]
-    # one fill of the shared prefix, then one fill per call for its own suffix
-    assert after.fills - before.fills == 3
-    assert after.filled_tokens - before.filled_tokens == prefix_tokens + sum(suffixes)
-    assert len(live.manager.executor.prefixes) == 1
+    tok = tiny_engine.tokenizer
+    shared = len(tok.encode(SYSTEM + "Question: "))  # the two prompts' common tokens
+    assert after.cached_tokens - before.cached_tokens == shared // bs * bs
 
-    # the forked calls generate exactly what unshared calls generate
-    unshared = Manager(ManagerConfig(min_prefix_tokens=10**9))
-    unshared.pool.register(tiny_engine)
+    plain = LocalEngine(tiny_model, prefix_cache=False)
+    unshared = Manager(ManagerConfig())
+    unshared.pool.register(plain)
     server = start_server(unshared)
     try:
         with P.connect(server.url):
             expected = [ask(q).get(timeout=60) for q in ("what is a lighthouse?", "who keeps it?")]
     finally:
         server.stop()
+        plain.close()
     assert [first, second] == expected
+    assert all(len(tok.encode(p)) > shared for p in prompts)
 
 
-def test_prefix_context_is_reused_while_calls_are_concurrent(live, tiny_engine):
+def test_concurrent_calls_under_one_system_prompt_compute_it_once(live, tiny_engine):
     ask = ask_template()
+    tok = tiny_engine.tokenizer
     before = live.run_on_loop(tiny_engine.stats())
-    with P.connect(live.url):
-        outs = [ask(f"question number {i}?") for i in range(4)]
+    with P.connect(live.url) as session:
+        with session.batch():  # the four calls reach the scheduler together
+            outs = [ask(f"question number {i}?") for i in range(4)]
         values = [o.get(timeout=60) for o in outs]
     after = live.run_on_loop(tiny_engine.stats())
     assert all(isinstance(v, str) for v in values)
-    assert after.fills - before.fills == 1 + 4  # the prefix is filled once, even when calls race
+    whole = len(tok.encode(SYSTEM + "Question: question number ")) // before.kv_block_size
+    # computed by the first call (or an earlier test), taken from the cache by the other three at least
+    assert after.cached_tokens - before.cached_tokens >= 3 * whole * before.kv_block_size
     deadline = time.monotonic() + 5
-    while live.run_on_loop(tiny_engine.stats()).num_contexts != before.num_contexts + 1:
+    while live.run_on_loop(tiny_engine.stats()).num_contexts != before.num_contexts:
         assert time.monotonic() < deadline, "per-call contexts were not freed"
         time.sleep(0.02)

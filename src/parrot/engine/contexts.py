@@ -27,7 +27,8 @@ Invariants:
 - A block's refcount equals the number of block-table entries naming it, over
   all contexts in the table.  Blocks shared by two tables arise from a fork
   or from a prefix-cache hit (:mod:`parrot.engine.prefix_cache`; a hit is
-  taken only right after the indexed block before it), hold the same tokens
+  taken, and a block indexed, only right after the indexed block before it),
+  hold the same tokens
   at the same positions and form a common prefix of both tables, so along one
   table refcounts never increase: a context's *private* blocks (refcount 1)
   are a suffix of its table.
@@ -247,12 +248,15 @@ class ContextTable:
         cache = self.cache
         if cache is None:
             return
-        bs, hashes = self.block_size, ctx.block_hashes
+        bs, hashes, table = self.block_size, ctx.block_hashes, ctx.block_table
         previous = hashes[-1] if hashes else ROOT
+        # only right after the indexed block of the previous digest: a context's indexed
+        # blocks are a prefix of its table (after a private duplicate nothing is indexed)
+        chained = not hashes or cache.lookup(previous) == table[len(hashes) - 1]
         for i in range(len(hashes), ctx.computed_len // bs):
             digest = block_digest(previous, ctx.tokens(i * bs, (i + 1) * bs))
             hashes.append(digest)
-            cache.add(digest, ctx.block_table[i])
+            chained = chained and (cache.add(digest, table[i]) or cache.lookup(digest) == table[i])
             previous = digest
 
     def reuse_cached(self, ctx: Context) -> int:

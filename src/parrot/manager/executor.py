@@ -8,13 +8,15 @@ sessions that changed are deduced again), snapshots the engines, and asks the
 scheduler (:mod:`parrot.manager.scheduler`, the paper's Algorithm 1) where
 queued calls go.  The scheduler's engine state is kept between rounds
 (:class:`~parrot.manager.scheduler.Scheduler`): only engines whose load,
-prefix contexts or pool state changed get a new snapshot, and the placements
-are those of the pure ``schedule(queue, snapshots, config)``.  A placed call
-renders its prompt from the materialised inputs and drives its engine: fill
-the text before each output (forking from a shared prefix context when the
-engine holds one), generate the output (streaming it into the variable),
-apply the output's transform, materialise it — which may make consumer calls
-ready.  No value travels to the client on the way.
+recent prefixes or pool state changed get a new snapshot, and the placements
+are those of the pure ``schedule(queue, snapshots, config)``.  A placed call's
+prefix keys are recorded for its engine, so later calls sharing a prefix go
+where the engine's prefix cache holds it.  A placed call renders its prompt
+from the materialised inputs and drives its engine in a context of its own:
+fill the text before each output (the engine reuses any cached prefix of it),
+generate the output (streaming it into the variable), apply the output's
+transform, materialise it — which may make consumer calls ready.  No value
+travels to the client on the way.
 
 Guarantees: every call ends ``done`` or ``failed``; a failure fails the
 call's outputs and everything downstream; a call no engine can ever serve
@@ -37,7 +39,7 @@ from dataclasses import dataclass, field
 from parrot.manager.engines import EngineHandle, EnginePool
 from parrot.manager.graph import Call, fail_call, materialise
 from parrot.manager.objectives import CallObjective, deduce
-from parrot.manager.prefix import PrefixEntry, PrefixIndex, prefix_keys
+from parrot.manager.prefix import PrefixIndex, prefix_keys
 from parrot.manager.render import FillStep, Rendered, render
 from parrot.manager.scheduler import EngineSnapshot, QueuedCall, Scheduler, SchedulerConfig
 from parrot.protocol.errors import (
@@ -158,10 +160,7 @@ class Executor:
         ):
             return
         call.state = "ready"
-        # registered now, before any round runs, so calls made ready together
-        # see each other's interest in a shared prefix
-        keys = prefix_keys(call)
-        self.prefixes.add_interest(call, keys)
+        keys = prefix_keys(call)  # final: every input is known
         self._queue[call.call_id] = _Ticket(call, next(self._ranks), prefix_keys=tuple(keys))
         self.kick()
 
@@ -280,6 +279,7 @@ class Executor:
         for placement in sched.schedule(queue):
             ticket = self._queue.pop(placement.call_id)
             ticket.engine = self.pool.get(placement.engine_id)
+            self.prefixes.record(placement.engine_id, ticket.prefix_keys)
             ticket.call.placement = placement.reason
             ticket.call.dispatched_at = time.time()
             self._start(ticket)
@@ -328,9 +328,9 @@ class Executor:
                 if longest is None:
                     return 1  # no engine yet: unservable() says so
                 rendered, max_len = self._rendered(ticket, longest), longest.max_seq_len
-            prefixes = rendered.prefixes  # type: ignore[attr-defined]
-            if prefixes and prefixes[0][1] >= self.min_prefix_tokens:
-                ticket.shared_prefix = prefixes[0]
+            constant = rendered.constant_prefix  # type: ignore[attr-defined]
+            if constant is not None and constant[1] >= self.min_prefix_tokens:
+                ticket.shared_prefix = constant
             shared = ticket.shared_prefix[1] if ticket.shared_prefix else 0
             # engines stop generating at their context: a call never holds more than that
             total = min(rendered.prompt_tokens + new_tokens, max_len)  # type: ignore[attr-defined]
@@ -532,17 +532,11 @@ class Executor:
     async def _drive(self, call: Call, handle: EngineHandle, rendered: Rendered) -> None:
         api = handle.api
         context_id = handle.new_context_id()
-        used: list[PrefixEntry] = []
         opened = False
         try:
-            steps = list(rendered.steps)
-            first = steps.pop(0)
-            assert isinstance(first, FillStep)  # render guarantees a prompt before any output
-            parent, start = await self._share_prefix(handle, rendered, first.tokens, used)
-            opened = True
-            await api.fill(first.tokens[start:], context_id, parent)
-            for step in steps:
+            for step in rendered.steps:
                 if isinstance(step, FillStep):
+                    opened = True
                     await api.fill(step.tokens, context_id)
                     continue
                 out = step.output
@@ -559,66 +553,6 @@ class Executor:
                 for ready in materialise(out.var, value):
                     self.dispatch(ready)
         finally:
-            for entry in used:
-                self.prefixes.release(entry)
-            if handle.alive:
+            if opened and handle.alive:
                 with contextlib.suppress(Exception):
-                    if opened:
-                        await asyncio.shield(api.free_context(context_id))
-                    await self._evict(handle)
-
-    async def _share_prefix(
-        self, handle: EngineHandle, rendered: Rendered, tokens: list[int], used: list[PrefixEntry]
-    ) -> tuple[int | None, int]:
-        """Fork from the deepest prefix of this prompt already on the engine, and
-        keep new shareable prefixes as contexts of their own.  Returns (parent
-        context, number of leading tokens it covers).
-
-        A prefix becomes a shared context when it is at least
-        ``min_prefix_tokens`` past the previous one and is either the leading
-        constant text (a system prompt: cheap to keep, likely reused) or
-        wanted by another unfinished call.  Filling a prefix context costs no
-        extra compute: the call's own fill just starts where it ends.
-        """
-        keys = [k for k, _ in rendered.prefixes]
-        parent: int | None = None
-        start = 0
-        first_new = 0
-        hit = self.prefixes.longest(keys, handle.engine_id)
-        if hit is not None:
-            i, entry = hit
-            try:
-                await entry.ready  # type: ignore[misc]  # another call may still be filling it
-            except Exception:
-                pass  # its fill failed; fill everything ourselves
-            else:
-                self.prefixes.acquire(entry)
-                used.append(entry)
-                parent, start, first_new = entry.context_id, entry.num_tokens, i + 1
-        for i in range(first_new, len(rendered.prefixes)):
-            key, end = rendered.prefixes[i]
-            if end - start < self.min_prefix_tokens or self.prefixes.lookup(key, handle.engine_id):
-                continue
-            if i > 0 and self.prefixes.interest(key) < 2:
-                continue
-            entry = PrefixEntry(key, handle.engine_id, handle.new_context_id(), end)
-            ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            entry.ready = ready
-            self.prefixes.add(entry)
-            self.prefixes.acquire(entry)
-            used.append(entry)
-            try:
-                await handle.api.fill(tokens[start:end], entry.context_id, parent)
-            except BaseException as exc:
-                self.prefixes.remove(entry)
-                ready.set_exception(EngineError(f"prefix fill failed: {exc!r}"))
-                ready.exception()  # mark retrieved: waiters fall back to a full fill
-                raise
-            ready.set_result(None)
-            parent, start = entry.context_id, end
-        return parent, start
-
-    async def _evict(self, handle: EngineHandle) -> None:
-        for entry in self.prefixes.evictable(handle.engine_id):
-            self.prefixes.remove(entry)
-            await handle.api.free_context(entry.context_id)
+                    await asyncio.shield(api.free_context(context_id))

@@ -1,10 +1,17 @@
 """Turn a call whose inputs are materialised into engine steps.
 
-A call's template becomes an alternation of *fill* steps (constant text and
-input values, tokenized piece by piece so a constant prefix always yields the
-same tokens whatever follows it) and *generate* steps (one per output, in
-template order).  Everything runs in one engine context, so text after an
-output is conditioned on what was generated.
+A call's template becomes an alternation of *fill* steps and *generate* steps
+(one per output, in template order); everything runs in one engine context, so
+text after an output is conditioned on what was generated.
+
+What the model sees is what a request-level client would send: the text
+before the first output (constant text and input values, with the chat markup
+of ``chat=True``) is rendered into one string and tokenized *as a whole*, so
+the first fill holds exactly the tokens of ``POST /v1/completions`` with that
+string as its prompt (BOS first where the model wants one).  Text between two
+outputs is likewise one string, tokenized on its own: it follows generated
+tokens, which a string cannot reproduce.  Shared prefixes need no special
+cutting: the engine's prefix cache reuses whole KV blocks by their tokens.
 
 With ``chat=True`` the model's chat format wraps the prompt: its opening text
 goes before the template and the assistant-turn marker right before the
@@ -20,7 +27,7 @@ from dataclasses import dataclass
 from parrot.manager.graph import Call, OutputSpec, Variable
 from parrot.manager.prefix import prefix_keys, user_pieces
 from parrot.protocol.errors import BadRequest, ContextTooLong
-from parrot.protocol.template import Placeholder, Template, Text
+from parrot.protocol.template import Piece, Placeholder, Template, Text
 from parrot.protocol.tokenizer import TextTokenizer
 
 
@@ -75,10 +82,10 @@ def input_text(value: Variable | str) -> str:
 @dataclass
 class Rendered:
     steps: list[Step]
-    # (prefix key, tokens before that boundary) at each constant->variable
-    # boundary before the first output, outermost first; keys as in
-    # :func:`parrot.manager.prefix.prefix_keys`
-    prefixes: list[tuple[str, int]]
+    # (prefix key, its tokens) of the leading constant text (a system prompt), when the
+    # template starts with one: the part of the prompt that calls of the same template
+    # share whatever their inputs; key as the first of parrot.manager.prefix.prefix_keys
+    constant_prefix: tuple[str, int] | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -86,11 +93,10 @@ class Rendered:
 
 
 @functools.lru_cache(maxsize=256)
-def _constant_tokens(tokenizer: TextTokenizer, text: str) -> tuple[int, ...]:
-    """Token ids of a template's constant text.  Calls of one template repeat the same
-    text (a long system prompt would be tokenized again for every call), so it is
-    tokenized once per tokenizer and text; input values are not cached."""
-    return tuple(tokenizer.encode(text))
+def _constant_tokens(tokenizer: TextTokenizer, text: str) -> int:
+    """How many tokens a template's leading constant text has (calls of one template
+    repeat it: a long system prompt is tokenized once per tokenizer, not per call)."""
+    return len(tokenizer.encode(text))
 
 
 def render(call: Call, tokenizer: TextTokenizer, max_seq_len: int) -> Rendered:
@@ -101,35 +107,31 @@ def render(call: Call, tokenizer: TextTokenizer, max_seq_len: int) -> Rendered:
         if tokenizer.chat is None:
             raise BadRequest("this model has no chat format; submit with chat=false", code="no_chat_format")
         before, between = tokenizer.chat.wrap()
-    keys = iter(prefix_keys(call))
-    prefixes: list[tuple[str, int]] = []
     steps: list[Step] = []
-    pending: list[int] = []
-    if tokenizer.add_bos and tokenizer.bos_token_id is not None:
-        pending.append(tokenizer.bos_token_id)
-    if before:
-        pending.extend(_constant_tokens(tokenizer, before))
+    text: list[str] = [before]  # the string of the fill being assembled
+    first = True
     total = 0
-    seen_output = False
-    for i, piece in enumerate(pieces):
+
+    def fill() -> None:
+        nonlocal first, total
+        tokens = tokenizer.encode("".join(text))
+        if first and tokenizer.add_bos and tokenizer.bos_token_id is not None:
+            tokens.insert(0, tokenizer.bos_token_id)
+        first = False
+        if tokens:
+            steps.append(FillStep(tokens))
+            total += len(tokens)
+        text.clear()
+
+    for piece in pieces:  # text after the last output is never filled: nothing reads it
         if isinstance(piece, Text):
-            pending.extend(_constant_tokens(tokenizer, piece.text))
-            if not seen_output and i + 1 < len(pieces) and isinstance(pieces[i + 1], Placeholder):
-                prefixes.append((next(keys), total + len(pending)))
+            text.append(piece.text)
         elif piece.direction == "input":
-            pending.extend(tokenizer.encode(input_text(call.inputs[piece.name])))
+            text.append(input_text(call.inputs[piece.name]))
         else:
-            seen_output = True
-            if between:
-                pending.extend(_constant_tokens(tokenizer, between))
-            if pending:
-                steps.append(FillStep(pending))
-                total += len(pending)
-                pending = []
+            text.append(between)
+            fill()
             steps.append(GenerateStep(call.outputs[piece.name]))
-    if pending:
-        steps.append(FillStep(pending))
-        total += len(pending)
     if total >= max_seq_len:
         raise ContextTooLong(
             f"the rendered prompt has {total} tokens; the model's context is {max_seq_len} "
@@ -138,4 +140,16 @@ def render(call: Call, tokenizer: TextTokenizer, max_seq_len: int) -> Rendered:
         )
     if steps and isinstance(steps[0], GenerateStep):
         raise BadRequest("the rendered prompt before the first output is empty", code="empty_prompt")
-    return Rendered(steps, prefixes)
+    return Rendered(steps, _leading_constant(call, pieces, before, tokenizer))
+
+
+def _leading_constant(
+    call: Call, pieces: list[Piece], before: str, tokenizer: TextTokenizer
+) -> tuple[str, int] | None:
+    """(key, tokens) of the template's leading constant text, if it starts with one."""
+    if not pieces or not isinstance(pieces[0], Text) or len(pieces) < 2:
+        return None
+    keys = prefix_keys(call)
+    if not keys:
+        return None
+    return keys[0], _constant_tokens(tokenizer, before + pieces[0].text)

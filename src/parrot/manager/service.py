@@ -29,7 +29,7 @@ from parrot.manager.graph import (
     materialise,
     new_id,
 )
-from parrot.manager.prefix import PrefixIndex, prefix_keys
+from parrot.manager.prefix import PrefixIndex
 from parrot.manager.render import check_chat_shape, check_starts_with_text, render
 from parrot.manager.scheduler import SchedulerConfig
 from parrot.protocol.errors import (
@@ -73,10 +73,11 @@ class ManagerConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     heartbeat_interval_s: float = 2.0
     heartbeat_timeout_s: float = 10.0
-    # a prompt prefix becomes a shared engine context when at least this long
+    # a template's leading constant text (a system prompt) of at least this many tokens
+    # counts once in an engine's load however many calls there share it
     min_prefix_tokens: int = 32
-    # cached prefix contexts per engine that no call uses or awaits (LRU beyond this)
-    max_cached_prefixes: int = 32
+    # prefix keys remembered per engine, to place calls where their prefix is cached
+    affinity_keys_per_engine: int = 4096
     # a call whose engine is lost is re-run elsewhere (at most this many tries), waiting up to
     # engine_wait_s for another engine of its model
     max_attempts: int = 3
@@ -106,7 +107,7 @@ class Manager:
         self.pool = EnginePool(heartbeat_timeout_s=self.config.heartbeat_timeout_s)
         self.executor = Executor(
             self.pool,
-            PrefixIndex(self.config.max_cached_prefixes),
+            PrefixIndex(self.config.affinity_keys_per_engine),
             calls_of_session=self._unfinished_calls,
             scheduler=SchedulerConfig(self.config.policy, latency_cap_tokens=self.config.latency_cap_tokens),
             engine_token_capacity=self.config.engine_token_capacity,
@@ -297,7 +298,6 @@ class Manager:
         for var in staged.new_vars:
             session.variables[var.var_id] = var
         session.calls[call.call_id] = call
-        self.executor.prefixes.add_interest(call, prefix_keys(call))
 
     def start_call(self, call: Call) -> None:
         """Fail a call whose input failed, queue it if it is ready, else leave it waiting."""
