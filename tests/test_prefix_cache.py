@@ -180,6 +180,25 @@ def test_calls_arriving_together_under_one_prompt_compute_it_once(engines, tiny_
     assert cached_tokens(eng) - before >= 5 * 16 * 16
 
 
+def test_calls_arriving_together_under_a_prompt_shorter_than_a_step_compute_it_once(engines, tiny_model):
+    """With a 100-token prompt and 512 tokens a step, all six prompts would fit in the first
+    step and each would compute the shared part; instead the later ones wait one step and
+    take its 6 whole blocks from the cache."""
+    vocab = tiny_model.config.vocab_size
+    eng = engines("together-short", kv_cache_tokens=8192, max_step_tokens=512)
+    plain = engines("plain-together", prefix_cache=False, kv_cache_tokens=8192, max_step_tokens=64)
+    shared = prompt(5, 100, vocab)
+    prompts = [shared + prompt(30 + i, 5, vocab) for i in range(6)]
+
+    async def all_at_once(engine: LocalEngine) -> list[list[int]]:
+        return list(await asyncio.gather(*(complete(engine, p) for p in prompts)))
+
+    expected = asyncio.run(all_at_once(plain))
+    before = cached_tokens(eng)
+    assert asyncio.run(all_at_once(eng)) == expected
+    assert cached_tokens(eng) - before == 5 * 6 * 16
+
+
 def test_under_memory_pressure_cached_blocks_are_evicted_and_outputs_stay_right(engines, tiny_model):
     """A pool of 12 blocks (192 tokens) cycles through prompts of 100 tokens: blocks cached by
     one prompt are evicted to make room for the next, and a prompt that comes back is

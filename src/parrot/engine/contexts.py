@@ -259,6 +259,17 @@ class ContextTable:
             chained = chained and (cache.add(digest, table[i]) or cache.lookup(digest) == table[i])
             previous = digest
 
+    def digests_ahead(self, ctx: Context, stop: int) -> list[bytes]:
+        """Digests of ``ctx``'s blocks ``len(ctx.block_hashes) .. stop - 1`` from its tokens
+        (computed or not; block ``stop - 1`` must be whole within ``ctx.length``)."""
+        bs, hashes = self.block_size, ctx.block_hashes
+        previous = hashes[-1] if hashes else ROOT
+        out = []
+        for i in range(len(hashes), stop):
+            previous = block_digest(previous, ctx.tokens(i * bs, (i + 1) * bs))
+            out.append(previous)
+        return out
+
     def reuse_cached(self, ctx: Context) -> int:
         """Take indexed blocks for ``ctx``'s next pending tokens (whole blocks, never
         its last token); returns the number of tokens they cover (0 without a cache,

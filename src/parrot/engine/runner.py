@@ -539,7 +539,10 @@ class EngineRunner:
     # ------------------------------------------------------------- planning
     def _plan(self) -> list[tuple[Job, SeqSlice]]:
         """Pending tokens the prefix cache holds are taken from it; then decode slices
-        (one token) first, then prompt chunks within ``max_step_tokens``."""
+        (one token) first, then prompt chunks within ``max_step_tokens``.  A prompt whose
+        next whole block an earlier chunk of this step computes waits a step and takes it
+        from the cache then (calls arriving together under one prompt shorter than a step
+        would otherwise each compute it in the same step)."""
         decodes: list[tuple[Job, SeqSlice]] = []
         chunks: list[tuple[Job, SeqSlice]] = []
         for job in self._running:
@@ -550,15 +553,37 @@ class EngineRunner:
             if ctx.num_pending == 1:
                 decodes.append((job, SeqSlice(ctx, ctx.computed_len, 1)))
         budget = self.max_step_tokens - len(decodes)
+        computing: set[bytes] = set()  # digests of the whole blocks this step's chunks compute
         for job in self._running:
             ctx = job.ctx
             assert ctx is not None
             pending = ctx.num_pending
             if pending > 1 and (budget > 0 or not (decodes or chunks)):
+                if computing and self._next_block_computing(ctx, computing):
+                    continue
                 n = min(pending, max(budget, 1))
                 (decodes if n == 1 else chunks).append((job, SeqSlice(ctx, ctx.computed_len, n)))
                 budget -= n
+                self._mark_computing(ctx, n, computing)
         return decodes + chunks
+
+    def _next_block_computing(self, ctx: Context, computing: set[bytes]) -> bool:
+        """Whether ``ctx``'s next pending block is a whole block that a chunk already
+        planned this step computes (same tokens from position 0)."""
+        bs, c = self.pool.block_size, ctx.computed_len
+        if self.contexts.cache is None or c % bs or c + bs >= ctx.length:
+            return False
+        return self.contexts.digests_ahead(ctx, c // bs + 1)[-1] in computing
+
+    def _mark_computing(self, ctx: Context, n: int, computing: set[bytes]) -> None:
+        """Record the digests of the whole blocks a chunk of ``n`` tokens computes."""
+        if self.contexts.cache is None:
+            return
+        bs, c = self.pool.block_size, ctx.computed_len
+        first, stop = -(-c // bs), (c + n) // bs
+        if stop > first:
+            ahead = self.contexts.digests_ahead(ctx, stop)
+            computing.update(ahead[first - len(ctx.block_hashes) :])
 
     def _reserve(self, plan: list[tuple[Job, SeqSlice]]) -> list[tuple[Job, SeqSlice]]:
         """Give every planned slice writable blocks, oldest job first, making room by
