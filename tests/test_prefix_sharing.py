@@ -169,3 +169,42 @@ def test_concurrent_calls_under_one_system_prompt_compute_it_once(live, tiny_eng
     while live.run_on_loop(tiny_engine.stats()).num_contexts != before.num_contexts:
         assert time.monotonic() < deadline, "per-call contexts were not freed"
         time.sleep(0.02)
+
+
+def test_a_prefix_is_computed_once_across_the_stages_of_an_app(live, tiny_engine):
+    """Tree of thought: every call of every stage starts with the same system prompt and
+    question (given as values), and each stage depends on the previous one.  The shared
+    prefix is computed by the first call only; every later call, in any stage, takes it
+    from the cache."""
+    question = "Question: how far can a lighthouse be seen at sea on a clear night? "
+    propose = P.template_function(
+        "{{system}}{{question}}Idea {{n}}:{{idea}}", idea=P.Output(max_tokens=4, temperature=0.0)
+    )
+    judge = P.template_function(
+        "{{system}}{{question}}Ideas: {{a}} / {{b}}. Best:{{best}}",
+        best=P.Output(max_tokens=4, temperature=0.0),
+    )
+    bs = live.run_on_loop(tiny_engine.stats()).kv_block_size
+    whole = len(tiny_engine.tokenizer.encode(SYSTEM + question)) // bs * bs
+    before = live.run_on_loop(tiny_engine.stats())
+    with P.connect(live.url):
+        ideas = [propose(SYSTEM, question, str(i)) for i in range(2)]
+        best = judge(SYSTEM, question, *ideas)
+        judge(SYSTEM, question, best, ideas[0]).get(timeout=60)  # a third stage
+    after = live.run_on_loop(tiny_engine.stats())
+    assert after.cached_tokens - before.cached_tokens >= 3 * whole  # 4 calls: 3 reuse it
+
+
+def test_a_document_read_by_a_call_and_its_dependent_is_computed_once(live, tiny_engine):
+    doc = "The keeper climbed the tower every evening to light the lamp. " * 6
+    summarise = P.template_function("{{doc}}\n\nSummary:{{s}}", s=P.Output(max_tokens=4, temperature=0.0))
+    answer = P.template_function(
+        "{{doc}}\n\nGiven the summary {{s}}, who climbed the tower?{{a}}",
+        a=P.Output(max_tokens=4, temperature=0.0),
+    )
+    bs = live.run_on_loop(tiny_engine.stats()).kv_block_size
+    before = live.run_on_loop(tiny_engine.stats())
+    with P.connect(live.url):
+        answer(doc, summarise(doc)).get(timeout=60)
+    after = live.run_on_loop(tiny_engine.stats())
+    assert after.cached_tokens - before.cached_tokens >= len(tiny_engine.tokenizer.encode(doc)) // bs * bs
