@@ -186,10 +186,14 @@ class Executor:
             self._ticker = loop.create_task(self._tick())
 
     async def _tick(self) -> None:
-        """While calls wait, re-run rounds: deadlines pass, engines come and go."""
+        """While calls wait, re-run rounds: deadlines pass, engines come and go.  An
+        unexpected error in a round is logged and the ticking goes on."""
         while self._queue:
             await asyncio.sleep(TICK_S)
-            self._round()
+            try:
+                self._round()
+            except Exception:
+                log.exception("scheduling round failed")
 
     def cancel(self, call: Call, error: ParrotError) -> None:
         self._queue.pop(call.call_id, None)
@@ -247,24 +251,12 @@ class Executor:
         if not self._queue:
             return
         self._deduce()
-        objectives = self._objectives
         queue: list[QueuedCall] = []
         for ticket in list(self._queue.values()):
-            call = ticket.call
             try:
-                tokens = self._estimate(ticket)
-            except ParrotError as exc:
-                del self._queue[call.call_id]
-                fail_call(call, exc)
-                continue
-            objective = objectives[call.session_id].get(call.call_id, _LATENCY_DEFAULT)
-            call.objective, call.task_group = objective.kind, objective.task_group
-            queued = ticket.queued
-            if queued is None or queued.objective is not objective or queued.tokens != tokens:
-                queued = ticket.queued = QueuedCall(
-                    call.call_id, call.model, objective, ticket.prefix_keys, tokens, ticket.rank
-                )
-            queue.append(queued)
+                queue.append(self._queued(ticket))
+            except Exception as exc:  # one call's bug must not stop the round
+                self._fail_queued(ticket, exc)
         sched = self._sync_engines()
         failed = False
         for call_id, reason in sched.unservable(queue):
@@ -283,6 +275,37 @@ class Executor:
             ticket.call.placement = placement.reason
             ticket.call.dispatched_at = time.time()
             self._start(ticket)
+
+    def _queued(self, ticket: _Ticket) -> QueuedCall:
+        """What the scheduler sees of a queued call this round (reused while nothing changed)."""
+        call = ticket.call
+        tokens = self._estimate(ticket)
+        objective = self._objectives[call.session_id].get(call.call_id, _LATENCY_DEFAULT)
+        call.objective, call.task_group = objective.kind, objective.task_group
+        queued = ticket.queued
+        if queued is None or queued.objective is not objective or queued.tokens != tokens:
+            queued = ticket.queued = QueuedCall(
+                call.call_id, call.model, objective, ticket.prefix_keys, tokens, ticket.rank
+            )
+        return queued
+
+    def _fail_queued(self, ticket: _Ticket, exc: Exception) -> None:
+        """Take a call out of the queue and fail it: with ``exc`` itself if it is a
+        ParrotError (a call that cannot be served), else with a CallFailed naming the
+        call and the unexpected exception (a bug, logged with its traceback)."""
+        call = ticket.call
+        self._queue.pop(call.call_id, None)
+        self._forget_objective(call)
+        call.rendered = None
+        if isinstance(exc, ParrotError):
+            error = exc
+        else:
+            log.error("call %s could not be scheduled", call.call_id, exc_info=exc)
+            error = CallFailed(
+                f"call {call.call_id} failed while being scheduled: internal error {exc!r}",
+                detail={"call_id": call.call_id, "exception": repr(exc)},
+            )
+        fail_call(call, error)
 
     def _deduce(self) -> None:
         """Deduce the objectives of every queued call.  Deduction runs per session
@@ -303,11 +326,20 @@ class Executor:
                 known.pop(sid, None)
         dirty.clear()
         for sid in stale:
-            if self._calls_of_session is None:
-                calls = [t.call for t in self._queue.values() if t.call.session_id == sid]
-            else:
-                calls = list(self._calls_of_session(sid))
-            known[sid] = deduce(calls)
+            known[sid] = self._deduce_session(sid)
+
+    def _deduce_session(self, sid: str) -> dict[str, CallObjective]:
+        """Objectives of a session's unfinished calls; should deduction fail (a bug), its
+        calls keep the default objective and are still scheduled."""
+        if self._calls_of_session is None:
+            calls = [t.call for t in self._queue.values() if t.call.session_id == sid]
+        else:
+            calls = list(self._calls_of_session(sid))
+        try:
+            return deduce(calls)
+        except Exception:
+            log.exception("objective deduction failed for session %s; its calls keep the default", sid)
+            return {}
 
     def _forget_objective(self, call: Call) -> None:
         """A call ended: drop its objective (and its session's entry once empty)."""
