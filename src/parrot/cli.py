@@ -72,7 +72,8 @@ def _parser() -> argparse.ArgumentParser:
         "--heartbeat-interval",
         type=float,
         default=2.0,
-        help="seconds between the heartbeats remote engines are told to send",
+        help="seconds between the heartbeats remote engines are told to send, and between "
+        "polls of the embedded engine's stats (token capacity, load)",
     )
     serve.add_argument(
         "--heartbeat-timeout",
