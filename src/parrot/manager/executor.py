@@ -16,6 +16,17 @@ engine holds one), generate the output (streaming it into the variable),
 apply the output's transform, materialise it — which may make consumer calls
 ready.  No value travels to the client on the way.
 
+Queue order.  The scheduler takes queued calls in rank order.  With
+application-level FIFO (``app_fifo``, the default) a call ranks by its
+*application's* place in the queue: a session's place is fixed when its first
+call is queued, and every later call of the session (a chain's next step
+that becomes ready only now) keeps it, so it does not wait behind
+applications that arrived later; calls of one session rank by submission
+order (a queued call's producers are all done, so this is also producers
+first).  Each ``/v1/completions`` request is a session of its own, so
+request-level clients get plain FIFO.  Without app-FIFO, and always under
+the request-level baseline policies, a call ranks by when it was queued.
+
 Guarantees: every call ends ``done`` or ``failed``; a failure fails the
 call's outputs and everything downstream; a call no engine can ever serve
 fails at once, one that waits longer than ``queue_timeout_s`` fails with a
@@ -53,6 +64,7 @@ from parrot.protocol.errors import (
 log = logging.getLogger(__name__)
 
 TICK_S = 0.1
+_ORDER_BITS = 64  # an app-FIFO rank is (application's place << _ORDER_BITS) | the call's own order
 MIN_ROUND_GAP_S = 0.0005
 _LATENCY_DEFAULT = CallObjective("latency", reason="not deduced yet")
 
@@ -83,7 +95,7 @@ class _Ticket:
     """Executor-side state of one ready or running call."""
 
     call: Call
-    rank: int
+    arrival: int  # when it was first queued, in the executor's order of queueing
     queued_at: float = field(default_factory=time.monotonic)
     # Estimated KV tokens of its own: prompt + max new tokens, less ``shared_prefix``'s.
     tokens: int | None = None
@@ -113,6 +125,7 @@ class Executor:
         max_attempts: int = 3,
         engine_wait_s: float = 30.0,
         queue_timeout_s: float | None = 600.0,
+        app_fifo: bool = True,
     ):
         self.pool = pool
         self.prefixes = prefixes or PrefixIndex()
@@ -122,6 +135,7 @@ class Executor:
         self.max_attempts = max_attempts
         self.engine_wait_s = engine_wait_s
         self.queue_timeout_s = queue_timeout_s
+        self.app_fifo = app_fifo
         self._calls_of_session = calls_of_session
         self._queue: dict[str, _Ticket] = {}
         self._placed: dict[str, _Ticket] = {}
@@ -135,7 +149,8 @@ class Executor:
         self._stale: set[str] = set()
         self._last_round = 0.0
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._ranks = itertools.count()
+        self._arrivals = itertools.count()
+        self._app_ranks: dict[str, int] = {}  # session id -> arrival of its first queued call
         self._kicked = False
         self._ticker: asyncio.Task[None] | None = None
         # session id -> call id -> objective, for sessions whose graph did not change since
@@ -162,8 +177,14 @@ class Executor:
         # see each other's interest in a shared prefix
         keys = prefix_keys(call)
         self.prefixes.add_interest(call, keys)
-        self._queue[call.call_id] = _Ticket(call, next(self._ranks), prefix_keys=tuple(keys))
+        arrival = next(self._arrivals)
+        self._app_ranks.setdefault(call.session_id, arrival)
+        self._queue[call.call_id] = _Ticket(call, arrival, prefix_keys=tuple(keys))
         self.kick()
+
+    def forget_session(self, session_id: str) -> None:
+        """The session was closed: drop its place in the application queue."""
+        self._app_ranks.pop(session_id, None)
 
     def graph_changed(self, session_id: str) -> None:
         """A session gained a call or an output criterion: re-deduce it next round."""
@@ -282,12 +303,27 @@ class Executor:
         tokens = self._estimate(ticket)
         objective = self._objectives[call.session_id].get(call.call_id, _LATENCY_DEFAULT)
         call.objective, call.task_group = objective.kind, objective.task_group
+        rank = self._rank(ticket)
         queued = ticket.queued
-        if queued is None or queued.objective is not objective or queued.tokens != tokens:
+        if (
+            queued is None
+            or queued.objective is not objective
+            or queued.tokens != tokens
+            or queued.topo_rank != rank
+        ):
             queued = ticket.queued = QueuedCall(
-                call.call_id, call.model, objective, ticket.prefix_keys, tokens, ticket.rank
+                call.call_id, call.model, objective, ticket.prefix_keys, tokens, rank
             )
         return queued
+
+    def _rank(self, ticket: _Ticket) -> int:
+        """A queued call's place in the queue (see the module docstring): its arrival
+        (request-level FIFO), or its application's place and then its submission order."""
+        if not self.app_fifo or self.scheduler.policy in ("baseline-latency", "baseline-throughput"):
+            return ticket.arrival
+        call = ticket.call
+        app = self._app_ranks.get(call.session_id, ticket.arrival)
+        return (app << _ORDER_BITS) | call.seq
 
     def _fail_queued(self, ticket: _Ticket, exc: Exception) -> None:
         """Take a call out of the queue and fail it: with ``exc`` itself if it is a

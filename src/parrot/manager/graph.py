@@ -30,6 +30,7 @@ CallState = Literal["waiting", "ready", "running", "done", "failed"]
 Criteria = Literal["LATENCY", "THROUGHPUT"]
 
 _ids = itertools.count(1)
+_seqs = itertools.count()
 
 
 def new_id(prefix: str) -> str:
@@ -109,6 +110,8 @@ class Call:
     prompt_tokens: int | None = None
     generated_tokens: int = 0
     submitted_at: float = field(default_factory=time.time)
+    # submission order, process-wide (a batch's calls in op order): a session's program order
+    seq: int = field(default_factory=lambda: next(_seqs), repr=False)
     dispatched_at: float | None = None  # placed on an engine
     started_at: float | None = None
     finished_at: float | None = None

@@ -93,6 +93,10 @@ class ManagerConfig:
     latency_cap_tokens: int = 6144
     engine_token_capacity: int = 32768
     queue_timeout_s: float | None = 600.0
+    # application-level FIFO: a queued call ranks by its session's first queued call (a
+    # chain's next step keeps its application's place); False ranks each call by its own
+    # arrival, as the request-level baseline policies always do
+    app_fifo: bool = True
 
 
 def _hash_token(token: str) -> bytes:
@@ -119,6 +123,7 @@ class Manager:
             min_prefix_tokens=self.config.min_prefix_tokens,
             max_attempts=self.config.max_attempts,
             engine_wait_s=self.config.engine_wait_s,
+            app_fifo=self.config.app_fifo,
         )
         self.sessions: dict[str, Session] = {}
         self._polls: set[asyncio.Task[EngineStats]] = set()  # stats polls of newly registered engines
@@ -199,6 +204,7 @@ class Manager:
         for var in session.variables.values():
             fail_variable(var, closed)
         self.sessions.pop(session.session_id, None)
+        self.executor.forget_session(session.session_id)
 
     # ----------------------------------------------------------- variables
     def variable(self, session: Session, var_id: str) -> Variable:
