@@ -113,9 +113,7 @@ def create_app(manager: Manager) -> FastAPI:
     ) -> VariableInfo:
         session = manager.authorize(session_id, _token(authorization))
         var = manager.variable(session, var_id)
-        if criteria is not None and var.criteria != criteria:
-            var.criteria = criteria
-            manager.executor.graph_changed(session.session_id)
+        manager.read_with(session, var, criteria)
         await manager.wait_variable(var, wait)
         return manager.var_info(var)
 
@@ -129,9 +127,12 @@ def create_app(manager: Manager) -> FastAPI:
             }
         },
     )
-    async def stream_variable(session_id: str, var_id: str, authorization: Auth = None) -> StreamingResponse:
+    async def stream_variable(
+        session_id: str, var_id: str, criteria: Criteria | None = None, authorization: Auth = None
+    ) -> StreamingResponse:
         session = manager.authorize(session_id, _token(authorization))
         var = manager.variable(session, var_id)
+        manager.read_with(session, var, criteria)  # a stream is a read like any other
 
         async def lines() -> AsyncIterator[bytes]:
             sent = 0

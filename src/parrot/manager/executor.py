@@ -187,8 +187,13 @@ class Executor:
         self._app_ranks.pop(session_id, None)
 
     def graph_changed(self, session_id: str) -> None:
-        """A session gained a call or an output criterion: re-deduce it next round."""
+        """A session gained a call or an output criterion: its objectives are deduced
+        again in a round that runs at once when calls are queued, so they are re-ranked
+        (their QueuedCall rebuilt with the new objective) before anything else is placed."""
         self._dirty.add(session_id)
+        if self._queue:
+            with contextlib.suppress(RuntimeError):  # no running loop: the next round does it
+                self.kick()
 
     def kick(self) -> None:
         """Run a scheduling round soon (coalesced: one per loop iteration)."""

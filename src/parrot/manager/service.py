@@ -266,6 +266,14 @@ class Manager:
             raise Conflict(f"variable {var.var_id} is already {var.state}", code="variable_not_pending")
         self._check_value_length(value)
 
+    def read_with(self, session: Session, var: Variable, criteria: Criteria | None) -> None:
+        """A client reads ``var`` (``get`` or ``stream``, however it submitted its calls)
+        asking for ``criteria``: the variable takes it, and the calls upstream of it are
+        deduced again at once, queued ones included (the last criteria asked wins)."""
+        if criteria is not None and var.criteria != criteria:
+            var.criteria = criteria
+            self.executor.graph_changed(session.session_id)
+
     async def wait_variable(self, var: Variable, wait_s: float) -> None:
         deadline = time.monotonic() + min(max(wait_s, 0.0), MAX_WAIT_S)
         while var.state == "pending":
