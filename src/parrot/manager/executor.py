@@ -2,7 +2,8 @@
 
 A call that becomes ready joins the executor's queue.  A scheduling round
 (run on every event that may change a decision — a call ready or finished,
-an engine joining — and on a short tick while calls wait) deduces each
+an engine joining, a session gaining a call or a criterion — and on a short
+tick while calls wait) deduces each
 session's objectives from its DAG (:mod:`parrot.manager.objectives`; only
 sessions that changed are deduced again), snapshots the engines, and asks the
 scheduler (:mod:`parrot.manager.scheduler`, the paper's Algorithm 1) where
@@ -27,12 +28,14 @@ first).  Each ``/v1/completions`` request is a session of its own, so
 request-level clients get plain FIFO.  Without app-FIFO, and always under
 the request-level baseline policies, a call ranks by when it was queued.
 
-Guarantees: every call ends ``done`` or ``failed``; a failure fails the
-call's outputs and everything downstream; a call no engine can ever serve
-fails at once, one that waits longer than ``queue_timeout_s`` fails with a
-timeout; a call whose engine is lost before any of its outputs materialised
-is queued again and re-run elsewhere (waiting up to ``engine_wait_s`` for an
-engine); the engine context of a call is freed however the call ends.
+Guarantees: every call ends ``done`` or ``failed``; an unexpected error
+while one queued call is scheduled fails that call alone (rounds go on); a
+failure fails the call's outputs and everything downstream; a call no engine
+can ever serve fails at once, one that waits longer than ``queue_timeout_s``
+fails with a timeout; a call whose engine is lost before any of its outputs
+materialised is queued again and re-run elsewhere (waiting up to
+``engine_wait_s`` for an engine); the engine context of a call is freed
+however the call ends.
 """
 
 from __future__ import annotations
@@ -378,9 +381,9 @@ class Executor:
             calls = list(self._calls_of_session(sid))
         try:
             return deduce(calls)
-        except Exception:
+        except Exception:  # kept until the session changes again: no retry every round
             log.exception("objective deduction failed for session %s; its calls keep the default", sid)
-            return {}
+            return {c.call_id: _LATENCY_DEFAULT for c in calls}
 
     def _forget_objective(self, call: Call) -> None:
         """A call ended: drop its objective (and its session's entry once empty)."""
