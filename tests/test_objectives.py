@@ -74,6 +74,33 @@ def test_pure_chain_is_latency_sensitive():
     assert out["a"].reason == "sole producer of latency-sensitive call b"
 
 
+# A six-call chain in which some calls also read an earlier output than their predecessor's
+# (a refine step that rereads the first summary): no two calls can run in parallel.
+SKIP_CHAIN = [
+    n("c0"),
+    n("c1", ["c0"]),
+    n("c2", ["c1", "c0"]),
+    n("c3", ["c2"]),
+    n("c4", ["c3", "c1"]),
+    n("c5", ["c4"], [L]),
+]
+
+
+def test_a_chain_whose_calls_also_read_older_outputs_is_latency_sensitive():
+    """The edges c0 -> c2 and c1 -> c4 are implied by the chain: c2 cannot start before c1,
+    which needs c0.  They do not make c0, c1 parallel producers of a task group."""
+    out = deduce(SKIP_CHAIN)
+    assert kinds(out) == {f"c{i}": LAT for i in range(6)}
+    assert kinds(deduce(list(reversed(SKIP_CHAIN)))) == kinds(out)
+
+
+def test_a_producer_upstream_of_another_is_not_in_the_fan_in():
+    # x -> y; x, y, z -> r (L): only y and z can run in parallel; x feeds group member y
+    out = deduce([n("x"), n("y", ["x"]), n("z"), n("r", ["x", "y", "z"], [L])])
+    assert kinds(out) == {"x": LAT, "y": grp("r"), "z": grp("r"), "r": LAT}
+    assert "fan-in of 2 calls" in out["y"].reason
+
+
 def test_two_outputs_of_one_producer_are_still_a_chain():
     out = deduce([n("a"), n("b", ["a", "a"], [L])])
     assert kinds(out) == {"a": LAT, "b": LAT}
@@ -189,6 +216,20 @@ def _gcall(cid, inputs, outputs):
     return c
 
 
+def test_graph_calls_keep_their_fan_in_when_upstream_calls_finish():
+    """c0 -> c1 -> c2 -> c3 and c0 -> c3: with c0 and c1 finished (left out), c3's edge from
+    c0 is still known to be implied by the chain (the graph is walked through finished
+    calls), so c2 stays a chain link, as when every call was in the set."""
+    v = [Variable(f"v{i}", "s", criteria="LATENCY" if i == 3 else None) for i in range(4)]
+    c0 = _gcall("c0", {"k": "const"}, {"y": v[0]})
+    c1 = _gcall("c1", {"x": v[0]}, {"y": v[1]})
+    c2 = _gcall("c2", {"x": v[1]}, {"y": v[2]})
+    c3 = _gcall("c3", {"x": v[2], "first": v[0]}, {"y": v[3]})
+    assert kinds(deduce([c0, c1, c2, c3])) == dict.fromkeys(["c0", "c1", "c2", "c3"], LAT)
+    assert kinds(deduce([c2, c3])) == {"c2": LAT, "c3": LAT}
+    assert node_of(c3) == CallNode("c3", ("c2",), ("LATENCY",))
+
+
 def test_deduce_reads_graph_calls():
     doc = Variable("v-doc", "s", name="doc", value="text", state="ready")
     chunks = [Variable(f"v-c{i}", "s") for i in range(3)]
@@ -244,12 +285,32 @@ def dags(draw):
     return calls
 
 
-def reference(calls):
-    """The rules written as a recursive definition over consumers (no ordering tricks)."""
+def transitive_reduction(calls):
+    """Each call's producers less those upstream of another of them (naive, by ancestor sets)."""
     by_id = {c.call_id: c for c in calls}
+    ancestors = {}
+
+    def upstream(cid):
+        if cid not in ancestors:
+            ancestors[cid] = set()
+            for p in by_id[cid].producers:
+                ancestors[cid] |= {p} | upstream(p)
+        return ancestors[cid]
+
+    return {
+        c.call_id: [p for p in set(c.producers) if not any(p in upstream(q) for q in set(c.producers))]
+        for c in calls
+    }
+
+
+def reference(calls):
+    """The rules written as a recursive definition over consumers (no ordering tricks),
+    on the transitive reduction of the DAG."""
+    by_id = {c.call_id: c for c in calls}
+    producers = transitive_reduction(calls)
     consumers = {cid: [] for cid in by_id}
     for c in calls:
-        for p in dict.fromkeys(c.producers):
+        for p in producers[c.call_id]:
             consumers[p].append(c.call_id)
     memo = {}
 
@@ -259,7 +320,7 @@ def reference(calls):
             lat = L in c.criteria
             grp_of, thr = [], T in c.criteria
             for k in consumers[cid]:
-                lk, fan = label(k), len(set(by_id[k].producers))
+                lk, fan = label(k), len(producers[k])
                 lat |= (lk == "L" and fan == 1) or lk == "G"
                 if lk == "L" and fan >= 2:
                     grp_of.append(k)
@@ -279,7 +340,7 @@ def reference(calls):
         while stack:
             x = stack.pop()
             for k in memo[x][1]:
-                for y in dict.fromkeys(by_id[k].producers):
+                for y in producers[k]:
                     if memo[y][0] == "G" and y not in seen:
                         seen.add(y)
                         stack.append(y)

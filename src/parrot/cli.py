@@ -9,6 +9,10 @@ import logging
 import socket
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from parrot.manager.service import ManagerConfig
 
 DEFAULT_MODEL = "smollm2"
 
@@ -78,7 +82,8 @@ def _parser() -> argparse.ArgumentParser:
         "--heartbeat-interval",
         type=float,
         default=2.0,
-        help="seconds between the heartbeats remote engines are told to send",
+        help="seconds between the heartbeats remote engines are told to send, and between "
+        "polls of the embedded engine's stats (token capacity, load)",
     )
     serve.add_argument(
         "--heartbeat-timeout",
@@ -97,6 +102,12 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=6144,
         help="token load under which an engine takes latency-sensitive work (the paper's 6,144)",
+    )
+    serve.add_argument(
+        "--no-app-fifo",
+        action="store_true",
+        help="rank queued calls by their own arrival instead of their application's (for ablations; "
+        "the baseline policies always do)",
     )
     serve.add_argument(
         "--engine-wait",
@@ -150,25 +161,32 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def manager_config(args: argparse.Namespace) -> ManagerConfig:
+    """The manager's configuration from ``parrot serve``'s options (raises SystemExit if
+    they contradict each other)."""
+    from parrot.manager.service import ManagerConfig
+
+    if not 0 < args.heartbeat_interval < args.heartbeat_timeout:
+        raise SystemExit("parrot serve: need 0 < --heartbeat-interval < --heartbeat-timeout")
+    return ManagerConfig(
+        max_body_bytes=args.max_body_bytes,
+        heartbeat_interval_s=args.heartbeat_interval,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        engine_wait_s=args.engine_wait,
+        policy=args.policy,
+        latency_cap_tokens=args.latency_cap,
+        app_fifo=not args.no_app_fifo,
+    )
+
+
 def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from parrot.manager.app import create_app
-    from parrot.manager.service import Manager, ManagerConfig
+    from parrot.manager.service import Manager
 
     started = time.perf_counter()
-    if not 0 < args.heartbeat_interval < args.heartbeat_timeout:
-        raise SystemExit("parrot serve: need 0 < --heartbeat-interval < --heartbeat-timeout")
-    manager = Manager(
-        ManagerConfig(
-            max_body_bytes=args.max_body_bytes,
-            heartbeat_interval_s=args.heartbeat_interval,
-            heartbeat_timeout_s=args.heartbeat_timeout,
-            engine_wait_s=args.engine_wait,
-            policy=args.policy,
-            latency_cap_tokens=args.latency_cap,
-        )
-    )
+    manager = Manager(manager_config(args))
     engine = None
     if not args.no_engine:
         engine = _load_engine(args)

@@ -95,6 +95,7 @@ class SemanticVariable:
     def stream(self, criteria: Criteria = LATENCY, timeout: float | None = None) -> Iterator[str]:
         """Iterate over text deltas as the value is generated; raises if it fails.
 
+        ``criteria`` tells the manager how the value is wanted, as :meth:`get`'s does.
         ``timeout`` bounds the silence between two chunks (``None``: no limit).
         The deltas are the raw generated text; an output transform applies to
         the final value only, which :meth:`get` returns.

@@ -52,10 +52,12 @@ def create_app(manager: Manager) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         monitor = asyncio.create_task(_watch_heartbeats(manager))
+        poller = asyncio.create_task(_poll_engine_stats(manager))
         try:
             yield
         finally:
             monitor.cancel()
+            poller.cancel()
             await manager.executor.drain()
 
     app = FastAPI(
@@ -111,9 +113,7 @@ def create_app(manager: Manager) -> FastAPI:
     ) -> VariableInfo:
         session = manager.authorize(session_id, _token(authorization))
         var = manager.variable(session, var_id)
-        if criteria is not None and var.criteria != criteria:
-            var.criteria = criteria
-            manager.executor.graph_changed(session.session_id)
+        manager.read_with(session, var, criteria)
         await manager.wait_variable(var, wait)
         return manager.var_info(var)
 
@@ -127,9 +127,12 @@ def create_app(manager: Manager) -> FastAPI:
             }
         },
     )
-    async def stream_variable(session_id: str, var_id: str, authorization: Auth = None) -> StreamingResponse:
+    async def stream_variable(
+        session_id: str, var_id: str, criteria: Criteria | None = None, authorization: Auth = None
+    ) -> StreamingResponse:
         session = manager.authorize(session_id, _token(authorization))
         var = manager.variable(session, var_id)
+        manager.read_with(session, var, criteria)  # a stream is a read like any other
 
         async def lines() -> AsyncIterator[bytes]:
             sent = 0
@@ -211,11 +214,12 @@ def create_app(manager: Manager) -> FastAPI:
 
     @app.get("/v1/engines", response_model=list[EngineInfo])
     async def list_engines() -> list[EngineInfo]:
+        """The pool; an in-process engine's stats are asked for now (a remote one's
+        are those of its last heartbeat).  The scheduler does not depend on this:
+        stats reach it on the heartbeat interval."""
         out = []
         for h in manager.pool:
-            if h.url is None:
-                with contextlib.suppress(Exception):
-                    h.stats = await h.api.stats()
+            stats = await manager.refresh_stats(h)
             out.append(
                 EngineInfo(
                     engine_id=h.engine_id,
@@ -224,7 +228,7 @@ def create_app(manager: Manager) -> FastAPI:
                     max_seq_len=h.max_seq_len,
                     url=h.url,
                     alive=h.alive,
-                    stats=h.stats,
+                    stats=stats,
                 )
             )
         return out
@@ -243,6 +247,16 @@ def create_app(manager: Manager) -> FastAPI:
 def _close_remote_client(handle: EngineHandle, _reason: str) -> None:
     if isinstance(handle.api, RemoteEngine):
         asyncio.get_running_loop().create_task(handle.api.close())
+
+
+async def _poll_engine_stats(manager: Manager) -> None:
+    """In-process engines' heartbeats: their stats at start-up, then every interval."""
+    while True:
+        try:
+            await manager.poll_engine_stats()
+        except Exception:
+            log.exception("polling the in-process engines' stats failed")
+        await asyncio.sleep(manager.config.heartbeat_interval_s)
 
 
 async def _watch_heartbeats(manager: Manager) -> None:

@@ -2,9 +2,12 @@
 
 An engine is registered either in-process (the embedded engine of
 ``parrot serve``) or over HTTP by a separate ``parrot engine`` process, which
-then heartbeats.  A remote engine whose heartbeats stop for
-``heartbeat_timeout_s`` is dropped; listeners learn of drops so the executor
-can fail (later: re-run) the calls it had there.
+then heartbeats its stats.  The manager polls an in-process engine's stats on
+the same interval instead (and once when it registers), so both kinds reach
+the scheduler the same way: through :meth:`EnginePool.heartbeat`.  A remote
+engine whose heartbeats stop for ``heartbeat_timeout_s`` is dropped;
+listeners learn of registrations (to poll) and drops (so the executor can
+re-run the calls it had there).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class EnginePool:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._engines: dict[str, EngineHandle] = {}
         self._drop_listeners: list[Callable[[EngineHandle, str], None]] = []
+        self._register_listeners: list[Callable[[EngineHandle], None]] = []
 
     def __iter__(self):
         return iter(list(self._engines.values()))
@@ -62,9 +66,14 @@ class EnginePool:
     def on_drop(self, listener: Callable[[EngineHandle, str], None]) -> None:
         self._drop_listeners.append(listener)
 
+    def on_register(self, listener: Callable[[EngineHandle], None]) -> None:
+        self._register_listeners.append(listener)
+
     def register(self, api: EngineAPI, *, name: str | None = None, url: str | None = None) -> EngineHandle:
         handle = EngineHandle(f"engine-{next(_engine_ids)}", api, name=name, url=url)
         self._engines[handle.engine_id] = handle
+        for listener in self._register_listeners:
+            listener(handle)
         return handle
 
     def get(self, engine_id: str) -> EngineHandle:
@@ -74,6 +83,8 @@ class EnginePool:
         return handle
 
     def heartbeat(self, engine_id: str, stats: EngineStats) -> EngineHandle:
+        """Record an engine's stats (a remote engine's heartbeat, or a poll of an
+        in-process one); raises NotFound for an engine that is not registered."""
         handle = self.get(engine_id)
         handle.last_heartbeat = time.monotonic()
         handle.stats = stats

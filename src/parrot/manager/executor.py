@@ -2,7 +2,8 @@
 
 A call that becomes ready joins the executor's queue.  A scheduling round
 (run on every event that may change a decision — a call ready or finished,
-an engine joining — and on a short tick while calls wait) deduces each
+an engine joining, a session gaining a call or a criterion — and on a short
+tick while calls wait) deduces each
 session's objectives from its DAG (:mod:`parrot.manager.objectives`; only
 sessions that changed are deduced again), snapshots the engines, and asks the
 scheduler (:mod:`parrot.manager.scheduler`, the paper's Algorithm 1) where
@@ -18,12 +19,25 @@ generate the output (streaming it into the variable), apply the output's
 transform, materialise it — which may make consumer calls ready.  No value
 travels to the client on the way.
 
-Guarantees: every call ends ``done`` or ``failed``; a failure fails the
-call's outputs and everything downstream; a call no engine can ever serve
-fails at once, one that waits longer than ``queue_timeout_s`` fails with a
-timeout; a call whose engine is lost before any of its outputs materialised
-is queued again and re-run elsewhere (waiting up to ``engine_wait_s`` for an
-engine); the engine context of a call is freed however the call ends.
+Queue order.  The scheduler takes queued calls in rank order.  With
+application-level FIFO (``app_fifo``, the default) a call ranks by its
+*application's* place in the queue: a session's place is fixed when its first
+call is queued, and every later call of the session (a chain's next step
+that becomes ready only now) keeps it, so it does not wait behind
+applications that arrived later; calls of one session rank by submission
+order (a queued call's producers are all done, so this is also producers
+first).  Each ``/v1/completions`` request is a session of its own, so
+request-level clients get plain FIFO.  Without app-FIFO, and always under
+the request-level baseline policies, a call ranks by when it was queued.
+
+Guarantees: every call ends ``done`` or ``failed``; an unexpected error
+while one queued call is scheduled fails that call alone (rounds go on); a
+failure fails the call's outputs and everything downstream; a call no engine
+can ever serve fails at once, one that waits longer than ``queue_timeout_s``
+fails with a timeout; a call whose engine is lost before any of its outputs
+materialised is queued again and re-run elsewhere (waiting up to
+``engine_wait_s`` for an engine); the engine context of a call is freed
+however the call ends.
 """
 
 from __future__ import annotations
@@ -55,6 +69,7 @@ from parrot.protocol.errors import (
 log = logging.getLogger(__name__)
 
 TICK_S = 0.1
+_ORDER_BITS = 64  # an app-FIFO rank is (application's place << _ORDER_BITS) | the call's own order
 MIN_ROUND_GAP_S = 0.0005
 _LATENCY_DEFAULT = CallObjective("latency", reason="not deduced yet")
 
@@ -85,7 +100,7 @@ class _Ticket:
     """Executor-side state of one ready or running call."""
 
     call: Call
-    rank: int
+    arrival: int  # when it was first queued, in the executor's order of queueing
     queued_at: float = field(default_factory=time.monotonic)
     # Estimated KV tokens of its own: prompt + max new tokens, less ``shared_prefix``'s.
     tokens: int | None = None
@@ -115,6 +130,7 @@ class Executor:
         max_attempts: int = 3,
         engine_wait_s: float = 30.0,
         queue_timeout_s: float | None = 600.0,
+        app_fifo: bool = True,
     ):
         self.pool = pool
         self.prefixes = prefixes or PrefixIndex()
@@ -124,6 +140,7 @@ class Executor:
         self.max_attempts = max_attempts
         self.engine_wait_s = engine_wait_s
         self.queue_timeout_s = queue_timeout_s
+        self.app_fifo = app_fifo
         self._calls_of_session = calls_of_session
         self._queue: dict[str, _Ticket] = {}
         self._placed: dict[str, _Ticket] = {}
@@ -137,7 +154,8 @@ class Executor:
         self._stale: set[str] = set()
         self._last_round = 0.0
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._ranks = itertools.count()
+        self._arrivals = itertools.count()
+        self._app_ranks: dict[str, int] = {}  # session id -> arrival of its first queued call
         self._kicked = False
         self._ticker: asyncio.Task[None] | None = None
         # session id -> call id -> objective, for sessions whose graph did not change since
@@ -161,12 +179,23 @@ class Executor:
             return
         call.state = "ready"
         keys = prefix_keys(call)  # final: every input is known
-        self._queue[call.call_id] = _Ticket(call, next(self._ranks), prefix_keys=tuple(keys))
+        arrival = next(self._arrivals)
+        self._app_ranks.setdefault(call.session_id, arrival)
+        self._queue[call.call_id] = _Ticket(call, arrival, prefix_keys=tuple(keys))
         self.kick()
 
+    def forget_session(self, session_id: str) -> None:
+        """The session was closed: drop its place in the application queue."""
+        self._app_ranks.pop(session_id, None)
+
     def graph_changed(self, session_id: str) -> None:
-        """A session gained a call or an output criterion: re-deduce it next round."""
+        """A session gained a call or an output criterion: its objectives are deduced
+        again in a round that runs at once when calls are queued, so they are re-ranked
+        (their QueuedCall rebuilt with the new objective) before anything else is placed."""
         self._dirty.add(session_id)
+        if self._queue:
+            with contextlib.suppress(RuntimeError):  # no running loop: the next round does it
+                self.kick()
 
     def kick(self) -> None:
         """Run a scheduling round soon (coalesced: one per loop iteration)."""
@@ -185,10 +214,14 @@ class Executor:
             self._ticker = loop.create_task(self._tick())
 
     async def _tick(self) -> None:
-        """While calls wait, re-run rounds: deadlines pass, engines come and go."""
+        """While calls wait, re-run rounds: deadlines pass, engines come and go.  An
+        unexpected error in a round is logged and the ticking goes on."""
         while self._queue:
             await asyncio.sleep(TICK_S)
-            self._round()
+            try:
+                self._round()
+            except Exception:
+                log.exception("scheduling round failed")
 
     def cancel(self, call: Call, error: ParrotError) -> None:
         self._queue.pop(call.call_id, None)
@@ -246,24 +279,12 @@ class Executor:
         if not self._queue:
             return
         self._deduce()
-        objectives = self._objectives
         queue: list[QueuedCall] = []
         for ticket in list(self._queue.values()):
-            call = ticket.call
             try:
-                tokens = self._estimate(ticket)
-            except ParrotError as exc:
-                del self._queue[call.call_id]
-                fail_call(call, exc)
-                continue
-            objective = objectives[call.session_id].get(call.call_id, _LATENCY_DEFAULT)
-            call.objective, call.task_group = objective.kind, objective.task_group
-            queued = ticket.queued
-            if queued is None or queued.objective is not objective or queued.tokens != tokens:
-                queued = ticket.queued = QueuedCall(
-                    call.call_id, call.model, objective, ticket.prefix_keys, tokens, ticket.rank
-                )
-            queue.append(queued)
+                queue.append(self._queued(ticket))
+            except Exception as exc:  # one call's bug must not stop the round
+                self._fail_queued(ticket, exc)
         sched = self._sync_engines()
         failed = False
         for call_id, reason in sched.unservable(queue):
@@ -284,6 +305,52 @@ class Executor:
             ticket.call.dispatched_at = time.time()
             self._start(ticket)
 
+    def _queued(self, ticket: _Ticket) -> QueuedCall:
+        """What the scheduler sees of a queued call this round (reused while nothing changed)."""
+        call = ticket.call
+        tokens = self._estimate(ticket)
+        objective = self._objectives[call.session_id].get(call.call_id, _LATENCY_DEFAULT)
+        call.objective, call.task_group = objective.kind, objective.task_group
+        rank = self._rank(ticket)
+        queued = ticket.queued
+        if (
+            queued is None
+            or queued.objective is not objective
+            or queued.tokens != tokens
+            or queued.topo_rank != rank
+        ):
+            queued = ticket.queued = QueuedCall(
+                call.call_id, call.model, objective, ticket.prefix_keys, tokens, rank
+            )
+        return queued
+
+    def _rank(self, ticket: _Ticket) -> int:
+        """A queued call's place in the queue (see the module docstring): its arrival
+        (request-level FIFO), or its application's place and then its submission order."""
+        if not self.app_fifo or self.scheduler.policy in ("baseline-latency", "baseline-throughput"):
+            return ticket.arrival
+        call = ticket.call
+        app = self._app_ranks.get(call.session_id, ticket.arrival)
+        return (app << _ORDER_BITS) | call.seq
+
+    def _fail_queued(self, ticket: _Ticket, exc: Exception) -> None:
+        """Take a call out of the queue and fail it: with ``exc`` itself if it is a
+        ParrotError (a call that cannot be served), else with a CallFailed naming the
+        call and the unexpected exception (a bug, logged with its traceback)."""
+        call = ticket.call
+        self._queue.pop(call.call_id, None)
+        self._forget_objective(call)
+        call.rendered = None
+        if isinstance(exc, ParrotError):
+            error = exc
+        else:
+            log.error("call %s could not be scheduled", call.call_id, exc_info=exc)
+            error = CallFailed(
+                f"call {call.call_id} failed while being scheduled: internal error {exc!r}",
+                detail={"call_id": call.call_id, "exception": repr(exc)},
+            )
+        fail_call(call, error)
+
     def _deduce(self) -> None:
         """Deduce the objectives of every queued call.  Deduction runs per session
         over its unfinished calls, only for sessions with a queued call that were
@@ -303,11 +370,20 @@ class Executor:
                 known.pop(sid, None)
         dirty.clear()
         for sid in stale:
-            if self._calls_of_session is None:
-                calls = [t.call for t in self._queue.values() if t.call.session_id == sid]
-            else:
-                calls = list(self._calls_of_session(sid))
-            known[sid] = deduce(calls)
+            known[sid] = self._deduce_session(sid)
+
+    def _deduce_session(self, sid: str) -> dict[str, CallObjective]:
+        """Objectives of a session's unfinished calls; should deduction fail (a bug), its
+        calls keep the default objective and are still scheduled."""
+        if self._calls_of_session is None:
+            calls = [t.call for t in self._queue.values() if t.call.session_id == sid]
+        else:
+            calls = list(self._calls_of_session(sid))
+        try:
+            return deduce(calls)
+        except Exception:  # kept until the session changes again: no retry every round
+            log.exception("objective deduction failed for session %s; its calls keep the default", sid)
+            return {c.call_id: _LATENCY_DEFAULT for c in calls}
 
     def _forget_objective(self, call: Call) -> None:
         """A call ended: drop its objective (and its session's entry once empty)."""

@@ -30,6 +30,15 @@ CallState = Literal["waiting", "ready", "running", "done", "failed"]
 Criteria = Literal["LATENCY", "THROUGHPUT"]
 
 _ids = itertools.count(1)
+_seqs = itertools.count()
+
+
+class _Paths:
+    """``epoch`` changes whenever linking or unlinking a call changes which calls already in
+    the graph are upstream of which (an output bound to a variable that already has
+    consumers, or a rolled-back call): what was cached about ancestry before is stale."""
+
+    epoch = 0
 
 
 def new_id(prefix: str) -> str:
@@ -106,15 +115,38 @@ class Call:
     rendered: tuple[str, object, int] | None = None
     # its prefix keys, once final (see parrot.manager.prefix.prefix_keys)
     prefix_cache: tuple[str, ...] | None = field(default=None, repr=False)
+    # (_Paths.epoch, effective_producers()) as last computed
+    fanin_cache: tuple[int, tuple[str, ...]] | None = field(default=None, repr=False)
     prompt_tokens: int | None = None
     generated_tokens: int = 0
     submitted_at: float = field(default_factory=time.time)
+    # submission order, process-wide (a batch's calls in op order): a session's program order
+    seq: int = field(default_factory=lambda: next(_seqs), repr=False)
     dispatched_at: float | None = None  # placed on an engine
     started_at: float | None = None
     finished_at: float | None = None
 
     def input_vars(self) -> list[Variable]:
         return [v for v in self.inputs.values() if isinstance(v, Variable)]
+
+    def effective_producers(self) -> tuple[str, ...]:
+        """Ids of the distinct calls producing this call's inputs, less any that is
+        upstream of another of them: its edge to this call is implied by a longer path
+        (this call could not start before the other one, which needs it), so only the
+        rest can run in parallel.  The in-edges of the DAG's transitive reduction.
+
+        Ancestry is followed through the whole graph, finished calls included, so the
+        answer does not change as calls finish; it is cached until a link changes it."""
+        cached = self.fanin_cache
+        if cached is not None and cached[0] == _Paths.epoch:
+            return cached[1]
+        producers = list(dict.fromkeys(v.producer for v in self.input_vars() if v.producer is not None))
+        if len(producers) > 1:
+            upstream = _upstream_of(producers)
+            producers = [p for p in producers if p not in upstream]
+        ids = tuple(p.call_id for p in producers)
+        self.fanin_cache = (_Paths.epoch, ids)
+        return ids
 
     def is_ready(self) -> bool:
         return all(v.state == "ready" for v in self.input_vars())
@@ -134,6 +166,19 @@ class Session:
     calls: dict[str, Call] = field(default_factory=dict)
     created_at: float = field(default_factory=time.time)
     closed: bool = False
+
+
+def _upstream_of(calls: list[Call]) -> set[Call]:
+    """Every call strictly upstream of at least one of ``calls`` (a walk over producers)."""
+    seen: set[Call] = set()
+    stack = [v.producer for c in calls for v in c.input_vars() if v.producer is not None]
+    while stack:
+        call = stack.pop()
+        if call in seen:
+            continue
+        seen.add(call)
+        stack.extend(v.producer for v in call.input_vars() if v.producer is not None)
+    return seen
 
 
 def check_no_cycle(inputs: list[Variable], outputs: list[Variable]) -> None:
@@ -172,6 +217,8 @@ def link_call(call: Call) -> None:
     if len({id(v) for v in outs}) != len(outs):
         raise Conflict("one variable bound to two outputs of the same call", code="variable_has_producer")
     check_no_cycle(call.input_vars(), outs)
+    if any(var.consumers for var in outs):  # calls already in the graph get a new producer
+        _Paths.epoch += 1
     for var in outs:
         var.producer = call
     for var in dict.fromkeys(call.input_vars()):
@@ -181,6 +228,7 @@ def link_call(call: Call) -> None:
 def unlink_call(call: Call) -> None:
     """Undo :func:`link_call` for a call that is in no session yet, so nothing
     else refers to it (a rejected batch removes the edges of its calls)."""
+    _Paths.epoch += 1
     for out in call.outputs.values():
         out.var.producer = None
     for var in dict.fromkeys(call.input_vars()):

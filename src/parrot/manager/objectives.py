@@ -18,8 +18,9 @@ its label is then, by precedence (latency wins):
 4. otherwise **default**: kind ``latency`` with no task group — a call with
    no annotated output downstream is treated like an ordinary request.
 
-Marks a labelled call ``c`` hands to its producers (``P`` = the *distinct*
-calls producing ``c``'s input variables, see below):
+Marks a labelled call ``c`` hands to its producers (``P`` = ``c``'s
+*effective* producers: the distinct calls producing its input variables, less
+any that is upstream of another of them, see below):
 
 - latency-sensitive ``c`` with ``|P| == 1`` (a chain): the producer is marked
   latency-sensitive;
@@ -32,6 +33,15 @@ calls producing ``c``'s input variables, see below):
 - throughput ``c``: its producers are marked upstream-of-THROUGHPUT;
 - default ``c``: no marks (unannotated work constrains nothing upstream).
 
+Effective producers.  A producer ``p`` of ``c`` that is upstream of another
+producer ``q`` of ``c`` is not among ``c``'s effective producers: ``c`` cannot
+start before ``q``, and ``q`` not before ``p``, so the edge ``p -> c`` says
+nothing the path through ``q`` does not, and ``p`` and ``q`` never run in
+parallel.  Deduction thus works on the DAG's transitive reduction: a chain
+whose steps also read older outputs (``c2`` reads ``c1`` and ``c0``) is a
+chain, all latency-sensitive, not a task group of ``c0`` and ``c1``; a task
+group holds only calls that can run in parallel.
+
 A call in several task groups (it feeds two fan-ins) merges them into one:
 its completion gates every consumer, so all their members are batched
 together.  The merged group's id is the smallest (string order) of the merged
@@ -40,21 +50,27 @@ together.  The merged group's id is the smallest (string order) of the merged
 Scope and incrementality.  Only edges between calls of the given set are
 followed, so the set must be *downward closed* (every in-set call's consumers
 are in the set) — e.g. all unfinished calls of a session (consumers of an
-unfinished call are unfinished).  ``|P|`` counts every producer named by the
-inputs, in the set or not, so a member's label does not flip while its
-finished siblings leave the set.  A call's kind depends only on its
+unfinished call are unfinished).  ``|P|`` counts every effective producer,
+in the set or not, so a member's label does not flip while its finished
+siblings leave the set.  For ``graph.Call`` objects the effective producers
+are computed over the whole graph, finished calls included
+(``Call.effective_producers``), so they too do not change as calls finish;
+for :class:`CallNode` objects ``deduce`` removes the producers it can see to
+be upstream of another through the given calls (a caller leaving calls out
+should give producers already reduced, as :func:`node_of` does).  A call's kind depends only on its
 descendants and their producer counts: inserting a call or annotating one of
 its outputs can change the kinds of that call and its ancestors only (a group
 merge may also rename the group id of other members).  ``deduce`` is O(V + E)
-(plus near-constant union-find), so re-deducing a session on each change is
-cheap.
+(plus near-constant union-find, and for each call of a set of CallNodes with
+several producers a walk over its in-set ancestors), so re-deducing a session
+on each change is cheap.
 
 Pure: plain data in, plain data out; no I/O, no asyncio, no engine imports.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -118,22 +134,39 @@ class CallLike(Protocol):
     call_id: str
     outputs: Mapping[str, _OutputLike]
 
-    def input_vars(self) -> Iterable[_VarLike]: ...
+    def effective_producers(self) -> tuple[str, ...]: ...
 
 
 def node_of(call: CallLike | CallNode) -> CallNode:
-    """The :class:`CallNode` of a ``graph.Call``-like object (a CallNode is returned as is)."""
+    """The :class:`CallNode` of a ``graph.Call``-like object, with its effective producers
+    (a CallNode is returned as is)."""
     if isinstance(call, CallNode):
         return call
-    cid, producers, criteria = _extract(call)
+    cid, producers, criteria, _ = _extract(call)
     return CallNode(cid, tuple(producers), tuple(criteria))
 
 
-def _extract(call: CallLike | CallNode) -> tuple[str, list[str] | tuple[str, ...], Iterable[str | None]]:
+def _extract(
+    call: CallLike | CallNode,
+) -> tuple[str, list[str] | tuple[str, ...], Iterable[str | None], bool]:
+    """(id, producers, criteria, whether the producers are already the effective ones)."""
     if isinstance(call, CallNode):
-        return call.call_id, call.producers, call.criteria
-    producers = [v.producer.call_id for v in call.input_vars() if v.producer is not None]  # type: ignore[attr-defined]
-    return call.call_id, producers, [o.var.criteria for o in call.outputs.values()]
+        return call.call_id, call.producers, call.criteria, False
+    return call.call_id, call.effective_producers(), [o.var.criteria for o in call.outputs.values()], True
+
+
+def _reduced(distinct: list[str], producers_of: Callable[[str], Sequence[str]]) -> list[str]:
+    """``distinct`` less every id upstream of another of them (walking ``producers_of``)."""
+    targets = set(distinct)
+    upstream: set[str] = set()
+    stack = [p for q in distinct for p in producers_of(q)]
+    while stack:
+        cid = stack.pop()
+        if cid in upstream:
+            continue
+        upstream.add(cid)
+        stack.extend(producers_of(cid))
+    return distinct if upstream.isdisjoint(targets) else [p for p in distinct if p not in upstream]
 
 
 # Internal labels (plain ints for speed).
@@ -153,8 +186,9 @@ def deduce(calls: Iterable[CallLike | CallNode]) -> dict[str, CallObjective]:
     ups: list[list[int]] = []  # distinct in-set producers
     own: list[int] = []  # _LAT / _THR / _DEFAULT from the call's own outputs
     raw: list[list[str] | tuple[str, ...]] = []
+    reduced: list[bool] = []
     for call in calls:
-        cid, producers, criteria = _extract(call)
+        cid, producers, criteria, is_reduced = _extract(call)
         if not isinstance(cid, str) or not cid:
             raise ValueError(f"call id must be a non-empty string, got {cid!r}")
         if cid in index:
@@ -162,6 +196,7 @@ def deduce(calls: Iterable[CallLike | CallNode]) -> dict[str, CallObjective]:
         index[cid] = len(ids)
         ids.append(cid)
         raw.append(producers)
+        reduced.append(is_reduced)
         label = _DEFAULT
         for crit in criteria:
             if crit == LATENCY:
@@ -173,10 +208,16 @@ def deduce(calls: Iterable[CallLike | CallNode]) -> dict[str, CallObjective]:
                 raise ValueError(f"call {cid!r}: criteria must be one of {_CRITERIA}, got {crit!r}")
         own.append(label)
 
+    def producers_of(cid: str) -> Sequence[str]:
+        j = index.get(cid)
+        return () if j is None else raw[j]
+
     n = len(ids)
     pending = [0] * n  # in-set consumers not yet processed
     for i, producers in enumerate(raw):
-        distinct = dict.fromkeys(producers) if len(producers) > 1 else producers
+        distinct = list(dict.fromkeys(producers)) if len(producers) > 1 else producers
+        if len(distinct) > 1 and not reduced[i]:
+            distinct = _reduced(distinct, producers_of)  # type: ignore[arg-type]
         fanin.append(len(distinct))
         inset = [index[p] for p in distinct if p in index]
         for j in inset:

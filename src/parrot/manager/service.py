@@ -8,8 +8,10 @@ reported as not found.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
+import logging
 import secrets
 import time
 from collections.abc import Callable
@@ -45,6 +47,7 @@ from parrot.protocol.errors import (
 from parrot.protocol.sampling import SamplingParams
 from parrot.protocol.schemas import (
     CallInfo,
+    EngineStats,
     ErrorInfo,
     PlaceholderBinding,
     SubmitCall,
@@ -52,6 +55,8 @@ from parrot.protocol.schemas import (
 )
 from parrot.protocol.template import parse_template
 from parrot.protocol.transforms import parse_transforms
+
+log = logging.getLogger(__name__)
 
 MAX_WAIT_S = 60.0
 
@@ -89,6 +94,10 @@ class ManagerConfig:
     latency_cap_tokens: int = 6144
     engine_token_capacity: int = 32768
     queue_timeout_s: float | None = 600.0
+    # application-level FIFO: a queued call ranks by its session's first queued call (a
+    # chain's next step keeps its application's place); False ranks each call by its own
+    # arrival, as the request-level baseline policies always do
+    app_fifo: bool = True
 
 
 def _hash_token(token: str) -> bytes:
@@ -115,8 +124,11 @@ class Manager:
             min_prefix_tokens=self.config.min_prefix_tokens,
             max_attempts=self.config.max_attempts,
             engine_wait_s=self.config.engine_wait_s,
+            app_fifo=self.config.app_fifo,
         )
         self.sessions: dict[str, Session] = {}
+        self._polls: set[asyncio.Task[EngineStats]] = set()  # stats polls of newly registered engines
+        self.pool.on_register(self._engine_registered)
 
     def _unfinished_calls(self, session_id: str) -> list[Call]:
         session = self.sessions.get(session_id)
@@ -125,6 +137,46 @@ class Manager:
             if session is None
             else [c for c in session.calls.values() if c.state not in ("done", "failed")]
         )
+
+    # ------------------------------------------------------------- engines
+    async def poll_engine_stats(self) -> None:
+        """One heartbeat for every in-process engine: ask it for its stats and record
+        them in the pool, where the scheduler reads them (remote engines send theirs)."""
+        local = [h for h in self.pool if h.url is None]
+        await asyncio.gather(*(self.refresh_stats(h) for h in local))
+
+    async def refresh_stats(self, handle: EngineHandle) -> EngineStats:
+        """Ask an in-process engine for its stats now and record them (a remote engine's
+        are those of its last heartbeat).  An engine that fails to answer keeps its
+        previous stats; one dropped meanwhile is left alone."""
+        if handle.url is not None:
+            return handle.stats
+        try:
+            stats = await handle.api.stats()
+        except Exception as exc:
+            log.warning("engine %s: stats poll failed: %r", handle.engine_id, exc)
+            return handle.stats
+        capacity = handle.stats.token_capacity
+        try:
+            self.pool.heartbeat(handle.engine_id, stats)
+        except NotFound:
+            return stats
+        if stats.token_capacity != capacity:
+            self.executor.kick()  # queued calls may fit now
+        return stats
+
+    def _engine_registered(self, handle: EngineHandle) -> None:
+        """Poll a new in-process engine's stats at once.  Without a running event loop
+        (registered before the server starts) the first poll at start-up does it."""
+        if handle.url is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        task = loop.create_task(self.refresh_stats(handle))
+        self._polls.add(task)
+        task.add_done_callback(self._polls.discard)
 
     # ------------------------------------------------------------ sessions
     def create_session(self) -> tuple[Session, str]:
@@ -153,6 +205,7 @@ class Manager:
         for var in session.variables.values():
             fail_variable(var, closed)
         self.sessions.pop(session.session_id, None)
+        self.executor.forget_session(session.session_id)
 
     # ----------------------------------------------------------- variables
     def variable(self, session: Session, var_id: str) -> Variable:
@@ -213,6 +266,14 @@ class Manager:
         if var.state != "pending":
             raise Conflict(f"variable {var.var_id} is already {var.state}", code="variable_not_pending")
         self._check_value_length(value)
+
+    def read_with(self, session: Session, var: Variable, criteria: Criteria | None) -> None:
+        """A client reads ``var`` (``get`` or ``stream``, however it submitted its calls)
+        asking for ``criteria``: the variable takes it, and the calls upstream of it are
+        deduced again at once, queued ones included (the last criteria asked wins)."""
+        if criteria is not None and var.criteria != criteria:
+            var.criteria = criteria
+            self.executor.graph_changed(session.session_id)
 
     async def wait_variable(self, var: Variable, wait_s: float) -> None:
         deadline = time.monotonic() + min(max(wait_s, 0.0), MAX_WAIT_S)

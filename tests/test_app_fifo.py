@@ -1,0 +1,82 @@
+"""Application-level FIFO: a queued call ranks by its application's (session's) place
+in the queue, so a chain's next step does not queue behind applications that came
+after it.  ``--no-app-fifo`` and the request-level baselines rank by each call's
+arrival instead."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import parrot as P
+from parrot.cli import _parser, manager_config
+from parrot.manager.service import Manager, ManagerConfig
+from tests.conftest import start_server
+from tests.fake_engine import GatedEngine, GatedServer
+
+WAIT = 10.0
+
+
+def fn(name: str) -> P.SemanticFunction:
+    out = P.Output(max_tokens=1)
+    return P.template_function(f"{name} {{{{input:x}}}} =>{{{{output:o}}}}", name=name, o=out)
+
+
+def wait_until(server: GatedServer, what: str, check) -> None:
+    deadline = time.monotonic() + WAIT
+    while not server.state(check):
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.005)
+
+
+def placement_order(config: ManagerConfig) -> list[str]:
+    """A's call a1 runs (held); B's b1 is queued behind it; then a1 finishes, making A's
+    a2 ready.  The engine fits one call at a time: which of a2 and b1 goes first?"""
+    manager = Manager(config)
+    engine = GatedEngine()
+    manager.pool.register(engine, name="one-at-a-time")
+    server = GatedServer(start_server(manager, record=False), engine)
+    executor = manager.executor
+    try:
+        server.set_gate(False)
+        with P.connect(server.live.url, timeout=WAIT) as a, P.connect(server.live.url, timeout=WAIT) as b:
+            a2 = a.call(fn("a2"), x=a.call(fn("a1"), x="go"))
+            wait_until(server, "a1 runs", lambda m: len(m.executor._placed) == 1)
+            b1 = b.call(fn("b1"), x="go")
+            wait_until(server, "b1 is queued", lambda m: len(m.executor._queue) == 1)
+            server.set_gate(True)
+            assert a2.get(timeout=WAIT) == "A" and b1.get(timeout=WAIT) == "A"
+            sessions = (a.session_id, b.session_id)
+            calls = server.state(lambda m: [c for sid in sessions for c in m.sessions[sid].calls.values()])
+        assert not executor._queue
+    finally:
+        server.set_gate(True)
+        server.live.stop()
+    return [c.name for c in sorted(calls, key=lambda c: c.dispatched_at)]
+
+
+# one call at a time on a busy engine, whatever its objective
+ONE_AT_A_TIME = {"latency_cap_tokens": 1, "engine_token_capacity": 1}
+
+
+def test_app_fifo_places_a_chains_next_call_before_a_later_application():
+    assert placement_order(ManagerConfig(**ONE_AT_A_TIME)) == ["a1", "a2", "b1"]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        ManagerConfig(app_fifo=False, **ONE_AT_A_TIME),
+        ManagerConfig(policy="baseline-latency", **ONE_AT_A_TIME),
+        ManagerConfig(policy="baseline-throughput", **ONE_AT_A_TIME),
+    ],
+    ids=["no-app-fifo", "baseline-latency", "baseline-throughput"],
+)
+def test_request_level_fifo_places_calls_in_arrival_order(config):
+    assert placement_order(config) == ["a1", "b1", "a2"]
+
+
+def test_the_cli_switch_turns_app_fifo_off():
+    assert manager_config(_parser().parse_args(["serve"])).app_fifo is True
+    assert manager_config(_parser().parse_args(["serve", "--no-app-fifo"])).app_fifo is False
