@@ -80,3 +80,36 @@ def test_request_level_fifo_places_calls_in_arrival_order(config):
 def test_the_cli_switch_turns_app_fifo_off():
     assert manager_config(_parser().parse_args(["serve"])).app_fifo is True
     assert manager_config(_parser().parse_args(["serve", "--no-app-fifo"])).app_fifo is False
+
+
+def test_an_application_whose_work_ended_gives_up_its_place():
+    """A's a1 ran to its end; then C's c1 runs (held) and B's b1 queues behind it; then A
+    submits new work a2.  Nothing of A was in flight, so a2 queues behind b1: a session that
+    stays open does not keep the place of its first call for ever."""
+    manager = Manager(ManagerConfig(**ONE_AT_A_TIME))
+    engine = GatedEngine()
+    manager.pool.register(engine, name="one-at-a-time")
+    server = GatedServer(start_server(manager, record=False), engine)
+    try:
+        with (
+            P.connect(server.live.url, timeout=WAIT) as a,
+            P.connect(server.live.url, timeout=WAIT) as b,
+            P.connect(server.live.url, timeout=WAIT) as c,
+        ):
+            assert a.call(fn("a1"), x="go").get(timeout=WAIT) == "A"
+            server.set_gate(False)
+            c1 = c.call(fn("c1"), x="go")
+            wait_until(server, "c1 runs", lambda m: len(m.executor._placed) == 1)
+            b1 = b.call(fn("b1"), x="go")
+            a2 = a.call(fn("a2"), x="go")
+            wait_until(server, "b1 and a2 are queued", lambda m: len(m.executor._queue) == 2)
+            server.set_gate(True)
+            for out in (c1, b1, a2):
+                out.get(timeout=WAIT)
+            sessions = (a.session_id, b.session_id, c.session_id)
+            calls = server.state(lambda m: [c for sid in sessions for c in m.sessions[sid].calls.values()])
+    finally:
+        server.set_gate(True)
+        server.live.stop()
+    assert [c.name for c in sorted(calls, key=lambda c: c.dispatched_at)] == ["a1", "c1", "b1", "a2"]
+    assert not manager.executor._app_ranks and not manager.executor._app_active

@@ -21,10 +21,12 @@ travels to the client on the way.
 
 Queue order.  The scheduler takes queued calls in rank order.  With
 application-level FIFO (``app_fifo``, the default) a call ranks by its
-*application's* place in the queue: a session's place is fixed when its first
-call is queued, and every later call of the session (a chain's next step
-that becomes ready only now) keeps it, so it does not wait behind
-applications that arrived later; calls of one session rank by submission
+*application's* place in the queue: a session takes its place when a call of
+it is queued while none of its calls is queued or placed, and keeps it while
+any is — a chain's next step, which becomes ready inside the server while its
+producer is still placed, does not wait behind applications that arrived
+later.  A session whose work all ended gives its place up, so a long-lived
+session does not stay ahead of later ones for ever.  Calls of one session rank by submission
 order (a queued call's producers are all done, so this is also producers
 first).  Each ``/v1/completions`` request is a session of its own, so
 request-level clients get plain FIFO.  Without app-FIFO, and always under
@@ -155,7 +157,10 @@ class Executor:
         self._last_round = 0.0
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._arrivals = itertools.count()
-        self._app_ranks: dict[str, int] = {}  # session id -> arrival of its first queued call
+        # session id -> its place in the queue (the arrival of its first call queued since
+        # none of its calls was queued or placed), and how many of its calls are
+        self._app_ranks: dict[str, int] = {}
+        self._app_active: dict[str, int] = {}
         self._kicked = False
         self._ticker: asyncio.Task[None] | None = None
         # session id -> call id -> objective, for sessions whose graph did not change since
@@ -180,13 +185,30 @@ class Executor:
         call.state = "ready"
         keys = prefix_keys(call)  # final: every input is known
         arrival = next(self._arrivals)
-        self._app_ranks.setdefault(call.session_id, arrival)
+        sid = call.session_id
+        active = self._app_active.get(sid, 0)
+        if not active:  # nothing of the application in flight: it takes its place now
+            self._app_ranks[sid] = arrival
+        self._app_active[sid] = active + 1
         self._queue[call.call_id] = _Ticket(call, arrival, prefix_keys=tuple(keys))
         self.kick()
 
     def forget_session(self, session_id: str) -> None:
         """The session was closed: drop its place in the application queue."""
         self._app_ranks.pop(session_id, None)
+        self._app_active.pop(session_id, None)
+
+    def _retire(self, call: Call) -> None:
+        """A call left the executor for good (ended, failed or cancelled, queued or
+        placed): once none of its application's calls is queued or placed, the
+        application gives up its place in the queue."""
+        sid = call.session_id
+        active = self._app_active.get(sid, 0) - 1
+        if active > 0:
+            self._app_active[sid] = active
+        else:
+            self._app_active.pop(sid, None)
+            self._app_ranks.pop(sid, None)
 
     def graph_changed(self, session_id: str) -> None:
         """A session gained a call or an output criterion: its objectives are deduced
@@ -224,7 +246,8 @@ class Executor:
                 log.exception("scheduling round failed")
 
     def cancel(self, call: Call, error: ParrotError) -> None:
-        self._queue.pop(call.call_id, None)
+        if self._queue.pop(call.call_id, None) is not None:
+            self._retire(call)
         task = self._tasks.get(call.call_id)
         fail_call(call, error)
         if task is not None:
@@ -268,10 +291,12 @@ class Executor:
             call = ticket.call
             if call.state != "ready":  # failed meanwhile (session closed, input failed)
                 del self._queue[call.call_id]
+                self._retire(call)
                 self._forget_objective(call)
                 call.rendered = None
             elif self.queue_timeout_s is not None and now - ticket.queued_at > self.queue_timeout_s:
                 del self._queue[call.call_id]
+                self._retire(call)
                 fail_call(
                     call,
                     Timeout(f"call {call.call_id} waited more than {self.queue_timeout_s:g}s for an engine"),
@@ -292,6 +317,7 @@ class Executor:
             if ticket.retry_deadline is not None and now < ticket.retry_deadline:
                 continue  # its engine was lost: wait a while for another one
             del self._queue[call_id]
+            self._retire(ticket.call)
             failed = True
             why = f" lost its engine ({ticket.lost}) and" if ticket.lost else ""
             fail_call(ticket.call, NoEngine(f"call {call_id}{why} cannot be served: {reason}"))
@@ -338,7 +364,8 @@ class Executor:
         ParrotError (a call that cannot be served), else with a CallFailed naming the
         call and the unexpected exception (a bug, logged with its traceback)."""
         call = ticket.call
-        self._queue.pop(call.call_id, None)
+        if self._queue.pop(call.call_id, None) is not None:
+            self._retire(call)
         self._forget_objective(call)
         call.rendered = None
         if isinstance(exc, ParrotError):
@@ -543,24 +570,26 @@ class Executor:
         """A placed call's run ended (``lost``: why its engine was lost, to re-run it)."""
         call = ticket.call
         self._tasks.pop(call.call_id, None)
-        if self._placed.pop(call.call_id, None) is not None:
+        placed = self._placed.pop(call.call_id, None) is not None
+        if placed:
             self._account(ticket, -1)
         if call.state in ("done", "failed"):
             self._forget_objective(call)
             call.rendered = None  # its engine steps are not needed any more
-        if lost is not None:
-            self._requeue(ticket, lost)
+        requeued = lost is not None and self._requeue(ticket, lost)
+        if placed and not requeued:
+            self._retire(call)
         if kick:
             self.kick()
 
-    def _requeue(self, ticket: _Ticket, lost: str) -> None:
-        """The call's engine was lost: queue it again, unless it cannot be re-run."""
+    def _requeue(self, ticket: _Ticket, lost: str) -> bool:
+        """The call's engine was lost: queue it again (True), unless it cannot be re-run."""
         call = ticket.call
         if ticket.attempts >= self.max_attempts or any(
             o.var.state != "pending" for o in call.outputs.values()
         ):
             fail_call(call, EngineError(f"call {call.call_id} failed on its engine: {lost}"))
-            return
+            return False
         log.warning("call %s: %s; re-running it elsewhere", call.call_id, lost)
         for out in call.outputs.values():
             out.var.partial.clear()
@@ -570,6 +599,7 @@ class Executor:
         ticket.retry_deadline = time.monotonic() + self.engine_wait_s
         ticket.queued_at = time.monotonic()
         self._queue[call.call_id] = ticket
+        return True
 
     async def _attempt(self, ticket: _Ticket) -> str | None:
         """One try on the placed engine.  Returns None when the call ended (done
