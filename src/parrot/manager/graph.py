@@ -111,6 +111,7 @@ class Call:
     submitted_at: float = field(default_factory=time.time)
     dispatched_at: float | None = None  # placed on an engine
     started_at: float | None = None
+    first_token_at: float | None = None  # the engine's first generated token of this run
     finished_at: float | None = None
 
     def input_vars(self) -> list[Variable]:

@@ -104,6 +104,9 @@ class CallInfo(BaseModel):
     submitted_at: float
     dispatched_at: float | None = None
     started_at: float | None = None
+    first_token_at: float | None = Field(
+        default=None, description="When the engine sent the call's first generated token (its last run)."
+    )
     finished_at: float | None = None
 
 
