@@ -410,17 +410,61 @@ def test_run_workload_on_parrot_samples_engine_metrics(live) -> None:
 
 
 # ------------------------------------------------------------------ command line
-def test_schedule_starts_parrot_per_engine_count_and_peers_once() -> None:
+def test_schedule_interleaves_systems_per_repeat_within_each_layout() -> None:
     from benchmarks.suite.run import schedule
 
     one = Workload("f", "f/1", {}, (chain_app(),), engines=1)
     two = Workload("g", "g/2", {}, (chain_app(),), engines=2)
-    plan = schedule(["parrot", "vllm"], [two, one])
-    assert [(name, engines, [w.name for w in group]) for name, engines, group in plan] == [
-        ("parrot", 1, ["f/1"]),
-        ("parrot", 2, ["g/2"]),
-        ("vllm", 1, ["g/2", "f/1"]),
+    turns = schedule(["parrot", "base", "vllm"], [[two, one], [two, one]])
+    assert [(t.engines, t.repeat, t.system, [w.name for w in t.workloads]) for t in turns] == [
+        (1, 0, "parrot", ["f/1"]),
+        (1, 0, "base", ["f/1"]),
+        (1, 0, "vllm", ["f/1"]),
+        (1, 1, "base", ["f/1"]),  # rotated: repeat 1 starts with the second system
+        (1, 1, "vllm", ["f/1"]),
+        (1, 1, "parrot", ["f/1"]),
+        (2, 0, "parrot", ["g/2"]),
+        (2, 0, "base", ["g/2"]),
+        (2, 0, "vllm", ["g/2"]),
+        (2, 1, "base", ["g/2"]),
+        (2, 1, "vllm", ["g/2"]),
+        (2, 1, "parrot", ["g/2"]),
     ]
+
+
+def test_fleet_stops_a_system_that_spins_while_idle(monkeypatch, tmp_path: Path) -> None:
+    from benchmarks.suite import load, run
+
+    stopped: list[str] = []
+
+    class Started:
+        def __init__(self, name: str):
+            self.name = name
+
+        def __enter__(self) -> SystemHandle:
+            return SystemHandle(
+                self.name, "openai", "http://x", "m", 1, pgids=[1 if self.name == "busy" else 2]
+            )
+
+        def __exit__(self, *exc: object) -> None:
+            stopped.append(self.name)
+
+    monkeypatch.setattr(run, "start_system", lambda name, **kw: Started(name))
+    monkeypatch.setattr(run, "_warm_up", lambda handle: None)
+    monkeypatch.setattr(run.time, "sleep", lambda s: None)
+    monkeypatch.setattr(load, "idle_cpu_share", lambda pgids, seconds: 0.5 if pgids == [1] else 0.0)
+    header: dict = {"starts": [], "idle_cpu": {}}
+    args = run._parser().parse_args([])
+    fleet = run.Fleet(args, 1, tmp_path, header)
+    for _ in range(2):
+        for name in ("busy", "quiet"):
+            fleet.get(name)
+            fleet.after_turn(name)
+    assert stopped == ["busy", "busy"]  # stopped after each of its turns, measured once
+    assert header["idle_cpu"] == {"busy (engines 1)": [0.5], "quiet (engines 1)": [0.0, 0.0]}
+    assert [s["system"] for s in header["starts"]] == ["busy", "quiet", "busy"]
+    fleet.close()
+    assert stopped == ["busy", "busy", "quiet"] and not fleet.up
 
 
 def _suite(*args: str) -> subprocess.CompletedProcess[str]:
@@ -437,9 +481,17 @@ def test_dry_run_prints_the_plan() -> None:
     proc = _suite("--figures", "fig11", "--systems", "parrot", "vllm", "--dry-run")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    assert "fig11/" in out and "machine" in out
-    assert re.search(r"^\s+parrot\s+engines 1", out, re.M) and re.search(r"^\s+vllm\s+engines 1", out, re.M)
-    assert not re.search(r"^\s+fastchat\s+engines", out, re.M)
+    assert "fig11/" in out and "machine" in out and "dtype float32" in out
+    turns = re.findall(r"^\s+([+ ]) engines (\d)\s+repeat (\d)\s+(\S+)", out, re.M)
+    assert turns == [
+        ("+", "1", "0", "parrot"),
+        ("+", "1", "0", "vllm"),
+        (" ", "1", "1", "vllm"),
+        (" ", "1", "1", "parrot"),
+        (" ", "1", "2", "parrot"),
+        (" ", "1", "2", "vllm"),
+    ]
+    assert re.search(r"estimated \d+\.\d h of wall time", out)
 
 
 @pytest.mark.parametrize(
