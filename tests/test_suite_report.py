@@ -331,8 +331,8 @@ def test_a_point_on_two_sweeps_is_plotted_on_both(tmp_path: Path) -> None:
 
 
 def test_machine_load_section_flags_busy_runs(raw: list[dict], tmp_path: Path) -> None:
-    quiet = {"wall_s": 10.0, "loadavg_before": [0.5, 0, 0], "loadavg_after": [0.7, 0, 0],
-             "foreign_cpu_s": 0.1, "idle_systems_cpu_s": 0.0, "foreign_share": 0.005, "flagged": False}  # fmt: skip
+    quiet = {"wall_s": 10.0, "loadavg_before": [0.5, 0, 0], "loadavg_after": [0.7, 0, 0], "flagged": False,
+             "foreign_cpu_s": 0.1, "idle_systems_cpu_s": 0.0, "foreign_share": 0.005}  # fmt: skip
     busy = {
         **quiet,
         "foreign_cpu_s": 4.0,
