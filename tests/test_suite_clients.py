@@ -467,6 +467,44 @@ def test_fleet_stops_a_system_that_spins_while_idle(monkeypatch, tmp_path: Path)
     assert stopped == ["busy", "busy", "quiet"] and not fleet.up
 
 
+def test_an_interrupted_run_stops_every_system(monkeypatch, tmp_path: Path) -> None:
+    from benchmarks.suite import run
+
+    stopped: list[str] = []
+
+    class Started:
+        def __init__(self, name: str):
+            self.name = name
+
+        def __enter__(self) -> SystemHandle:
+            return SystemHandle(self.name, "openai", "http://x", "m", 1, pgids=[])
+
+        def __exit__(self, *exc: object) -> None:
+            stopped.append(self.name)
+
+    turns: list[str] = []
+
+    def turn(args, fleet, turn, raw, out, bar) -> None:
+        fleet.get(turn.system)
+        turns.append(turn.system)
+        if len(turns) == 3:
+            raise run._Terminated()  # SIGTERM arrives during the third turn
+
+    monkeypatch.setattr(run, "start_system", lambda name, **kw: Started(name))
+    monkeypatch.setattr(run, "_warm_up", lambda handle: None)
+    monkeypatch.setattr(run, "run_turn", turn)
+    monkeypatch.setattr(run.load, "idle_cpu_share", lambda pgids, seconds: 0.0)
+    monkeypatch.setattr(run.time, "sleep", lambda s: None)
+    args = run._parser().parse_args(["--systems", "parrot", "vllm", "--repeats", "2", "--no-plots"])
+    one = Workload("f", "f/1", {}, (chain_app(),), engines=1)
+    header = {"starts": [], "idle_cpu": {}, "failures": []}
+    with pytest.raises(run._Terminated):
+        run.run_suite(args, type("W", (), {"generate": lambda *a: [one]}), [one], header, tmp_path)
+    assert turns == ["parrot", "vllm", "vllm"]
+    assert sorted(stopped) == ["parrot", "vllm"]  # both were up, both stopped
+    assert header["failures"] == []  # an interruption is not a system's failure
+
+
 def _suite(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "benchmarks.suite", *args],

@@ -584,8 +584,8 @@ def _make_report(raw: list[dict[str, Any]], header: dict[str, Any], out: Path, p
     print(f"report: {out / 'report.md'}")
 
 
-class _Terminated(Exception):
-    """SIGTERM: unwind like Ctrl-C so that every started system is stopped."""
+class _Terminated(BaseException):
+    """SIGTERM: unwind like Ctrl-C (past ``except Exception``) so that every started system is stopped."""
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
@@ -658,14 +658,18 @@ def main(argv: list[str] | None = None) -> int:
     header["out"] = str(out)
     _write_json(out / "header.json", header)
     print(f"\nresults: {out}", flush=True)
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    # SIGINT too: a shell starts background jobs with it ignored
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         run_suite(args, workloads_mod, workloads, header, out)
     except (KeyboardInterrupt, _Terminated):  # the systems were stopped on the way out
         print(f"\ninterrupted; what finished is in {out / 'raw.json'}", file=sys.stderr)
         return 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
 
 
