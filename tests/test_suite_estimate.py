@@ -43,7 +43,7 @@ def test_one_call_is_delay_prefill_and_decode() -> None:
     base = estimate_workload(w, Profile("baseline", sharing=False), delay_s=0.25)
     assert base == pytest.approx(0.25 + prompt / 600 + decode)
     parrot = estimate_workload(w, Profile("parrot", sharing=True), delay_s=0.25)
-    assert parrot == pytest.approx(3 * 0.25 + prompt / 600 + decode)  # open + submit, then the get
+    assert parrot == pytest.approx(2 * 0.25 + prompt / 600 + decode)  # submit (with the session), get
 
 
 def test_a_chain_pays_a_delay_per_call_on_the_baseline_only() -> None:
@@ -57,7 +57,7 @@ def test_a_chain_pays_a_delay_per_call_on_the_baseline_only() -> None:
     parrot = {d: estimate_workload(w, Profile("parrot", sharing=False), delay_s=d) for d in (0.0, 1.0)}
     assert base[0.0] == pytest.approx(parrot[0.0])  # the same engine work
     assert base[1.0] - base[0.0] == pytest.approx(4.0)  # one delay per call
-    assert parrot[1.0] - parrot[0.0] == pytest.approx(3.0)  # open, submit and get, whatever the length
+    assert parrot[1.0] - parrot[0.0] == pytest.approx(2.0)  # submit and get, whatever the length
 
 
 def test_sharing_skips_a_common_prefix_and_fastchat_serialises() -> None:

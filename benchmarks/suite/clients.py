@@ -10,15 +10,15 @@ every HTTP request on an application's critical path pays one :class:`Delay`
 (uniform 200-300 ms by default, seeded per app, so every system draws the same
 sequence) in full, and nothing else does:
 
-* Parrot (:func:`run_parrot_app`): one delay to open the session (``POST
-  /v1/sessions``; nothing can be submitted before its answer), one for
-  submitting the whole app, which is one request (``POST
-  /v1/sessions/{sid}/batch``), both slept before the request is sent (the
-  batch's answer, the variable ids, travels back while the calls run, off the
-  critical path), and one per final ``get`` of ``app.outputs``, slept *after*
-  the value arrived (the answer is in flight), so no delay overlaps with
-  execution.  Values flowing between dependent calls stay inside the server
-  and pay nothing.  An app of ``k`` outputs pays ``2 + k`` delays.
+* Parrot (:func:`run_parrot_app`): one delay for opening the session and
+  submitting the whole app, which is one request (``POST /v1/sessions``
+  carrying the app as a batch: ``P.aconnect(url, defer_open=True)``), slept
+  before it is sent (its answer, the session and variable ids, travels back
+  while the calls run, off the critical path), and one per final ``get`` of
+  ``app.outputs``, slept *after* the value arrived (the answer is in flight),
+  so no delay overlaps with execution.  Values flowing between dependent
+  calls stay inside the server and pay nothing.  An app of ``k`` outputs pays
+  ``1 + k`` delays, as in the paper (submit, then each ``get``).
 * Baseline (:func:`run_baseline_app`, LangChain-style): one delay per
   ``/v1/completions`` request, slept before the request is sent; a dependent
   call starts only after its producers' answers came back.  An app of ``n``
@@ -249,8 +249,8 @@ async def _fetch(var: P.SemanticVariable, criteria: str, delay: Delay, t0: float
 async def run_parrot_app(url: str, app: AppSpec, t0: float, delay: Delay) -> AppRecord:
     """Run ``app`` on the Parrot manager at ``url`` the Parrot way.
 
-    Waits until ``t0 + app.arrival_s``, pays one delay and opens a session,
-    pays one more and submits the whole app in one batch request: every call as a semantic
+    Waits until ``t0 + app.arrival_s``, pays one delay and opens a session
+    with the whole app as its first batch, in one request: every call as a semantic
     function (dependencies as semantic variables, ``app.criteria`` on the
     outputs so the manager deduces objectives at submit), the constant inputs
     set last (see :func:`_submit_app`); then fetches
@@ -265,10 +265,9 @@ async def run_parrot_app(url: str, app: AppSpec, t0: float, delay: Delay) -> App
     criteria = _criteria(app)
     done = False
     try:
-        await delay()  # the session's network trip: nothing can be submitted before its answer
-        async with P.aconnect(url) as session:
+        async with P.aconnect(url, defer_open=True) as session:
             await delay()  # the submission's network trip: nothing runs before it is over
-            variables = await _submit_app(session, app)  # one request: the whole DAG at once
+            variables = await _submit_app(session, app)  # one request: the session and the whole DAG
             ends = await asyncio.gather(*(_fetch(variables[o], criteria, delay, t0) for o in app.outputs))
             record.end_s, done = max(ends, default=_rel(t0)), True
             graph = await _graph_records(session, app, t0)

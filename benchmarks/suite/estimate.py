@@ -32,8 +32,9 @@ automatic prefix caching); without it every prompt is prefilled whole.
 Clients, with one emulated network delay of ``delay_s`` per round trip on the
 critical path (:mod:`benchmarks.suite.clients`): ``"baseline"`` pays one
 delay before every call's request, sent once its producers have answered;
-``"parrot"`` pays two before the app's calls reach the manager (session open,
-batch submission) and one after its last output (the ``get``).
+``"parrot"`` pays one before the app's calls reach the manager (the session
+opened with the whole app as one batch) and one after its last output (the
+``get``).
 
 Invariant: the estimate of a workload is the time from its start until its
 last app ends; every call of every app ends (the simulation never drops work).
@@ -220,7 +221,7 @@ def estimate_apps(
                 call.waiting += 1
             calls[spec.name] = call
         apps.append((app, list(calls.values())))
-        start = app.arrival_s + (2 * delay_s if profile.client == "parrot" else delay_s)
+        start = app.arrival_s + delay_s
         for call in calls.values():
             if call.waiting == 0:
                 heapq.heappush(ready, (start, next(seq), call))
