@@ -529,20 +529,15 @@ def _peer_system(
     logs = [p for port in ports for p in _peer_logs(peer, port)]
     offsets = {p: (p.stat().st_size if p.exists() else 0) for p in logs}
     commands = [peers.start_command(peer, model_path, port, **o) for port, o in zip(ports, opts, strict=True)]
-    started: list[int] = []
     try:
+        # the servers start side by side; leaving the `with` waits for every start script, so
+        # `finally` stops whatever they started, however this ends
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(ports)) as pool:
-            futures = {
-                pool.submit(peers.start_peer, peer, model_path, port, **o): port
+            futures = [
+                pool.submit(peers.start_peer, peer, model_path, port, **o)
                 for port, o in zip(ports, opts, strict=True)
-            }
-            errors = []
-            for future in concurrent.futures.as_completed(futures):
-                started.append(futures[future])  # stopped in `finally` even if its start failed
-                with contextlib.suppress(Exception):
-                    future.result()
-                    continue
-                errors.append(str(future.exception()))
+            ]
+            errors = [str(exc) for f in futures if (exc := f.exception()) is not None]
             if errors:
                 raise SystemStartError("; ".join(errors)[:6000])
         runs = peers.PEERS_DIR / "run"
@@ -567,7 +562,7 @@ def _peer_system(
             dtype=dtype,
         )
     finally:
-        for port in started:
+        for port in ports:
             with contextlib.suppress(Exception):
                 peers.stop_peer(peer, port)
         for path in logs:
