@@ -607,6 +607,7 @@ def run_suite(
     bar = _progress_bar(total)
     fleet: Fleet | None = None
     failed: set[tuple[int, str]] = set()
+    ended = "finished_at"
     try:
         for turn in turns:
             if fleet is None or fleet.engines != turn.engines:
@@ -632,14 +633,18 @@ def run_suite(
                         fleet.stop(turn.system)
                 if bar is not None:
                     bar.update(sum(len(w.apps) for w in turn.workloads))
+    except BaseException:
+        ended = "interrupted_at"
+        raise
     finally:
         if fleet is not None:
             fleet.close()
         if bar is not None:
             bar.close()
-    header["finished_at"] = dt.datetime.now().astimezone().isoformat(timespec="seconds")
-    _write_json(out / "header.json", header)
-    _make_report(raw, header, out, plots=not args.no_plots)
+        header[ended] = dt.datetime.now().astimezone().isoformat(timespec="seconds")
+        _write_json(out / "header.json", header)
+        if raw:  # an interrupted run still gets the report of what finished
+            _make_report(raw, header, out, plots=not args.no_plots)
 
 
 def main(argv: list[str] | None = None) -> int:
