@@ -350,3 +350,17 @@ def test_machine_load_section_flags_busy_runs(raw: list[dict], tmp_path: Path) -
     assert "| vllm | 12 | 120 | 16.8 | 0.0 | 2.50 | 4/12 |" in section  # 4 runs in repeat 1
     assert f"- vllm / {FIG11_A} / repeat 1: other processes used 20% of the machine" in section
     assert "vllm (engines 1): 0.001" in section
+
+
+def test_fig17_a_system_that_sustains_no_rate_loses_by_infinity(raw: list[dict], tmp_path: Path) -> None:
+    from benchmarks.suite.report import compare, group_runs
+
+    for run in raw:  # vllm over the bound at every rate
+        if run["figure"] == "fig17" and run["system"] == "vllm":
+            for app in run["apps"]:
+                app["end_s"] = app["arrival_s"] + 100.0
+    points = group_runs(raw)["fig17"]
+    c = compare(points, "fig17", "vllm", "max_rate", "max_rate", 0.5)
+    assert c.value == math.inf and c.per_repeat == {0: math.inf}
+    md = build_report(raw, {}, tmp_path, plots=False)
+    assert "vllm rate ≥ 1.3×: met (∞)" in md

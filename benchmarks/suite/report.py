@@ -555,9 +555,15 @@ def compare(
     if how == "max_rate":
         rates = fig17_max_rates(points, metrics_for(figure)[0], bound)
         mine, theirs = rates.get(PARROT, {}), rates.get(system, {})
-        per = {r: mine[r] / theirs[r] for r in sorted(set(mine) & set(theirs)) if theirs[r] > 0}
-        value = _divide(Stat.of(mine.values()).mean, Stat.of(theirs.values()).mean)
-        return Comparison(system, metric_key, how, value, per)
+
+        def ratio(a: float | None, b: float | None) -> float | None:  # b sustained no rate: inf
+            if a is None or b is None or (a == 0 and b == 0):
+                return None
+            return math.inf if b == 0 else a / b
+
+        pairs = {r: ratio(mine[r], theirs[r]) for r in sorted(set(mine) & set(theirs))}
+        value = ratio(Stat.of(mine.values()).mean, Stat.of(theirs.values()).mean)
+        return Comparison(system, metric_key, how, value, {r: v for r, v in pairs.items() if v is not None})
     metric = next(m for m in metrics_for(figure) if m.key == metric_key)
     means: list[float] = []
     pairs: list[dict[int, float]] = []  # per point used: repeat -> that repeat's ratio
@@ -596,7 +602,7 @@ def _fmt_x(value: float | None) -> str:
 
 
 def _per_repeat(comparison: Comparison) -> str:
-    return ", ".join(f"r{r}: {v:.2f}" for r, v in sorted(comparison.per_repeat.items())) or "—"
+    return ", ".join(f"r{r}: {_fmt_x(v)[:-1]}" for r, v in sorted(comparison.per_repeat.items())) or "—"
 
 
 def _rows_for(figure: str, points: Sequence[Point]) -> list[tuple[str, str]]:
