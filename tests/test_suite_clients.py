@@ -468,6 +468,35 @@ def test_fleet_stops_a_system_that_spins_while_idle(monkeypatch, tmp_path: Path)
     assert stopped == ["busy", "busy", "quiet"] and not fleet.up
 
 
+def test_fleet_stops_the_cheapest_idle_system_when_memory_is_short(monkeypatch, tmp_path: Path) -> None:
+    from benchmarks.suite import run
+
+    stopped: list[str] = []
+
+    class Started:
+        def __init__(self, name: str):
+            self.name = name
+
+        def __enter__(self) -> SystemHandle:
+            return SystemHandle(self.name, "openai", "http://x", "m", 1, pgids=[])
+
+        def __exit__(self, *exc: object) -> None:
+            stopped.append(self.name)
+
+    free = iter([20.0, 5.0, 20.0])  # GiB available before the 2nd and 3rd start, and after a stop
+    monkeypatch.setattr(run, "mem_available_gib", lambda: next(free))
+    monkeypatch.setattr(run, "start_system", lambda name, **kw: Started(name))
+    monkeypatch.setattr(run, "_warm_up", lambda handle: None)
+    header: dict = {"starts": [], "idle_cpu": {}}
+    fleet = run.Fleet(run._parser().parse_args([]), 1, tmp_path, header)
+    for name in ("vllm", "parrot", "parrot-baseline-latency"):
+        fleet.get(name)
+    # short before the third start: parrot (cheap to restart) goes, vLLM (minutes) stays up
+    assert stopped == ["parrot"] and set(fleet.up) == {"vllm", "parrot-baseline-latency"}
+    assert header["memory_stops"] == [{"system": "parrot", "engines": 1}]
+    fleet.close()
+
+
 def test_an_interrupted_run_stops_every_system(monkeypatch, tmp_path: Path) -> None:
     from benchmarks.suite import run
 
