@@ -483,7 +483,8 @@ def test_fleet_stops_the_cheapest_idle_system_when_memory_is_short(monkeypatch, 
         def __exit__(self, *exc: object) -> None:
             stopped.append(self.name)
 
-    free = iter([20.0, 5.0, 20.0])  # GiB available before the 2nd and 3rd start, and after a stop
+    # GiB available before the 2nd and 3rd start (each needs 2.5 + 2), and after a stop
+    free = iter([20.0, 4.0, 20.0])
     monkeypatch.setattr(run, "mem_available_gib", lambda: next(free))
     monkeypatch.setattr(run, "start_system", lambda name, **kw: Started(name))
     monkeypatch.setattr(run, "_warm_up", lambda handle: None)

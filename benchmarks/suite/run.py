@@ -26,9 +26,10 @@ Order of runs, and why (``--dry-run`` prints it with estimated times):
   after each turn its processes' CPU use is measured over a few seconds, and
   one using more than :data:`~benchmarks.suite.load.IDLE_CPU_LIMIT` of a core
   is stopped and started again at its next turn (vLLM takes 1.5-3 minutes to
-  start on 2 cores).  Before a start leaves less than
-  :data:`MIN_AVAILABLE_GIB` of memory, idle systems are stopped, the cheapest
-  to restart first.  Every system is stopped at the end of its layout.
+  start on 2 cores).  Before a start that would leave less than
+  :data:`MIN_AVAILABLE_GIB` of memory (:data:`FOOTPRINT_GIB` per engine),
+  idle systems are stopped, the cheapest to restart first.  Every system is
+  stopped at the end of its layout.
 * Repeat ``r`` uses workloads generated with ``seed + r``: the same shapes and
   lengths, fresh text, so no system serves a repeat from caches warmed by the
   previous one (vLLM's prefix cache, Parrot's shared prefixes).  Every system
@@ -349,9 +350,12 @@ def schedule(systems: list[str], per_repeat: list[list[Workload]]) -> list[Turn]
 #: Seconds a system takes to start and warm up: the plan's estimate, and which idle system the
 #: fleet stops first when memory runs short (the cheapest to start again).
 START_S = {"parrot": 20.0, "vllm": 180.0, "fastchat": 60.0}
-#: Memory (MemAvailable) a system's start must leave free, else idle systems are stopped first.
-#: Measured: a Parrot engine holds ~2.4 GB (its 2 GiB KV pool), a vLLM server ~3 GB.
-MIN_AVAILABLE_GIB = 6.0
+#: Memory a system takes per engine, in GiB.  Measured (SmolLM2, fp32, default KV pools): a Parrot
+#: engine ~2.4 GB (its 2 GiB KV pool), a vLLM server ~5.2 GB (API server 0.7, engine core 0.7,
+#: worker 3.8 with its 2 GiB KV space).
+FOOTPRINT_GIB = {"parrot": 2.5, "vllm": 5.5, "fastchat": 2.0}
+#: Memory (MemAvailable) a start must leave free beyond the system's footprint.
+MIN_AVAILABLE_GIB = 2.0
 
 
 def mem_available_gib() -> float:
@@ -471,7 +475,8 @@ class Fleet:
     def get(self, name: str) -> SystemHandle:
         if name in self.up:
             return self.up[name][1]
-        self._make_room()
+        backend = SYSTEMS[name].backend
+        self._make_room(FOOTPRINT_GIB[backend] * (1 if backend == "fastchat" else self.engines))
         started = time.perf_counter()
         stack = contextlib.ExitStack()
         try:
@@ -501,9 +506,9 @@ class Fleet:
         self.up[name] = (stack, handle)
         return handle
 
-    def _make_room(self) -> None:
-        """Stop idle systems, cheapest to restart first, while memory is short for another one."""
-        while self.up and mem_available_gib() < MIN_AVAILABLE_GIB:
+    def _make_room(self, need_gib: float) -> None:
+        """Stop idle systems, cheapest to restart first, while memory is short for ``need_gib`` more."""
+        while self.up and mem_available_gib() < need_gib + MIN_AVAILABLE_GIB:
             name = min(self.up, key=lambda n: START_S[SYSTEMS[n].backend])
             print(f"\n{name}: stopped to leave memory for the next system", file=sys.stderr)
             self.header.setdefault("memory_stops", []).append({"system": name, "engines": self.engines})
