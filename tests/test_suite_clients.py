@@ -444,7 +444,7 @@ def test_fleet_stops_a_system_that_spins_while_idle(monkeypatch, tmp_path: Path)
 
         def __enter__(self) -> SystemHandle:
             return SystemHandle(
-                self.name, "openai", "http://x", "m", 1, pgids=[1 if self.name == "busy" else 2]
+                self.name, "openai", "http://x", "m", 1, pgids=[1 if self.name == "vllm" else 2]
             )
 
         def __exit__(self, *exc: object) -> None:
@@ -453,19 +453,20 @@ def test_fleet_stops_a_system_that_spins_while_idle(monkeypatch, tmp_path: Path)
     monkeypatch.setattr(run, "start_system", lambda name, **kw: Started(name))
     monkeypatch.setattr(run, "_warm_up", lambda handle: None)
     monkeypatch.setattr(run.time, "sleep", lambda s: None)
+    monkeypatch.setattr(run, "mem_available_gib", lambda: float("inf"))
     monkeypatch.setattr(load, "idle_cpu_share", lambda pgids, seconds: 0.5 if pgids == [1] else 0.0)
     header: dict = {"starts": [], "idle_cpu": {}}
     args = run._parser().parse_args([])
     fleet = run.Fleet(args, 1, tmp_path, header)
     for _ in range(2):
-        for name in ("busy", "quiet"):
+        for name in ("vllm", "parrot"):
             fleet.get(name)
             fleet.after_turn(name)
-    assert stopped == ["busy", "busy"]  # stopped after each of its turns, measured once
-    assert header["idle_cpu"] == {"busy (engines 1)": [0.5], "quiet (engines 1)": [0.0, 0.0]}
-    assert [s["system"] for s in header["starts"]] == ["busy", "quiet", "busy"]
+    assert stopped == ["vllm", "vllm"]  # stopped after each of its turns, measured once
+    assert header["idle_cpu"] == {"vllm (engines 1)": [0.5], "parrot (engines 1)": [0.0, 0.0]}
+    assert [s["system"] for s in header["starts"]] == ["vllm", "parrot", "vllm"]
     fleet.close()
-    assert stopped == ["busy", "busy", "quiet"] and not fleet.up
+    assert stopped == ["vllm", "vllm", "parrot"] and not fleet.up
 
 
 def test_fleet_stops_the_cheapest_idle_system_when_memory_is_short(monkeypatch, tmp_path: Path) -> None:
@@ -526,6 +527,7 @@ def test_an_interrupted_run_stops_every_system(monkeypatch, tmp_path: Path) -> N
     monkeypatch.setattr(run, "run_turn", turn)
     monkeypatch.setattr(run.load, "idle_cpu_share", lambda pgids, seconds: 0.0)
     monkeypatch.setattr(run.time, "sleep", lambda s: None)
+    monkeypatch.setattr(run, "mem_available_gib", lambda: float("inf"))
     args = run._parser().parse_args(["--systems", "parrot", "vllm", "--repeats", "2", "--no-plots"])
     one = Workload("f", "f/1", {}, (chain_app(),), engines=1)
     header = {"starts": [], "idle_cpu": {}, "failures": []}
