@@ -404,7 +404,11 @@ def print_plan(args: argparse.Namespace, workloads_mod: Any, workloads: list[Wor
     per_system = {s: sum(v or 0.0 for (n, _, r), v in est.items() if n == s and r == 0) for s in systems}
     cells = "".join(f" {per_system[s]:16.0f}" for s in systems)
     print(f"{'total per repeat':36} {'':3} {totals[0]:5} {totals[1]:6} {totals[2]:11} {totals[3]:8}{cells}")
-    print("\norder (systems stay up within a layout while idle; '+' = started here):")
+    print(
+        "\norder ('+' = started here; a system stays up within its layout while idle, unless it spins "
+        f"or a start needs its memory ({', '.join(f'{k} {v:g} GiB' for k, v in FOOTPRINT_GIB.items())} "
+        "per engine): then it is started again at its next turn, not shown):"
+    )
     seen: set[tuple[int, str]] = set()
     starts = 0.0
     for turn in turns:
