@@ -186,6 +186,71 @@ def test_sync_session_batch_sends_one_request(live) -> None:
         assert _session_writes(live, str(s.session_id)) == [("POST", f"/v1/sessions/{s.session_id}/batch")]
 
 
+def test_a_deferred_session_opens_with_its_first_batch_in_one_request(live) -> None:
+    async def app(defer: bool) -> tuple[str, list[str], int]:
+        before = len(live.requests)
+        async with P.aconnect(live.url, timeout=WAIT, defer_open=defer) as s:
+            assert (s.session_id is None) == defer
+            async with s.batch():
+                topic = s.variable(name="topic")
+                idea = FIRST(topic)
+                end = BOTH(idea, "constant")
+                await topic.aset("parrots")
+            assert s.session_id is not None and all(v.id for v in (topic, idea, end))
+            values = [await v.aget(timeout=WAIT) for v in (idea, end)]
+            sid = str(s.session_id)
+            writes = [r for r in live.requests[before:] if r[0] in ("POST", "PUT")]
+            return sid, values, len(writes)
+
+    sid, values, writes = asyncio.run(app(True))
+    assert writes == 1  # the session and the whole app at once
+    assert ("POST", "/v1/sessions") in live.requests and _session_writes(live, sid) == []
+    assert asyncio.run(app(False))[1:] == (values, 2)  # same values; the session was a request of its own
+
+
+def test_a_deferred_session_with_a_rejected_first_batch_leaves_no_session(live) -> None:
+    async def app() -> None:
+        sessions = len(live.manager.sessions)
+        async with P.aconnect(live.url, timeout=WAIT, defer_open=True) as s:
+            with pytest.raises(P.Conflict) as rejected:
+                async with s.batch():
+                    topic = s.variable(name="topic")
+                    FIRST(topic)
+                    await topic.aset("one")
+                    await topic.aset("two")
+            assert rejected.value.detail["op"] == 3 and s.session_id is None
+            assert len(live.manager.sessions) == sessions  # nothing was kept
+            idea = FIRST("a plain call opens the session first")  # two requests: session, call
+            assert await idea.aget(timeout=WAIT)
+            sid = str(s.session_id)
+        assert [p.rsplit("/", 1)[-1] for _, p in _session_writes(live, sid)] == ["calls"]
+
+    asyncio.run(app())
+
+
+def test_session_creation_carries_a_batch_over_http(raw: Raw) -> None:
+    ops = [create("t", value="parrots"), call(T1, use("x", "t"), out("y", define_ref="y"))]
+    body = {"batch": {"ops": ops}}
+    created = raw.http.post("/v1/sessions", json=body)
+    assert created.status_code == 201, created.text
+    data = created.json()
+    assert set(data["batch"]["refs"]) == {"t", "y"} and [r["op"] for r in data["batch"]["results"]] == [
+        "create_variable",
+        "submit_call",
+    ]
+    auth = {"Authorization": f"Bearer {data['token']}"}
+    got = raw.http.get(
+        f"/v1/sessions/{data['session_id']}/variables/{data['batch']['refs']['y']}",
+        params={"wait": WAIT},
+        headers=auth,
+    )
+    assert got.json()["state"] == "ready"
+    plain = raw.http.post("/v1/sessions")  # no body: a session, no batch
+    assert plain.status_code == 201 and plain.json()["batch"] is None
+    bad = raw.http.post("/v1/sessions", json={"batch": {"ops": [put("v", ref="nowhere")]}})
+    assert bad.status_code >= 400 and bad.json()["error"]["detail"]["op"] == 0
+
+
 def test_client_batch_errors_are_raised_and_nothing_is_applied(live) -> None:
     async def app() -> None:
         async with P.aconnect(live.url, timeout=WAIT) as s:

@@ -1,4 +1,4 @@
-"""The in-service / outside split of an app's latency (benchmarks/suite/breakdown.py)."""
+"""Where an app's time goes (benchmarks/suite/breakdown.py): network, queueing, prefill, decode."""
 
 from __future__ import annotations
 
@@ -14,7 +14,11 @@ if str(ROOT) not in sys.path:
 from benchmarks.suite.breakdown import Split, app_split, breakdown_lines, mean_split  # noqa: E402
 
 
-def app(calls: list[tuple[float, float]], *, arrival: float = 0.0, end: float = 10.0, kind: str = "chain"):
+def call(start: float, end: float, ready: float | None = None, first: float | None = None) -> dict:
+    return {"name": "c", "start_s": start, "end_s": end, "ready_s": ready, "first_token_s": first}
+
+
+def app(calls: list[dict], *, arrival: float = 0.0, end: float = 10.0, kind: str = "chain", delays: int = 0):
     return {
         "app_id": "a",
         "kind": kind,
@@ -22,43 +26,66 @@ def app(calls: list[tuple[float, float]], *, arrival: float = 0.0, end: float = 
         "start_s": arrival,
         "end_s": end,
         "error": None,
-        "calls": [{"name": f"c{i}", "start_s": a, "end_s": b} for i, (a, b) in enumerate(calls)],
+        "calls": calls,
+        "delays": delays,
+        "delay_s": 0.25 * delays,
     }
 
 
-def test_a_chain_with_gaps_between_calls() -> None:
-    # three dependent calls, each after a 0.5 s gap: 3 x 1.5 s in service, 1.5 s + tail outside
-    split = app_split(app([(0.5, 2.0), (2.5, 4.0), (4.5, 6.0)], end=6.5))
-    assert split == Split(6.5, 4.5)
-    assert split.outside_s == pytest.approx(2.0)
+def test_a_baseline_chain_with_network_gaps_between_calls() -> None:
+    # three dependent requests, each after a 0.5 s delay; 0.5 s to the first token, 1 s of decode
+    calls = [call(s, s + 1.5, ready=s, first=s + 0.5) for s in (0.5, 2.5, 4.5)]
+    split = app_split(app(calls, end=6.0, delays=3))
+    assert split == Split(6.0, outside_s=1.5, prefill_s=1.5, decode_s=3.0, delays=3, delay_s=0.75)
 
 
-def test_overlapping_calls_count_once_and_are_clipped_to_the_app() -> None:
-    # parallel maps overlapping, a reduce after them; one span sticks out past the end
-    split = app_split(app([(1.0, 3.0), (2.0, 4.0), (1.5, 2.5), (5.0, 9.0)], arrival=0.5, end=8.0))
-    assert split == Split(7.5, 3.0 + 3.0)
+def test_parrot_calls_queue_in_the_manager_and_overlap_by_priority() -> None:
+    # two parallel maps (one queued behind the other's prefill), then a reduce
+    calls = [
+        call(0.5, 3.0, ready=0.5, first=1.0),
+        call(1.0, 3.5, ready=0.5, first=1.5),  # queued 0.5-1.0 while the first map prefills
+        call(3.5, 5.0, ready=3.5, first=4.0),
+    ]
+    split = app_split(app(calls, end=5.5, delays=3))
+    # 0-0.5 outside, 0.5-1.0 prefill (beats queued), 1.0-3.5 decode (beats the second prefill),
+    # 3.5-4.0 prefill, 4.0-5.0 decode, 5.0-5.5 outside (the get's delay)
+    assert split == Split(5.5, outside_s=1.0, prefill_s=1.0, decode_s=3.5, delays=3, delay_s=0.75)
+    queued = app_split(app([call(2.0, 3.0, ready=0.5, first=2.5)], end=3.0))
+    assert queued == Split(3.0, outside_s=0.5, queued_s=1.5, prefill_s=0.5, decode_s=0.5)
+
+
+def test_the_categories_always_sum_to_the_latency_and_are_clipped() -> None:
+    calls = [call(1.0, 3.0), call(2.0, 4.0, first=2.5), call(1.5, 2.5, ready=0.2), call(5.0, 9.0, first=6.0)]
+    split = app_split(app(calls, arrival=0.5, end=8.0))
+    assert split is not None
+    total = split.outside_s + split.queued_s + split.prefill_s + split.service_s + split.decode_s
+    assert total == pytest.approx(split.latency_s) == pytest.approx(7.5)
+    assert split.queued_s == pytest.approx(0.5)  # 0.5-1.0 (clipped at the arrival)
+    assert split.service_s == pytest.approx(1.0)  # 1.0-2.0: only calls without a first token
+    assert split.prefill_s == pytest.approx(0.5 + 1.0)  # 2.0-2.5 (beats service) and 5.0-6.0
+    assert split.decode_s == pytest.approx(1.5 + 2.0)  # 2.5-4.0 and 6.0-8.0 (clipped at the end)
 
 
 def test_failed_apps_and_apps_without_times_have_no_split() -> None:
-    failed = app([(0.0, 1.0)])
+    failed = app([call(0.0, 1.0)])
     failed["error"] = "boom"
     assert app_split(failed) is None
-    assert app_split(app([(float("nan"), float("nan"))])) is None
+    assert app_split(app([call(float("nan"), float("nan"))])) is None
     assert mean_split([failed]) is None
 
 
-def test_table_excludes_chat_apps_and_averages_per_figure_and_system() -> None:
+def test_table_per_figure_system_and_app_kind() -> None:
     runs = [
         {
-            "figure": "fig11",
+            "figure": "fig12a",
             "system": "vllm",
-            "apps": [app([(0.0, 4.0)], end=8.0), app([(0.0, 1.0)], end=1.0, kind="chat")],
+            "apps": [app([call(0.0, 4.0, first=1.0)], end=8.0), app([call(0.0, 1.0)], end=1.0, kind="chat")],
         },
-        {"figure": "fig11", "system": "vllm", "apps": [app([(0.0, 2.0)], end=4.0)]},
-        {"figure": "fig11", "system": "parrot", "apps": [app([(0.5, 3.0)], end=3.5)]},
+        {"figure": "fig12a", "system": "vllm", "apps": [app([call(0.0, 2.0, first=1.0)], end=4.0)]},
     ]
-    assert breakdown_lines(runs)[2:] == [
-        "| fig11 | parrot | 3.50 | 2.50 | 1.00 | 29% |",
-        "| fig11 | vllm | 6.00 | 3.00 | 3.00 | 50% |",
+    lines = breakdown_lines(runs)
+    assert lines[2:] == [
+        "| fig12a | vllm | chain | 2 | 6.00 | 3.00 | 0.00 | 1.00 | 2.00 | 0.00 | 0.0 | 0.00 |",
+        "| fig12a | vllm | chat | 1 | 1.00 | 0.00 | 0.00 | 0.00 | 0.00 | 1.00 | 0.0 | 0.00 |",
     ]
     assert breakdown_lines([]) == []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import re
 import socket
 import subprocess
@@ -25,6 +26,7 @@ import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -32,6 +34,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.suite.clients import (  # noqa: E402 - after the sys.path line
     Delay,
+    Router,
     render_prompt,
     run_baseline_app,
     run_parrot_app,
@@ -53,7 +56,8 @@ def completion_of(prompt: str) -> str:
 class Seen:
     body: dict[str, Any]
     start: float  # time.perf_counter() when the request arrived
-    end: float = 0.0  # ... and when its answer was ready
+    first: float = 0.0  # ... when its first text was sent
+    end: float = 0.0  # ... and when its answer was complete
 
 
 @dataclass
@@ -72,20 +76,36 @@ def _fake_app(state: FakeOpenAI) -> FastAPI:
     app = FastAPI()
 
     @app.post("/v1/completions")
-    async def completions(body: dict[str, Any]) -> dict[str, Any]:
+    async def completions(body: dict[str, Any]) -> Any:
+        """Streams (as the suite's client asks) the first half of the text after
+        ANSWER_S / 2, the rest after ANSWER_S, then the usage chunk."""
         seen = Seen(body, time.perf_counter())
         state.seen.append(seen)
         state.in_flight += 1
         state.max_in_flight = max(state.max_in_flight, state.in_flight)
-        try:
-            await asyncio.sleep(ANSWER_S)
-        finally:
-            state.in_flight -= 1
-        seen.end = time.perf_counter()
         text = completion_of(body["prompt"])
         usage = {"prompt_tokens": len(body["prompt"].split()), "completion_tokens": 3}
         usage["total_tokens"] = usage["prompt_tokens"] + 3
-        return {"choices": [{"text": text, "index": 0, "finish_reason": "length"}], "usage": usage}
+
+        def chunk(piece: str, reason: str | None) -> bytes:
+            event = {"choices": [{"text": piece, "index": 0, "finish_reason": reason}]}
+            return f"data: {json.dumps(event)}\n\n".encode()
+
+        async def events() -> Any:
+            try:
+                await asyncio.sleep(ANSWER_S / 2)
+                seen.first = time.perf_counter()
+                yield chunk(text[:4], None)
+                await asyncio.sleep(ANSWER_S / 2)
+                yield chunk(text[4:], "length")
+                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
+                yield b"data: [DONE]\n\n"
+            finally:
+                state.in_flight -= 1
+                seen.end = time.perf_counter()
+
+        assert body.get("stream") is True
+        return StreamingResponse(events(), media_type="text/event-stream")
 
     return app
 
@@ -184,6 +204,8 @@ def test_baseline_chain_renders_client_side_one_request_per_call(fake: FakeOpenA
             "max_tokens": max_tokens,
             "temperature": 0.0,
             "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
         }
     # each call was sent only after its producer answered
     assert fake.seen[1].start >= fake.seen[0].end and fake.seen[2].start >= fake.seen[1].end
@@ -191,6 +213,11 @@ def test_baseline_chain_renders_client_side_one_request_per_call(fake: FakeOpenA
     assert [c.output_tokens for c in record.calls] == [3, 3, 3]
     assert record.calls[0].prompt_tokens == len(p1.split())
     assert record.end_s == record.calls[-1].end_s >= record.start_s
+    for call in record.calls:  # streamed: the first text came half-way through the answer
+        assert call.ready_s == call.start_s < call.first_token_s < call.end_s
+        assert call.first_token_s - call.start_s >= ANSWER_S / 2 - 0.01
+        assert call.end_s - call.first_token_s >= ANSWER_S / 2 - 0.01
+    assert (record.delays, record.delay_s) == (3, 0.0)
 
 
 def test_baseline_without_ignore_eos_does_not_send_it(fake: FakeOpenAI) -> None:
@@ -240,6 +267,36 @@ def test_baseline_error_is_recorded_not_raised(fake: FakeOpenAI) -> None:
     assert record.calls == []
 
 
+def test_router_sends_to_the_fewest_in_flight_then_round_robin() -> None:
+    router = Router(["a", "b", "c"])
+    with router.pick() as first, router.pick() as second:
+        assert (first, second) == ("a", "b")
+        with router.pick() as third:
+            assert third == "c"
+        with router.pick() as fourth:  # c is free again: the only one with none in flight
+            assert fourth == "c"
+    picks = []
+    for _ in range(4):  # all idle: round-robin from where it left off
+        with router.pick() as url:
+            picks.append(url)
+    assert picks == ["a", "b", "c", "a"]
+    assert router.sent == [3, 2, 3] and router.in_flight == [0, 0, 0]
+    with pytest.raises(ValueError):
+        Router([])
+
+
+def test_baseline_spreads_requests_over_servers(fake: FakeOpenAI) -> None:
+    app = map_reduce_app(4)
+    workload = Workload("figX", "figX/servers", {"sweep": "x", "x": 1}, (app,))
+    urls = [fake.url, fake.url + "/"]  # two names of one server, told apart by the router
+    system = SystemHandle("fake", "openai", fake.url, "m", 2, backend="vllm", base_urls=urls)
+    run = asyncio.run(run_workload(system, workload, repeat=0, delay_ms=(0, 0)))
+    assert run.apps[0].error is None
+    # the four maps went out together, two to each; the reduce went to the first again
+    assert run.extra["requests_per_server"] == {urls[0]: 3, urls[1]: 2}
+    assert {c.engine for c in run.apps[0].calls} == set(urls)
+
+
 def test_delay_is_seeded_and_bounded() -> None:
     a, b = Delay(200, 300, seed=7), Delay(200, 300, seed=7)
     draws = [a.sample() for _ in range(100)]
@@ -285,15 +342,17 @@ _VAR_GET = re.compile(r"^/v1/sessions/[^/]+/variables/([^/]+)$")
 def test_parrot_app_submits_the_whole_app_in_one_request_and_fetches_only_outputs(live) -> None:
     app = _parrot_app()
     delay = Delay(100, 100)
+    before = len(live.requests)
     record = asyncio.run(run_parrot_app(live.url, app, time.perf_counter(), delay))
     assert record.error is None, record.error
-    writes = [p for m, p in live.requests if m in ("POST", "PUT") and p.startswith("/v1/sessions/")]
-    assert len(writes) == 1 and writes[0].endswith("/batch")  # constants, calls and values at once
+    writes = [(m, p) for m, p in live.requests[before:] if m in ("POST", "PUT")]
+    assert writes == [("POST", "/v1/sessions")]  # the session, constants, calls and values at once
     fetched = {m.group(1) for meth, p in live.requests if meth == "GET" and (m := _VAR_GET.match(p))}
     assert len(fetched) == len(app.outputs)  # m1 flowed into r on the server, never to the client
     assert not any(p.endswith("/v1/completions") for _, p in live.requests)
-    # one delay for the submission, one per fetched output
-    assert delay.count == 1 + len(app.outputs)
+    # one delay for the submission (which opened the session), one per fetched output
+    assert delay.count == record.delays == 1 + len(app.outputs)
+    assert record.delay_s == pytest.approx(0.1 * record.delays)
     # records of every call from the session graph, with the engine's token counts
     assert [c.name for c in record.calls] == ["m0", "m1", "r"]
     assert [c.output_tokens for c in record.calls] == [5, 6, 7]  # ignore_eos: exactly max_tokens
@@ -304,6 +363,12 @@ def test_parrot_app_submits_the_whole_app_in_one_request_and_fetches_only_output
     first_start = min(c.start_s for c in record.calls)
     assert first_start - record.start_s >= 0.09
     assert record.end_s - max(c.end_s for c in record.calls) >= 0.09
+    # each call: ready (inputs there) <= placed <= first token <= finished; r waited for m0 and m1
+    for c in record.calls:
+        assert c.ready_s <= c.start_s <= c.first_token_s <= c.end_s
+    by = {c.name: c for c in record.calls}
+    # (a producer records its end after freeing its engine context, a moment after its value went on)
+    assert by["r"].ready_s == pytest.approx(max(by["m0"].end_s, by["m1"].end_s), abs=0.05)
 
 
 def test_parrot_submit_bodies_carry_the_objective_on_final_outputs_only() -> None:
@@ -346,17 +411,131 @@ def test_run_workload_on_parrot_samples_engine_metrics(live) -> None:
 
 
 # ------------------------------------------------------------------ command line
-def test_schedule_starts_parrot_per_engine_count_and_peers_once() -> None:
+def test_schedule_interleaves_systems_per_repeat_within_each_layout() -> None:
     from benchmarks.suite.run import schedule
 
     one = Workload("f", "f/1", {}, (chain_app(),), engines=1)
     two = Workload("g", "g/2", {}, (chain_app(),), engines=2)
-    plan = schedule(["parrot", "vllm"], [two, one])
-    assert [(name, engines, [w.name for w in group]) for name, engines, group in plan] == [
-        ("parrot", 1, ["f/1"]),
-        ("parrot", 2, ["g/2"]),
-        ("vllm", 1, ["g/2", "f/1"]),
+    turns = schedule(["parrot", "base", "vllm"], [[two, one], [two, one]])
+    assert [(t.engines, t.repeat, t.system, [w.name for w in t.workloads]) for t in turns] == [
+        (1, 0, "parrot", ["f/1"]),
+        (1, 0, "base", ["f/1"]),
+        (1, 0, "vllm", ["f/1"]),
+        (1, 1, "base", ["f/1"]),  # rotated: repeat 1 starts with the second system
+        (1, 1, "vllm", ["f/1"]),
+        (1, 1, "parrot", ["f/1"]),
+        (2, 0, "parrot", ["g/2"]),
+        (2, 0, "base", ["g/2"]),
+        (2, 0, "vllm", ["g/2"]),
+        (2, 1, "base", ["g/2"]),
+        (2, 1, "vllm", ["g/2"]),
+        (2, 1, "parrot", ["g/2"]),
     ]
+
+
+def test_fleet_stops_a_system_that_spins_while_idle(monkeypatch, tmp_path: Path) -> None:
+    from benchmarks.suite import load, run
+
+    stopped: list[str] = []
+
+    class Started:
+        def __init__(self, name: str):
+            self.name = name
+
+        def __enter__(self) -> SystemHandle:
+            return SystemHandle(
+                self.name, "openai", "http://x", "m", 1, pgids=[1 if self.name == "vllm" else 2]
+            )
+
+        def __exit__(self, *exc: object) -> None:
+            stopped.append(self.name)
+
+    monkeypatch.setattr(run, "start_system", lambda name, **kw: Started(name))
+    monkeypatch.setattr(run, "_warm_up", lambda handle: None)
+    monkeypatch.setattr(run.time, "sleep", lambda s: None)
+    monkeypatch.setattr(run, "mem_available_gib", lambda: float("inf"))
+    monkeypatch.setattr(load, "idle_cpu_share", lambda pgids, seconds: 0.5 if pgids == [1] else 0.0)
+    header: dict = {"starts": [], "idle_cpu": {}}
+    args = run._parser().parse_args([])
+    fleet = run.Fleet(args, 1, tmp_path, header)
+    for _ in range(2):
+        for name in ("vllm", "parrot"):
+            fleet.get(name)
+            fleet.after_turn(name)
+    assert stopped == ["vllm", "vllm"]  # stopped after each of its turns, measured once
+    assert header["idle_cpu"] == {"vllm (engines 1)": [0.5], "parrot (engines 1)": [0.0, 0.0]}
+    assert [s["system"] for s in header["starts"]] == ["vllm", "parrot", "vllm"]
+    fleet.close()
+    assert stopped == ["vllm", "vllm", "parrot"] and not fleet.up
+
+
+def test_fleet_stops_the_cheapest_idle_system_when_memory_is_short(monkeypatch, tmp_path: Path) -> None:
+    from benchmarks.suite import run
+
+    stopped: list[str] = []
+
+    class Started:
+        def __init__(self, name: str):
+            self.name = name
+
+        def __enter__(self) -> SystemHandle:
+            return SystemHandle(self.name, "openai", "http://x", "m", 1, pgids=[])
+
+        def __exit__(self, *exc: object) -> None:
+            stopped.append(self.name)
+
+    # GiB available before the 2nd and 3rd start (each needs 2.5 + 2), and after a stop
+    free = iter([20.0, 4.0, 20.0])
+    monkeypatch.setattr(run, "mem_available_gib", lambda: next(free))
+    monkeypatch.setattr(run, "start_system", lambda name, **kw: Started(name))
+    monkeypatch.setattr(run, "_warm_up", lambda handle: None)
+    header: dict = {"starts": [], "idle_cpu": {}}
+    fleet = run.Fleet(run._parser().parse_args([]), 1, tmp_path, header)
+    for name in ("vllm", "parrot", "parrot-baseline-latency"):
+        fleet.get(name)
+    # short before the third start: parrot (cheap to restart) goes, vLLM (minutes) stays up
+    assert stopped == ["parrot"] and set(fleet.up) == {"vllm", "parrot-baseline-latency"}
+    assert header["memory_stops"] == [{"system": "parrot", "engines": 1}]
+    fleet.close()
+
+
+def test_an_interrupted_run_stops_every_system(monkeypatch, tmp_path: Path) -> None:
+    from benchmarks.suite import run
+
+    stopped: list[str] = []
+
+    class Started:
+        def __init__(self, name: str):
+            self.name = name
+
+        def __enter__(self) -> SystemHandle:
+            return SystemHandle(self.name, "openai", "http://x", "m", 1, pgids=[])
+
+        def __exit__(self, *exc: object) -> None:
+            stopped.append(self.name)
+
+    turns: list[str] = []
+
+    def turn(args, fleet, turn, raw, out, bar) -> None:
+        fleet.get(turn.system)
+        turns.append(turn.system)
+        if len(turns) == 3:
+            raise run._Terminated()  # SIGTERM arrives during the third turn
+
+    monkeypatch.setattr(run, "start_system", lambda name, **kw: Started(name))
+    monkeypatch.setattr(run, "_warm_up", lambda handle: None)
+    monkeypatch.setattr(run, "run_turn", turn)
+    monkeypatch.setattr(run.load, "idle_cpu_share", lambda pgids, seconds: 0.0)
+    monkeypatch.setattr(run.time, "sleep", lambda s: None)
+    monkeypatch.setattr(run, "mem_available_gib", lambda: float("inf"))
+    args = run._parser().parse_args(["--systems", "parrot", "vllm", "--repeats", "2", "--no-plots"])
+    one = Workload("f", "f/1", {}, (chain_app(),), engines=1)
+    header = {"starts": [], "idle_cpu": {}, "failures": []}
+    with pytest.raises(run._Terminated):
+        run.run_suite(args, type("W", (), {"generate": lambda *a: [one]}), [one], header, tmp_path)
+    assert turns == ["parrot", "vllm", "vllm"]
+    assert sorted(stopped) == ["parrot", "vllm"]  # both were up, both stopped
+    assert header["failures"] == []  # an interruption is not a system's failure
 
 
 def _suite(*args: str) -> subprocess.CompletedProcess[str]:
@@ -373,9 +552,17 @@ def test_dry_run_prints_the_plan() -> None:
     proc = _suite("--figures", "fig11", "--systems", "parrot", "vllm", "--dry-run")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    assert "fig11/" in out and "machine" in out
-    assert re.search(r"^\s+parrot\s+engines 1", out, re.M) and re.search(r"^\s+vllm\s+engines 1", out, re.M)
-    assert not re.search(r"^\s+fastchat\s+engines", out, re.M)
+    assert "fig11/" in out and "machine" in out and "dtype float32" in out
+    turns = re.findall(r"^\s+([+ ]) engines (\d)\s+repeat (\d)\s+(\S+)", out, re.M)
+    assert turns == [
+        ("+", "1", "0", "parrot"),
+        ("+", "1", "0", "vllm"),
+        (" ", "1", "1", "vllm"),
+        (" ", "1", "1", "parrot"),
+        (" ", "1", "2", "parrot"),
+        (" ", "1", "2", "vllm"),
+    ]
+    assert re.search(r"estimated \d+\.\d h of wall time", out)
 
 
 @pytest.mark.parametrize(
@@ -389,17 +576,104 @@ def test_unknown_names_exit_2(args: tuple[str, ...], name: str) -> None:
     assert "known:" in proc.stderr
 
 
-def test_parrot_system_commands_split_the_cores_and_pass_the_latency_cap() -> None:
+def test_parrot_system_commands_split_the_cores_and_pass_dtype_flags_and_cap() -> None:
     from benchmarks.suite.systems import parrot_commands
 
     serve, engines = parrot_commands("parrot", Path("/m"), 1, 9100, 2)
-    assert serve[-4:] == ["--model", "/m", "--threads", "2"] and engines == []
-    assert "--latency-cap" not in serve
-    serve, engines = parrot_commands("no-affinity", Path("/m"), 2, 9100, 2, latency_cap=2048)
+    assert engines == []
+    assert serve[serve.index("--model") :] == [
+        "--model", "/m", "--weight-dtype", "float32", "--kv-dtype", "float32", "--threads", "2"
+    ]  # fmt: skip
+    assert "--latency-cap" not in serve and "--no-engine" not in serve
+    serve, engines = parrot_commands(
+        "no-affinity",
+        Path("/m"),
+        2,
+        9100,
+        2,
+        latency_cap=2048,
+        dtype="bfloat16",
+        serve_flags=("--no-app-fifo",),
+        engine_flags=("--no-prefix-cache",),
+    )
     assert serve[-1] == "--no-engine" and serve[serve.index("--latency-cap") + 1] == "2048"
-    assert serve[serve.index("--policy") + 1] == "no-affinity"
+    assert serve[serve.index("--policy") + 1] == "no-affinity" and "--no-app-fifo" in serve
+    assert "--no-prefix-cache" not in serve  # an engine flag; this manager has no engine of its own
     assert len(engines) == 2 and all(e[e.index("--threads") + 1] == "1" for e in engines)
     assert all(e[e.index("--manager") + 1] == "http://127.0.0.1:9100" for e in engines)
+    for e in engines:
+        assert e[e.index("--weight-dtype") + 1] == e[e.index("--kv-dtype") + 1] == "bfloat16"
+        assert "--no-prefix-cache" in e and "--no-app-fifo" not in e
+    serve, _ = parrot_commands("parrot", Path("/m"), 1, 9100, 2, engine_flags=("--no-prefix-cache",))
+    assert "--no-prefix-cache" in serve  # the embedded engine takes it on `parrot serve`
+    with pytest.raises(ValueError, match="dtype"):
+        parrot_commands("parrot", Path("/m"), 1, 9100, 2, dtype="float16")
+
+
+def test_systems_switch_off_one_mechanism_each_and_baselines_have_no_prefix_cache() -> None:
+    from benchmarks.suite.systems import SYSTEMS
+
+    parrot = SYSTEMS["parrot"]
+    assert not parrot.ablation and parrot.policy == "parrot"
+    assert not parrot.serve_flags and not parrot.engine_flags
+    ablations = {name: spec for name, spec in SYSTEMS.items() if spec.ablation}
+    assert set(ablations) == {
+        "parrot-no-app-fifo",
+        "parrot-no-deduction",
+        "parrot-no-affinity",
+        "parrot-no-prefix-cache",
+    }
+    changes = {
+        name: (spec.policy, spec.serve_flags, spec.engine_flags, spec.optional_flags)
+        for name, spec in ablations.items()
+    }
+    assert changes == {
+        "parrot-no-app-fifo": ("parrot", ("--no-app-fifo",), (), ()),
+        "parrot-no-deduction": ("no-deduction", (), (), ()),
+        "parrot-no-affinity": ("no-affinity", (), (), ()),
+        "parrot-no-prefix-cache": ("parrot", (), ("--no-prefix-cache",), ()),
+    }
+    for name in ("parrot-baseline-latency", "parrot-baseline-throughput"):
+        spec = SYSTEMS[name]
+        assert spec.kind == "openai" and spec.engine_flags == ("--no-prefix-cache",)
+        assert spec.optional_flags == ("--no-prefix-cache",)
+    assert SYSTEMS["vllm"].engine_flags == ()
+
+
+def test_missing_flags_fail_ablations_and_are_dropped_from_baselines(monkeypatch) -> None:
+    from benchmarks.suite import systems
+
+    monkeypatch.setattr(systems, "parrot_supports", lambda sub, flag: flag != "--no-prefix-cache")
+    serve, engine, notes = systems._supported_flags(systems.SYSTEMS["parrot-baseline-latency"], 2)
+    assert (serve, engine) == ((), ()) and "no --no-prefix-cache" in notes[0]
+    with pytest.raises(systems.SystemStartError, match="no --no-prefix-cache"):
+        systems._supported_flags(systems.SYSTEMS["parrot-no-prefix-cache"], 1)
+    serve, engine, notes = systems._supported_flags(systems.SYSTEMS["parrot-no-app-fifo"], 1)
+    assert (serve, engine, notes) == (("--no-app-fifo",), (), [])
+
+
+def test_parrot_supports_reads_the_installed_cli() -> None:
+    from benchmarks.suite.systems import parrot_supports
+
+    assert parrot_supports("serve", "--policy") and parrot_supports("engine", "--weight-dtype")
+    assert not parrot_supports("serve", "--no-such-flag")
+
+
+def test_vllm_servers_each_get_their_own_cores() -> None:
+    from benchmarks.peers import start_command
+    from benchmarks.suite.systems import vllm_layout
+
+    assert vllm_layout(1, 2) == ["0-1"]
+    assert vllm_layout(2, 2) == ["0", "1"]
+    assert vllm_layout(2, 8) == ["0-3", "4-7"]
+    assert vllm_layout(4, 2) == ["0", "1", "0", "1"]  # more servers than cores: shared, in turn
+    with pytest.raises(ValueError):
+        vllm_layout(0, 2)
+    cmd = start_command("vllm", "/m", 8101, prefix_caching=True, threads="1", dtype="bfloat16", timeout=60)
+    assert cmd[cmd.index("--port") + 1] == "8101" and "--prefix-caching" in cmd
+    assert cmd[cmd.index("--threads") + 1] == "1" and cmd[cmd.index("--dtype") + 1] == "bfloat16"
+    with pytest.raises(ValueError, match="vLLM options"):
+        start_command("fastchat", "/m", 8200, dtype="bfloat16")
 
 
 def test_parrot_client_lets_nothing_run_before_the_whole_dag_is_submitted(live) -> None:

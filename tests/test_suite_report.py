@@ -151,7 +151,7 @@ def test_fig11_rows_means_spreads_and_ratios(raw: list[dict], tmp_path: Path) ->
 def test_points_follow_the_x_axis(raw: list[dict], tmp_path: Path) -> None:
     md = build_report(list(reversed(raw)), HEADER, tmp_path, plots=False)
     assert md.index(FIG11_A + " |") < md.index(FIG11_B + " |") < md.index(FIG11_C + " |")
-    fig11 = md.split("## Figure 11", 1)[1]
+    fig11 = md.split("## Figure 11", 1)[1].split("**mean end-to-end latency", 1)[1]
     assert fig11.index("| parrot |") < fig11.index("| vllm |")
 
 
@@ -257,9 +257,110 @@ def test_bad_header_or_bound(raw: list[dict], tmp_path: Path) -> None:
 def test_summary_is_the_geometric_mean_of_each_figures_ratios(raw: list[dict], tmp_path: Path) -> None:
     md = build_report(raw, {}, tmp_path, plots=False)
     summary = md.split("## Summary", 1)[1].split("\n## ", 1)[0]
-    # fig11 against vllm: points A (1.83x) and B (1.25x); C has no vllm value (every app failed)
-    expected = f"{math.sqrt((5.5 / 3) * 1.25):.2f}×"
-    row = next(line for line in summary.splitlines() if line.startswith("| fig11 | vllm |"))
-    assert row.split(" | ")[3:] == [expected, "1.25–1.83", "2 |"]
-    # fig15_16 has one point: its geometric mean is its ratio
-    assert "| fig15_16 | vllm | mean end-to-end latency of the apps (s) | 2.00× | 2.00–2.00 | 1 |" in summary
+    # fig11 against vllm: points A (1.83x) and B (1.25x); C has no vllm value (every app failed);
+    # per repeat only r0 has both points: geomean(1.5, 2.5)
+    expected = (
+        f"vllm: {math.sqrt((5.5 / 3) * 1.25):.2f}× ({math.sqrt(1.5 * 2.5):.2f}–{math.sqrt(1.5 * 2.5):.2f})"
+    )
+    row = next(line for line in summary.splitlines() if line.startswith("| fig11 |"))
+    assert expected in row and "vllm geo ≥ 1.3×: met" in row
+    # fig15_16 has one point: its geometric mean is its ratio; fig17 compares the highest rates (2 vs 1)
+    assert "| fig15_16 | mean end-to-end latency of the apps (s) | vllm: 2.00× (2.00–2.00) |" in summary
+    assert "| fig17 | highest sustainable request rate | vllm: 2.00× (2.00–2.00) |" in summary
+
+
+def _with_systems(raw: list[dict], factors: dict[str, float]) -> list[dict]:
+    """``raw`` plus copies of parrot's runs as other systems, every latency times a factor."""
+    out = list(raw)
+    for system, factor in factors.items():
+        for run in raw:
+            if run["system"] != "parrot":
+                continue
+            twin = copy.deepcopy(run)
+            twin["system"] = system
+            for app in twin["apps"]:
+                app["end_s"] = app["arrival_s"] + factor * (app["end_s"] - app["arrival_s"])
+            out.append(twin)
+    return out
+
+
+def test_targets_against_the_latency_baseline_and_ablation_tables(raw: list[dict], tmp_path: Path) -> None:
+    runs = _with_systems(
+        raw, {"parrot-baseline-latency": 1.3, "parrot-no-affinity": 1.1, "parrot-baseline-throughput": 3.0}
+    )
+    md = build_report(runs, {}, tmp_path, plots=False)
+    summary = md.split("## Summary", 1)[1].split("\n## ", 1)[0]
+    fig11 = next(line for line in summary.splitlines() if line.startswith("| fig11 |"))
+    # every point 1.3x: the geometric mean target (1.2x) is met, the best-point one (1.38x) missed
+    assert "parrot-baseline-latency geo ≥ 1.2×: met (1.30×)" in fig11
+    assert "parrot-baseline-latency best ≥ 1.38×: missed (1.30×)" in fig11
+    assert "parrot-no-affinity: 1.10×" in fig11 and "parrot-baseline-throughput: 3.00×" in fig11
+    section = md.split("## Figure 11", 1)[1].split("\n## ", 1)[0]
+    against, ablations = section.split("**Parrot against its ablations**", 1)
+    assert (
+        "| parrot-baseline-latency | mean end-to-end latency of the non-chat apps (s) | best point | 1.30× |"
+        in against
+    )
+    assert "≥ 1.38× (paper 1.38x) | missed |" in against
+    assert "parrot-no-affinity" not in against
+    ablations = ablations.split("**mean end-to-end", 1)[0]
+    latency = "mean end-to-end latency of the non-chat apps (s)"
+    assert f"| parrot-no-affinity | {latency} | geo. mean over points | 1.10× |" in ablations
+    assert "parrot-baseline" not in ablations
+
+
+def test_a_point_on_two_sweeps_is_plotted_on_both(tmp_path: Path) -> None:
+    from benchmarks.suite.report import Point, _sweeps, group_runs
+
+    shared = {"sweep": "output", "x": 25, "also": {"chunk": 320}}
+    runs = [
+        _run("parrot", "fig11/out=25,chunk=320", shared, 0, [_app("fig11/out=25,chunk=320/chain0", 2.0)]),
+        _run(
+            "parrot", "fig11/out=50,chunk=320", {"sweep": "output", "x": 50}, 0, [_app("fig11/o/chain0", 3.0)]
+        ),
+        _run(
+            "parrot", "fig11/out=25,chunk=80", {"sweep": "chunk", "x": 80}, 0, [_app("fig11/c/chain0", 4.0)]
+        ),
+    ]
+    points: list[Point] = group_runs(runs)["fig11"]
+    sweeps = _sweeps(points)
+    assert [p.workload for p in sweeps["output"]] == ["fig11/out=25,chunk=320", "fig11/out=50,chunk=320"]
+    assert [p.workload for p in sweeps["chunk"]] == ["fig11/out=25,chunk=80", "fig11/out=25,chunk=320"]
+    build_report(runs, {}, tmp_path)
+    assert (tmp_path / "fig11.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_machine_load_section_flags_busy_runs(raw: list[dict], tmp_path: Path) -> None:
+    quiet = {"wall_s": 10.0, "loadavg_before": [0.5, 0, 0], "loadavg_after": [0.7, 0, 0], "flagged": False,
+             "foreign_cpu_s": 0.1, "idle_systems_cpu_s": 0.0, "foreign_share": 0.005}  # fmt: skip
+    busy = {
+        **quiet,
+        "foreign_cpu_s": 4.0,
+        "foreign_share": 0.2,
+        "flagged": True,
+        "loadavg_after": [2.5, 0, 0],
+    }
+    for run in raw:
+        run["extra"] = {"load": busy if (run["system"], run["repeat"]) == ("vllm", 1) else quiet}
+    header = {"load_before": {"loadavg": [0.1, 0.2, 0.3], "busy_share": 0.02, "seconds": 2.0},
+              "idle_cpu": {"vllm (engines 1)": [0.001]}}  # fmt: skip
+    md = build_report(raw, header, tmp_path, plots=False)
+    section = md.split("## Machine load", 1)[1]
+    assert "Before the run: load average [0.1, 0.2, 0.3], machine busy 2% over 2.0 s." in section
+    assert "| vllm | 12 | 120 | 16.8 | 0.0 | 2.50 | 4/12 |" in section  # 4 runs in repeat 1
+    assert f"- vllm / {FIG11_A} / repeat 1: other processes used 20% of the machine" in section
+    assert "vllm (engines 1): 0.001" in section
+
+
+def test_fig17_a_system_that_sustains_no_rate_loses_by_infinity(raw: list[dict], tmp_path: Path) -> None:
+    from benchmarks.suite.report import compare, group_runs
+
+    for run in raw:  # vllm over the bound at every rate
+        if run["figure"] == "fig17" and run["system"] == "vllm":
+            for app in run["apps"]:
+                app["end_s"] = app["arrival_s"] + 100.0
+    points = group_runs(raw)["fig17"]
+    c = compare(points, "fig17", "vllm", "max_rate", "max_rate", 0.5)
+    assert c.value == math.inf and c.per_repeat == {0: math.inf}
+    md = build_report(raw, {}, tmp_path, plots=False)
+    assert "vllm rate ≥ 1.3×: met (∞)" in md

@@ -10,6 +10,7 @@ from .peers import (
     peer_running,
     running_peer,
     setup_peer,
+    start_command,
     start_peer,
     stop_peer,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "peer_running",
     "running_peer",
     "setup_peer",
+    "start_command",
     "start_peer",
     "stop_peer",
 ]

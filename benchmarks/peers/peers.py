@@ -67,7 +67,7 @@ def setup_peer(name: str) -> None:
     _run(["bash", str(_script(name)), "setup"], timeout=3600)
 
 
-def start_peer(
+def start_command(
     name: str,
     model_dir: str | Path,
     port: int,
@@ -76,14 +76,11 @@ def start_peer(
     prefix_caching: bool = False,
     kv_gib: float | None = None,
     threads: str | None = None,
+    dtype: str | None = None,
     timeout: float = 300,
     extra_args: list[str] | None = None,
-) -> str:
-    """Start peer ``name`` ("vllm" or "fastchat") on 127.0.0.1:``port`` serving
-    ``model_dir`` and return its base URL once it answers.  ``prefix_caching``,
-    ``kv_gib`` and ``threads`` apply to vLLM only; ``extra_args`` go to the
-    server (vLLM) or the model worker (FastChat).  The served model name
-    defaults to the folder's name."""
+) -> list[str]:
+    """The script command :func:`start_peer` runs (see there for the options)."""
     args = ["bash", str(_script(name)), "start", str(model_dir), "--port", str(port)]
     args += ["--timeout", str(int(timeout))]
     if served_name:
@@ -95,11 +92,22 @@ def start_peer(
             args += ["--kv-gib", str(kv_gib)]
         if threads is not None:
             args += ["--threads", threads]
-    elif prefix_caching or kv_gib is not None or threads is not None:
-        raise ValueError("prefix_caching, kv_gib and threads are vLLM options")
+        if dtype is not None:
+            args += ["--dtype", dtype]
+    elif prefix_caching or kv_gib is not None or threads is not None or dtype is not None:
+        raise ValueError("prefix_caching, kv_gib, threads and dtype are vLLM options")
     if extra_args:
         args += ["--", *extra_args]
-    _run(args, timeout=timeout + 120)
+    return args
+
+
+def start_peer(name: str, model_dir: str | Path, port: int, *, timeout: float = 300, **opts) -> str:
+    """Start peer ``name`` ("vllm" or "fastchat") on 127.0.0.1:``port`` serving
+    ``model_dir`` and return its base URL once it answers.  ``prefix_caching``,
+    ``kv_gib``, ``threads`` (cores to bind, e.g. ``"0-1"``) and ``dtype`` apply to
+    vLLM only; ``extra_args`` go to the server (vLLM) or the model worker
+    (FastChat).  The served model name defaults to the folder's name."""
+    _run(start_command(name, model_dir, port, timeout=timeout, **opts), timeout=timeout + 120)
     return f"http://127.0.0.1:{port}"
 
 

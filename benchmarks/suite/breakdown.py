@@ -1,51 +1,81 @@
-"""Where an application's time goes: inside the serving system or outside it.
+"""Where an application's time goes: network, queueing, prefill, decode.
 
-For one app record, *in service* is the length of the union of its calls'
-``[start_s, end_s]`` intervals: time during which at least one of its calls
-was being served.  Everything else between arrival and the app's end is
-*outside*: emulated network delays, the client's own work and, for the
-baseline, the gaps between one call's answer and the next call's request (the
-paper's Figure 3a splits end-to-end latency the same way).
+For one app record every instant between its arrival and its end is put in
+exactly one category, the first of these that some call of the app is in at
+that instant (a call's times are those of :class:`~benchmarks.suite.spec.CallRecord`):
 
-The two clients record calls differently, and the split reads accordingly:
+1. ``decode``: from its first token to its end;
+2. ``prefill``: from its start to its first token (prefill, and waiting for the
+   engine behind other work);
+3. ``service``: from its start to its end when the first token's time is
+   unknown (a system that reports none);
+4. ``queued``: from ready to its start (Parrot: waiting in the manager's queue
+   with its inputs present);
+5. ``outside``: none of the above: emulated network delays, the client's own
+   work and, for the baseline, the gaps between one call's answer and the next
+   call's request (the paper's Figure 3a splits end-to-end latency the same way).
 
-* baseline: a call runs from the moment its request leaves (after its delay)
-  until its answer arrives, so in-service time includes queueing in the server;
-* Parrot: a call runs from ``started_at`` to ``finished_at`` of the manager's
-  graph, i.e. on an engine; queueing in the manager counts as outside.
+The two clients see the server differently, and the split reads accordingly:
+the baseline's ``ready == start`` is when its request left, so queueing in the
+server shows as ``prefill`` (time to first token); Parrot's calls are placed by
+the manager (``queued`` until then) and their ``prefill`` includes waiting in
+the engine.  ``delays`` is the number of emulated network delays an app paid
+and ``delay_s`` their sum (parallel calls of the baseline pay theirs side by
+side, so ``delay_s`` may exceed ``outside``).
 
-Invariant: ``0 <= in_service <= latency`` for every app with at least one
-call whose times are finite (intervals are clipped to ``[arrival, end]``).
+Invariant: for every app with a split, the five categories sum to its latency
+(intervals are clipped to ``[arrival, end]``).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
-__all__ = ["Split", "app_split", "breakdown_lines", "mean_split"]
+__all__ = ["CATEGORIES", "Split", "app_split", "breakdown_lines", "mean_split"]
+
+CATEGORIES = ("outside", "queued", "prefill", "service", "decode")
+_RANK = {
+    name: i for i, name in enumerate(("outside", "queued", "service", "prefill", "decode"))
+}  # higher wins
 
 
 @dataclass(frozen=True)
 class Split:
     latency_s: float
-    in_service_s: float
+    outside_s: float = 0.0
+    queued_s: float = 0.0
+    prefill_s: float = 0.0
+    service_s: float = 0.0
+    decode_s: float = 0.0
+    delays: float = 0.0
+    delay_s: float = 0.0
 
     @property
-    def outside_s(self) -> float:
-        return self.latency_s - self.in_service_s
+    def in_service_s(self) -> float:
+        return self.prefill_s + self.service_s + self.decode_s
 
 
-def _union_length(intervals: Iterable[tuple[float, float]]) -> float:
-    total, end = 0.0, -math.inf
-    for a, b in sorted(intervals):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
+
+
+def _intervals(call: Mapping[str, Any]) -> list[tuple[float, float, str]]:
+    start, end = _num(call.get("start_s")), _num(call.get("end_s"))
+    if start is None or end is None:
+        return []
+    out = []
+    ready, first = _num(call.get("ready_s")), _num(call.get("first_token_s"))
+    if ready is not None and ready < start:
+        out.append((ready, start, "queued"))
+    if first is not None and start <= first <= end:
+        out += [(start, first, "prefill"), (first, end, "decode")]
+    else:
+        out.append((start, end, "service"))
+    return out
 
 
 def app_split(app: Mapping[str, Any]) -> Split | None:
@@ -56,46 +86,58 @@ def app_split(app: Mapping[str, Any]) -> Split | None:
     lo, hi = float(app["arrival_s"]), float(app["end_s"])
     spans = []
     for call in app.get("calls") or ():
-        a, b = float(call["start_s"]), float(call["end_s"])
-        if math.isfinite(a) and math.isfinite(b):
+        for a, b, kind in _intervals(call):
             a, b = max(a, lo), min(b, hi)
             if b > a:
-                spans.append((a, b))
+                spans.append((a, b, kind))
     if not spans:
         return None
-    return Split(hi - lo, _union_length(spans))
+    cuts = sorted({lo, hi, *(a for a, _, _ in spans), *(b for _, b, _ in spans)})
+    totals = dict.fromkeys(CATEGORIES, 0.0)
+    for a, b in itertools.pairwise(cuts):
+        kinds = [k for s, e, k in spans if s <= a and e >= b]
+        totals[max(kinds, key=_RANK.__getitem__) if kinds else "outside"] += b - a
+    return Split(
+        hi - lo,
+        *(totals[c] for c in CATEGORIES),
+        delays=float(app.get("delays") or 0),
+        delay_s=float(app.get("delay_s") or 0.0),
+    )
 
 
 def mean_split(apps: Iterable[Mapping[str, Any]], kinds: Sequence[str] | None = None) -> Split | None:
-    """Mean latency and mean in-service time over the apps (of ``kinds``, if given) that have a split."""
+    """Field-wise mean of the splits of the apps (of ``kinds``, if given) that have one."""
     splits = [s for a in apps if kinds is None or a["kind"] in kinds if (s := app_split(a)) is not None]
     if not splits:
         return None
     n = len(splits)
-    return Split(sum(s.latency_s for s in splits) / n, sum(s.in_service_s for s in splits) / n)
+    return Split(*(sum(getattr(s, f.name) for s in splits) / n for f in fields(Split)))
 
 
 def breakdown_lines(runs: Sequence[Mapping[str, Any]]) -> list[str]:
-    """A markdown table: per figure and system, mean latency of the non-chat apps over all
-    workloads and repeats, split into in service and outside."""
-    cells: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+    """A markdown table: per figure, system and app kind, the mean latency over all
+    workloads and repeats and its split (see the module docstring)."""
+    cells: dict[tuple[str, str, str], list[Mapping[str, Any]]] = {}
     for run in runs:
-        apps = [a for a in run["apps"] if a["kind"] != "chat"]
-        cells.setdefault((run["figure"], run["system"]), []).extend(apps)
+        for app in run["apps"]:
+            cells.setdefault((run["figure"], run["system"], app["kind"]), []).append(app)
     rows = []
-    for (figure, system), apps in sorted(cells.items()):
+    for (figure, system, kind), apps in sorted(cells.items()):
         split = mean_split(apps)
         if split is None:
             continue
-        share = split.outside_s / split.latency_s if split.latency_s > 0 else 0.0
+        n = sum(1 for a in apps if app_split(a) is not None)
         rows.append(
-            f"| {figure} | {system} | {split.latency_s:.2f} | {split.in_service_s:.2f} | "
-            f"{split.outside_s:.2f} | {100 * share:.0f}% |"
+            f"| {figure} | {system} | {kind} | {n} | {split.latency_s:.2f} | {split.outside_s:.2f} | "
+            f"{split.queued_s:.2f} | {split.prefill_s:.2f} | {split.decode_s:.2f} | {split.service_s:.2f} | "
+            f"{split.delays:.1f} | {split.delay_s:.2f} |"
         )
     if not rows:
         return []
     return [
-        "| figure | system | mean latency (s) | in service (s) | outside (s) | outside share |",
-        "|---|---|---|---|---|---|",
+        "| figure | system | apps of kind | apps | mean latency (s) | outside: network + client (s) | "
+        "queued in manager (s) | to first token (s) | decode (s) | in service, unsplit (s) | "
+        "delays paid | delay (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
     ]

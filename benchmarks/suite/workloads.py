@@ -16,62 +16,88 @@ Invariants:
 * arrivals (``AppSpec.arrival_s``) are sorted within a workload's apps;
 * at ``scale=1`` every call's estimated prompt plus output is under 2,048 SmolLM2
   tokens; at any scale it stays under :data:`CONTEXT_TOKENS` or the generator
-  raises ``ValueError`` (only fig14's reduce prompt grows with the scale);
+  raises ``ValueError``;
 * ``params`` is JSON-able and always has ``"sweep"`` (the name of the x-axis)
   and ``"x"`` (its value), which :mod:`benchmarks.suite.report` plots against;
-  fig17 and fig19 also carry ``"app_output_tokens"`` (``{app_id: tokens}`` of the
-  single-call apps whose per-token latency is reported), for systems that do
-  not report output token counts.
+  a point that lies on a second sweep too has ``"also": {sweep: x}`` (it runs
+  once); fig17 and fig19 also carry ``"app_output_tokens"`` (``{app_id:
+  tokens}`` of the single-call apps whose per-token latency is reported), for
+  systems that do not report output token counts.
 
 Scale.  ``scale`` multiplies *counts* (chunks per document, concurrent apps,
-batch sizes, files, the length of Poisson arrival windows), rounded, at least 1.
-Per-call lengths (chunk sizes, output lengths, system prompts) are x-axis values
-or fixed, because they are bounded by SmolLM2's context and by what a 2-core CPU
-decodes.  ``scale=1`` is sized for about ten minutes of wall time per system
-on a 2-core CPU with SmolLM2-135M, i.e. about half an hour for Parrot and two
-baselines: in all ~530,000 prompt tokens (without prefix sharing; ~3 min at
-~3,000 tokens/s), ~35,000 decoded tokens (~4 min at ~150 tokens/s batched,
-more where calls run one at a time), ~680 calls (each paying the emulated
-200-300 ms network delay on the baselines) and ~4 min of Poisson arrival
-windows.  ``python -m benchmarks.suite.workloads [--scale S]`` prints the
-per-workload counts.  The paper (LLaMA 7B/13B on A100/A6000 GPUs) corresponds
-roughly to the scales noted per figure below, with longer prompts than ours.
+batch sizes, files, the length of arrival windows), rounded, at least 1.
+Per-call lengths (chunk sizes, output lengths, system prompts) are x-axis
+values or fixed.  ``python -m benchmarks.suite.workloads [--scale S]`` prints
+the per-workload counts and estimated times (:mod:`benchmarks.suite.estimate`).
+
+Time proportions.  What decides the paper's ratios is how a call's time splits
+into network delay, prefill and decode, not its token counts.  On the paper's
+A100 (LLaMA-13B) a decode step takes ~25 ms and a 512-token chunk ~0.1 s of
+prefill (~0.2 ms a token), so one decode step costs as much as ~128 prompt
+tokens.  Here (SmolLM2-135M fp32, 2 threads) a step takes 33 ms and prefill
+~1.7 ms a token (~600 tokens/s), so one step costs as much as ~20 prompt
+tokens (bf16: 20 ms and 0.67 ms, ~30 tokens).  A call with chunk ``C`` and
+output ``O`` spends ``C / (128 O)`` of its decode time prefilling on the
+paper's GPU and ``C / (20 O)`` here, so keeping that ratio divides the paper's
+chunk sizes by 128 / 20 = 6.4 (4.3 in bf16): its 512 / 1,024 / 2,048-token
+chunks become 80 / 160 / 320 here (120 / 240 / 480 would match bf16; we keep
+one set, the fp32 one, for both).  Prompts that the paper shares (system
+prompts, histories) shrink by the same factor: its ~6,000-token Bing Copilot
+prompt becomes 1,000 tokens.  Output lengths keep the paper's values (decode
+steps cost about the same here as there), and the 200-300 ms network delay is
+the paper's, so a 50-token call here is ~0.3 s prefill + 1.65 s decode +
+0.25 s network, against ~0.2 + 1.25 + 0.25 s there.
+
+Rates.  One fp32 engine with both threads saturates under ShareGPT-like chat
+(161 prompt / 84.5 output tokens on average, :func:`sharegpt_lengths`) at
+about ``lambda`` = 1.7 req/s: a chat costs 161 / 600 = 0.27 s of prefill, and
+at a batch of 16 the engine decodes 16 / 0.062 = 258 tokens/s in the time
+prefill leaves it, so ``258 (1 - 0.27 lambda) >= 84.5 lambda`` gives
+``lambda <= 1.67`` (bf16: ~3-4 req/s).  fig12a's background rates
+:data:`CHAT_RATES` are 0, 0.3, 0.6 and 1.2 times that.  fig17's requests cost
+a request-level baseline without prefix caching the whole 600-1,200-token
+system prompt (~950 tokens with the query: 3.2 s on a 1-thread engine, so two
+engines saturate near 0.6 req/s), and Parrot, which keeps each prompt on an
+engine, only the ~55-token query plus ~36 decoded tokens (near 4 req/s over
+two engines), so :data:`GPTS_RATES` runs geometrically from 0.25 to 8 req/s.
 
 Per figure (paper -> ours at ``scale=1``):
 
 * fig11, chain summary of one document: paper Arxiv documents of > 20,000
-  tokens, output lengths of roughly 25-100 and chunk sizes of roughly
-  512-2,048 tokens (the summary we work from gives no axis values; these are
-  recalled from the original figure, treat them as approximate).  Ours: one
-  3,072-token document (scale multiplies its length; paper ~ scale 7), outputs
-  25/50/100 at chunk 512 (6 calls), chunks 256/512/1,024 at output 50 (12/6/3 calls).
-* fig12a, the same chain with background chat: paper ShareGPT chat arriving at
-  several rates.  Ours: a 6-call chain (chunk 512, output 50) arriving at 3 s,
-  background chat at 0/0.5/1/1.5 req/s over a 30 s window (scale multiplies
-  document length and window), lengths from :func:`sharegpt_lengths`.
-* fig12b, concurrent chains: paper 25 apps on 25 documents.  Ours: 4 and 8
-  apps (paper ~ scale 3), each a 4-call chain (chunk 512, output 50) on its own
-  document, arriving within 0.5 s.
-* fig14, map-reduce summary: paper > 20,000-token documents, varying output
-  length and chunk size.  Ours: a 4,096-token document, outputs 25/50/100 at
-  chunk 512 (8 maps) and chunks 256/512/1,024 at output 50 (16/8/4 maps).
-  Scale multiplies the document; above about 4.4 the reduce prompt outgrows
-  the context and generation raises ValueError.
+  tokens in chunks of 512-2,048 tokens (10-40 calls), outputs of 25-100
+  tokens.  Ours: a 3,200-token document; outputs 25/50/100 at chunk 320 (10
+  calls) and chunks 80/160/320 at output 25 (40/20/10 calls).
+* fig12a, the same chain amid background chat at several rates.  Ours: a
+  10-call chain (1,600 tokens in chunks of 160, output 50) arriving at 3 s,
+  Poisson chat at :data:`CHAT_RATES` over a 40 s window.
+* fig12b, concurrent chains: paper 25 apps on 25 documents.  Ours: 10 and 25
+  apps, each a 4-call chain (chunk 160, output 25) on its own document,
+  arriving within 0.5 s.
+* fig14, map-reduce summary: the points of fig11 as map-reduce (40/20/10 maps
+  and a reduce over all of them).
 * fig15_16, shared system prompt (Bing Copilot): paper ~6,000-token system
-  prompt, batches 8-64.  Ours: 1,500-token system prompt, 50-100-token queries,
-  batches 8/16/32 (scale multiplies them) x outputs 32/64, all submitted at once.
+  prompt, batches 8-64.  Ours: 1,000-token system prompt, 50-100-token
+  queries, batches 8/16/32, output 64, all submitted at once.
 * fig17, GPTs on several engines: paper four applications, four engines,
   Poisson arrivals.  Ours: four applications with 600-1,200-token system
-  prompts, ``engines=2``, rates 0.5/1/2/4 req/s over a 20 s window (scale
-  multiplies the window), outputs 24-48 tokens.
-* fig18, multi-agent programming (MetaGPT): paper architect + coders +
-  reviewers, three review rounds, up to 16 files.  Ours: the same DAG with
-  2/4/8 files (scale multiplies them; paper ~ scale 2), a 400-token shared
-  system prompt and 100-token task, plan 96, code 64 and review 48 tokens.
+  prompts, ``engines=2``, :data:`GPTS_RATES` over a window of
+  ``max(20 s, 10 requests / rate)``, outputs 24-48 tokens.
+* fig18, multi-agent programming (MetaGPT): paper architect, then parallel
+  coders and reviewers in three rounds, up to 16 files.  Ours: the DAG of
+  :func:`agents_app` with 4/8/16 files, a 300-token system prompt, a 60-token
+  task, plan 64, code 32 and review 24 tokens.
 * fig19, chat + map-reduce on several engines: paper chat at 1 req/s next to
-  map-reduce analytics, four engines.  Ours: chat at 1 req/s over 30 s plus two
-  map-reduce apps (2,048-token documents, 8 maps of chunk 256, output 50,
-  ``criteria="throughput"``), ``engines=2`` (scale multiplies window and apps).
+  map-reduce analytics, four engines.  Ours: chat at 1 req/s over 40 s (~40
+  chats) next to 9 map-reduce apps of 22 maps each (~200 maps, chunks of 80,
+  output 25, ``criteria="throughput"``) arriving evenly over the window,
+  ``engines=2``.
+
+At ``scale=1`` the estimate (``python -m benchmarks.suite --dry-run``) is
+about 13 min per repeat for Parrot and vLLM and 17 min for each request-level
+baseline on Parrot's engines (fig17 stops raising a system's rate once it is
+unsustainable), so {parrot, parrot-baseline-latency,
+parrot-baseline-throughput, vllm} x 3 repeats is about 3 hours in fp32 and 2
+in bf16.
 """
 
 from __future__ import annotations
@@ -88,8 +114,10 @@ from benchmarks.suite import textgen
 from benchmarks.suite.spec import AppSpec, CallSpec, Criteria, Workload, check_app
 
 __all__ = [
+    "CHAT_RATES",
     "CONTEXT_TOKENS",
     "FIGURES",
+    "GPTS_RATES",
     "Cost",
     "agents_app",
     "all_workloads",
@@ -366,68 +394,85 @@ def agents_app(
     n_files: int,
     *,
     rounds: int = 3,
-    plan_tokens: int = 96,
-    code_tokens: int = 64,
-    review_tokens: int = 48,
+    plan_tokens: int = 64,
+    code_tokens: int = 32,
+    review_tokens: int = 24,
 ) -> AppSpec:
-    """Multi-agent programming (MetaGPT-like): architect plan, then per file code and ``rounds`` reviews.
+    """Multi-agent programming shaped like the paper's MetaGPT workflow (``F = n_files``).
 
-    Every prompt starts with the literal ``system_text`` and ``task``; every coder
-    and reviewer prompt continues with the plan placeholder, then that file's
-    history (code, review, revised code, ...).  Outputs: the last code of every file.
+    The DAG (every prompt starts with the literal ``system_text`` and ``task``,
+    then the plan placeholder, so every call shares that prefix)::
+
+        plan                                   architect: reads the task
+        code0_f        for f < F               coder f: plan -> file f, version 0
+        for r = 1 .. rounds:
+          review{r}_f  for f < F               reviewer f: plan + the code of *every* file
+                                               (code{r-1}_0 .. code{r-1}_{F-1}) -> review of file f
+          code{r}_f    for f < F               coder f: plan + code{r-1}_f + review{r}_f -> version r
+
+    So each round is two parallel task groups: the coders of a round all feed
+    every reviewer of the next round (each review is a fan-in of the round's
+    whole code, whose text is the same prefix for all F reviewers), and each
+    revision reads its own file's code and review.  Outputs: every file's last
+    version ``code{rounds}_f``.  ``1 + F * (1 + 2 * rounds)`` calls.
     """
-    shared = system_text + "\n\nProject task: " + task + "\n\n"
+    shared = system_text + "\n\nProject task: " + task + "\n\nDesign plan:\n" + _inp("plan") + "\n\n"
     plan = CallSpec(
         "plan",
-        shared
-        + "Architect: write the design plan, listing the files and their interfaces.\nPlan: "
+        system_text
+        + "\n\nProject task: "
+        + task
+        + "\n\nArchitect: write the design plan, listing the files and their interfaces.\nPlan: "
         + _out("plan"),
         plan_tokens,
     )
     calls = [plan]
-    finals: list[str] = []
+
+    def code_name(r: int, f: int) -> str:
+        return f"code{r}_f{f:02d}"
+
     for f in range(n_files):
-        history = shared + "Design plan:\n" + _inp("plan") + "\n\n" + f"File {f + 1} of {n_files}.\n"
-        deps = {"plan": "plan"}
-        code = f"f{f:02d}_code0"
-        prompt = history + "Coder: write this file.\nCode v0: " + _out(code)
-        calls.append(CallSpec(code, prompt, code_tokens, deps=dict(deps)))
-        history += "Code v0: " + _inp("code0") + "\n"
-        deps["code0"] = code
-        for r in range(1, rounds + 1):
-            review = f"f{f:02d}_review{r}"
-            calls.append(
-                CallSpec(
-                    review,
-                    history + f"Reviewer: review code v{r - 1}.\nReview {r}: " + _out(review),
-                    review_tokens,
-                    deps=dict(deps),
-                )
+        name = code_name(0, f)
+        prompt = shared + f"Coder: write file {f + 1} of {n_files}.\nCode: " + _out(name)
+        calls.append(CallSpec(name, prompt, code_tokens, deps={"plan": "plan"}))
+    for r in range(1, rounds + 1):
+        codes = "".join(f"File {f + 1}:\n" + _inp(f"file{f:02d}") + "\n" for f in range(n_files))
+        code_deps = {f"file{f:02d}": code_name(r - 1, f) for f in range(n_files)}
+        for f in range(n_files):
+            name = f"review{r}_f{f:02d}"
+            prompt = (
+                shared
+                + f"Code of round {r - 1}:\n"
+                + codes
+                + f"\nReviewer: review file {f + 1} against the plan and the other files.\nReview: "
+                + _out(name)
             )
-            history += f"Review {r}: " + _inp(f"review{r}") + "\n"
-            deps[f"review{r}"] = review
-            code = f"f{f:02d}_code{r}"
-            calls.append(
-                CallSpec(
-                    code,
-                    history + f"Coder: revise the code after review {r}.\nCode v{r}: " + _out(code),
-                    code_tokens,
-                    deps=dict(deps),
-                )
+            calls.append(CallSpec(name, prompt, review_tokens, deps={"plan": "plan", **code_deps}))
+        for f in range(n_files):
+            name = code_name(r, f)
+            prompt = (
+                shared
+                + f"File {f + 1} of {n_files}, version {r - 1}:\n"
+                + _inp("code")
+                + "\nReview:\n"
+                + _inp("review")
+                + f"\nCoder: revise file {f + 1} after the review.\nCode: "
+                + _out(name)
             )
-            history += f"Code v{r}: " + _inp(f"code{r}") + "\n"
-            deps[f"code{r}"] = code
-        finals.append(code)
-    return AppSpec(app_id, "agents", tuple(calls), tuple(finals))
+            deps = {"plan": "plan", "code": code_name(r - 1, f), "review": f"review{r}_f{f:02d}"}
+            calls.append(CallSpec(name, prompt, code_tokens, deps=deps))
+    finals = tuple(code_name(rounds, f) for f in range(n_files))
+    return AppSpec(app_id, "agents", tuple(calls), finals)
 
 
 # --------------------------------------------------------------------------- figures
 
-#: fig11 and fig14 points: (sweep, output tokens, chunk tokens).
-_SUMMARY_POINTS = (
-    *(("output", out, 512) for out in (25, 50, 100)),
-    *(("chunk", 50, chunk) for chunk in (256, 512, 1024)),
-)
+#: Document length of fig11/fig14 at scale 1 and their points: (output tokens, chunk tokens).  The
+#: point (25, 320) lies on both sweeps and runs once.
+SUMMARY_DOC_TOKENS = 3200
+_OUTPUTS_AT = 320  # the output sweep's chunk size
+_CHUNKS_AT = 25  # the chunk sweep's output length
+_SUMMARY_POINTS = ((25, 320), (50, 320), (100, 320), (25, 160), (25, 80))
 
 
 def _summary_sweep(
@@ -438,54 +483,72 @@ def _summary_sweep(
     make_app: Callable[[str, list[str], int], AppSpec],
 ) -> list[Workload]:
     """One workload per :data:`_SUMMARY_POINTS` point: ``make_app(app_id, chunks, out)`` on
-    the chunks of one seeded ``doc_tokens``-token document (``params[count_key]``: calls)."""
+    the chunks of one seeded ``doc_tokens``-token document (``params[count_key]``: calls).
+
+    ``params["sweep"]``/``["x"]`` name the point's first sweep; a point on both
+    sweeps also has ``params["also"] = {"chunk": chunk}``."""
     doc = textgen.filler(_rng(seed, figure, "doc"), doc_tokens)
     workloads = []
-    for sweep, out, chunk in _SUMMARY_POINTS:
-        x = out if sweep == "output" else chunk
-        name = _name(figure, sweep=sweep, out=out, chunk=chunk)
+    for out, chunk in _SUMMARY_POINTS:
+        on_outputs, on_chunks = chunk == _OUTPUTS_AT, out == _CHUNKS_AT
+        sweep, x = ("output", out) if on_outputs else ("chunk", chunk)
+        name = _name(figure, out=out, chunk=chunk)
         chunks = _chunks(doc, chunk)
-        params = {"sweep": sweep, "x": x, "output_tokens": out, "chunk_tokens": chunk, count_key: len(chunks)}
+        params: dict[str, Any] = {
+            "sweep": sweep,
+            "x": x,
+            "output_tokens": out,
+            "chunk_tokens": chunk,
+            count_key: len(chunks),
+        }
+        if on_outputs and on_chunks:
+            params["also"] = {"chunk": chunk}
         workloads.append(_finish(figure, name, params, [make_app(name, chunks, out)]))
     return workloads
 
 
 def fig11(scale: float = 1.0, seed: int = 0) -> list[Workload]:
-    """Chain summary of one document; sweeps output length (chunk 512) and chunk size (output 50)."""
+    """Chain summary of one document: outputs 25/50/100 at chunk 320, chunks 80/160/320 at output 25."""
     return _summary_sweep(
         "fig11",
-        _count(3072, scale),
+        _count(SUMMARY_DOC_TOKENS, scale),
         seed,
         "calls",
         lambda name, chunks, out: chain_app(f"{name}/chain0", chunks, out),
     )
 
 
+#: fig12a: background chat rates (req/s); see the module docstring for how they relate to the
+#: engine's saturation.
+CHAT_RATES = (0.0, 0.5, 1.0, 2.0)
+
+
 def fig12a(scale: float = 1.0, seed: int = 0) -> list[Workload]:
-    """A chain (arriving at 3 s) amid Poisson background chat at several rates."""
-    chunks = _chunks(textgen.filler(_rng(seed, "fig12a", "doc"), _count(3072, scale)), 512)
-    window = 30.0 * scale
+    """A 10-call chain (chunk 160, output 50) arriving at 3 s amid Poisson background chat."""
+    chunks = _chunks(textgen.filler(_rng(seed, "fig12a", "doc"), _count(1600, scale)), 160)
+    window = 40.0 * scale
     workloads = []
-    for rate in (0.0, 0.5, 1.0, 1.5):
+    for rate in CHAT_RATES:
         name = _name("fig12a", chat_rate=rate)
         rng = _rng(seed, name)
         apps = [chain_app(f"{name}/chain0", chunks, 50, arrival_s=3.0)]
         for i, t in enumerate(poisson_arrivals(_rng(seed, "fig12a", "arrivals"), rate, window)):
             apps.append(chat_app(f"{name}/chat{i:04d}", rng, arrival_s=t))
         params = {"sweep": "chat_rate", "x": rate, "window_s": window, "chat_apps": len(apps) - 1}
+        params["chain_calls"] = len(chunks)
         workloads.append(_finish("fig12a", name, params, apps))
     return workloads
 
 
 def fig12b(scale: float = 1.0, seed: int = 0) -> list[Workload]:
-    """Several chain apps (4-call chains, each on its own document) submitted within 0.5 s."""
+    """10 and 25 chain apps (each 4 calls of chunk 160, output 25, on its own document) within 0.5 s."""
     workloads = []
-    for n_apps in sorted({_count(4, scale), _count(8, scale)}):
+    for n_apps in sorted({_count(10, scale), _count(25, scale)}):
         name = _name("fig12b", apps=n_apps)
         rng = _rng(seed, name)
         arrivals = sorted(round(rng.uniform(0.0, 0.5), 3) for _ in range(n_apps))
         apps = [
-            chain_app(f"{name}/chain{i:03d}", _chunks(textgen.filler(rng, 4 * 512), 512), 50, arrival_s=t)
+            chain_app(f"{name}/chain{i:03d}", _chunks(textgen.filler(rng, 4 * 160), 160), 25, arrival_s=t)
             for i, t in enumerate(arrivals)
         ]
         workloads.append(_finish("fig12b", name, {"sweep": "apps", "x": n_apps, "apps": n_apps}, apps))
@@ -493,27 +556,34 @@ def fig12b(scale: float = 1.0, seed: int = 0) -> list[Workload]:
 
 
 def fig14(scale: float = 1.0, seed: int = 0) -> list[Workload]:
-    """Map-reduce summary of one document; sweeps output length (chunk 512) and chunk size (output 50)."""
+    """Map-reduce summary of one document: the points of fig11 (10-40 maps)."""
     return _summary_sweep(
         "fig14",
-        _count(4096, scale),
+        _count(SUMMARY_DOC_TOKENS, scale),
         seed,
         "maps",
         lambda name, chunks, out: map_reduce_app(f"{name}/mr0", chunks, out),
     )
 
 
+SHARED_SYSTEM_TOKENS = 1000
+SHARED_OUTPUTS = (64,)
+
+
 def fig15_16(scale: float = 1.0, seed: int = 0) -> list[Workload]:
-    """A batch of requests sharing one 1,500-token system prompt, all submitted at time 0."""
-    system = _system_prompt(_rng(seed, "fig15_16", "system"), 1500, "a helpful search assistant")
+    """Batches of 8/16/32 requests sharing one 1,000-token system prompt (output 64), all at once."""
+    system = _system_prompt(
+        _rng(seed, "fig15_16", "system"), SHARED_SYSTEM_TOKENS, "a helpful search assistant"
+    )
     workloads = []
     for batch in sorted({_count(b, scale) for b in (8, 16, 32)}):
-        for out in (32, 64):
+        for out in SHARED_OUTPUTS:
             name = _name("fig15_16", batch=batch, out=out)
             rng = _rng(seed, name)
             queries = [textgen.filler(rng, rng.randint(50, 100)) for _ in range(batch)]
             apps = [shared_prompt_app(f"{name}/req{i:03d}", system, q, out) for i, q in enumerate(queries)]
-            params = {"sweep": "batch", "x": batch, "output_tokens": out, "system_tokens": 1500}
+            params = {"sweep": "batch", "x": batch, "output_tokens": out}
+            params["system_tokens"] = SHARED_SYSTEM_TOKENS
             workloads.append(_finish("fig15_16", name, params, apps))
     return workloads
 
@@ -524,18 +594,23 @@ _GPTS = (
     ("image", "an assistant that writes prompts for image generation", 1000),
     ("data", "a data analysis assistant", 1200),
 )
+#: fig17's request rates (req/s), geometric: from under the request-level baselines' saturation to
+#: over Parrot's (see the module docstring).
+GPTS_RATES = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+GPTS_MIN_REQUESTS = 10  # the window is long enough for this many requests at the lowest rates
 
 
 def fig17(scale: float = 1.0, seed: int = 0) -> list[Workload]:
-    """Four GPTs-like apps with their own system prompts; Poisson requests at several rates, 2 engines."""
+    """Four GPTs-like apps with their own system prompts; Poisson requests at each rate, 2 engines."""
     systems = [_system_prompt(_rng(seed, "fig17", g), n, role) for g, role, n in _GPTS]
-    window = 20.0 * scale
     workloads = []
-    for rate in (0.5, 1.0, 2.0, 4.0):
+    for rate in GPTS_RATES:
+        window = max(20.0, GPTS_MIN_REQUESTS / rate) * scale
         name = _name("fig17", rate=rate)
         rng = _rng(seed, name)
+        arrivals = poisson_arrivals(_rng(seed, "fig17", "arrivals", rate), rate, window) or [0.0]
         apps = []
-        for i, t in enumerate(poisson_arrivals(_rng(seed, "fig17", "arrivals"), rate, window)):
+        for i, t in enumerate(arrivals):
             g = rng.randrange(len(_GPTS))
             query = textgen.filler(rng, rng.randint(30, 80))
             app_id = f"{name}/{_GPTS[g][0]}{i:04d}"
@@ -547,12 +622,12 @@ def fig17(scale: float = 1.0, seed: int = 0) -> list[Workload]:
 
 
 def fig18(scale: float = 1.0, seed: int = 0) -> list[Workload]:
-    """Multi-agent programming with F files (architect, coders, reviewers, three review rounds)."""
+    """Multi-agent programming (:func:`agents_app`) with 4/8/16 files, three review rounds."""
     rng = _rng(seed, "fig18", "system")
-    system = _system_prompt(rng, 400, "one member of a software team: architect, coder or reviewer")
-    task = textgen.filler(rng, 100)
+    system = _system_prompt(rng, 300, "one member of a software team: architect, coder or reviewer")
+    task = textgen.filler(rng, 60)
     workloads = []
-    for files in sorted({_count(f, scale) for f in (2, 4, 8)}):
+    for files in sorted({_count(f, scale) for f in (4, 8, 16)}):
         name = _name("fig18", files=files)
         app = agents_app(f"{name}/agents0", system, task, files)
         params = {"sweep": "files", "x": files, "files": files, "rounds": 3, "calls": len(app.calls)}
@@ -561,25 +636,26 @@ def fig18(scale: float = 1.0, seed: int = 0) -> list[Workload]:
 
 
 def fig19(scale: float = 1.0, seed: int = 0) -> list[Workload]:
-    """Chat at 1 req/s next to map-reduce apps (criteria throughput), 2 engines."""
+    """9 map-reduce apps (22 maps each, criteria throughput) next to chat at 1 req/s, 2 engines."""
     name = _name("fig19", chat_rate=1.0)
     rng = _rng(seed, name)
-    window = 30.0 * scale
-    n_mr = _count(2, scale)
+    window = 40.0 * scale
+    n_mr = _count(9, scale)
     apps = [
         map_reduce_app(
             f"{name}/mr{i:03d}",
-            _chunks(textgen.filler(rng, 2048), 256),
-            50,
+            _chunks(textgen.filler(rng, 22 * 80), 80),
+            25,
             arrival_s=round(i * window / n_mr, 3),
             criteria="throughput",
         )
         for i in range(n_mr)
     ]
-    for i, t in enumerate(poisson_arrivals(rng, 1.0, window)):
+    for i, t in enumerate(poisson_arrivals(rng, 1.0, window) or [0.0]):
         apps.append(chat_app(f"{name}/chat{i:04d}", rng, arrival_s=t))
     params = {"sweep": "mixed", "x": 1.0, "window_s": window, "map_reduce_apps": n_mr}
     params["chat_apps"] = len(apps) - n_mr
+    params["maps"] = sum(len(a.calls) - 1 for a in apps if a.kind == "map_reduce")
     params["app_output_tokens"] = _output_tokens(a for a in apps if a.kind == "chat")
     return [_finish("fig19", name, params, apps, engines=2)]
 
@@ -619,21 +695,35 @@ def all_workloads(scale: float = 1.0, seed: int = 0) -> list[Workload]:
 
 
 def _main() -> None:  # pragma: no cover - a printing helper
-    """Print a table of the suite's workloads and their estimated token counts."""
+    """Print a table of the suite's workloads, their estimated token counts and times."""
     import argparse
+
+    from benchmarks.suite.estimate import estimate_workload, profile_of
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args()
     total = Cost(0, 0, 0, 0)
-    print(f"{'workload':45} {'apps':>5} {'calls':>6} {'prefill':>8} {'decode':>7} {'max call':>8}")
+    systems = ("parrot", "parrot-baseline-latency", "vllm")
+    times = dict.fromkeys(systems, 0.0)
+    print(
+        f"{'workload':36} {'apps':>5} {'calls':>6} {'prefill':>8} {'decode':>7} {'max call':>8}  est. s: "
+        + " / ".join(systems)
+    )
     for w in all_workloads(args.scale, args.seed):
         c = workload_cost(w)
         total = total + c
+        est = [estimate_workload(w, profile_of(s), dtype=args.dtype) for s in systems]
+        for s, t in zip(systems, est, strict=True):
+            times[s] += t
         counts = f"{c.calls:6} {c.prefill_tokens:8} {c.decode_tokens:7} {c.max_call_tokens:8}"
-        print(f"{w.name:45} {len(w.apps):5} {counts}")
-    print(f"{'total':45} {'':5} {total.calls:6} {total.prefill_tokens:8} {total.decode_tokens:7}")
+        print(f"{w.name:36} {len(w.apps):5} {counts}  " + " / ".join(f"{t:.0f}" for t in est))
+    print(
+        f"{'total':36} {'':5} {total.calls:6} {total.prefill_tokens:8} {total.decode_tokens:7} {'':8}  "
+        + " / ".join(f"{t:.0f}" for t in times.values())
+    )
 
 
 if __name__ == "__main__":  # pragma: no cover

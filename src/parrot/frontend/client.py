@@ -9,7 +9,7 @@ Endpoints used (all JSON; every request after the first carries
 ``Authorization: Bearer <token>``):
 
 =========================================================  =====================
-``POST   /v1/sessions``                                    -> ``SessionCreated``
+``POST   /v1/sessions``         (``CreateSession`` or none) -> ``SessionCreated``
 ``DELETE /v1/sessions/{sid}``                              -> any 2xx
 ``POST   /v1/sessions/{sid}/calls``          ``SubmitCall`` -> ``CallSubmitted``
 ``POST   /v1/sessions/{sid}/variables``  ``CreateVariable`` -> ``VariableInfo``
@@ -596,11 +596,12 @@ class _Job:
     """One queued request of an async session; ``done`` is set once it was
     answered (or abandoned), ``error`` holds why it failed."""
 
-    __slots__ = ("done", "error")
+    __slots__ = ("done", "error", "opens")
 
     def __init__(self) -> None:
         self.done = asyncio.Event()
         self.error: ParrotError | None = None
+        self.opens = False  # a batch that creates the (deferred) session itself
 
 
 class AsyncSession(_Base):
@@ -612,13 +613,24 @@ class AsyncSession(_Base):
     :meth:`batch`) in program order.  A submission that fails is raised by
     :meth:`SemanticVariable.aget` of its outputs (and of everything that
     consumes them), and by the ``async with`` exit if nothing observed it.
+
+    With ``defer_open``, opening the session sends nothing: the manager session
+    is created by the first queued request, and when that is a :meth:`batch`,
+    in the same request (``POST /v1/sessions`` carrying the batch), so a whole
+    app costs one round trip.  ``session_id`` is None until then.
     """
 
     def __init__(
-        self, url: str, *, timeout: float = DEFAULT_TIMEOUT, transport: httpx.AsyncBaseTransport | None = None
+        self,
+        url: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        transport: httpx.AsyncBaseTransport | None = None,
+        defer_open: bool = False,
     ):
         super().__init__(url, timeout=timeout)
         self._transport = transport
+        self._defer_open = defer_open
         self._http: httpx.AsyncClient | None = None
         self._queue: asyncio.Queue[tuple[_Job, Callable[[], Coroutine[Any, Any, None]]] | None] | None = None
         self._worker: asyncio.Task[None] | None = None
@@ -627,25 +639,41 @@ class AsyncSession(_Base):
 
     # ----------------------------------------------------------- lifecycle
     async def open(self) -> AsyncSession:
-        """Create the manager session and start the sender task; idempotent."""
+        """Create the manager session (unless ``defer_open``) and start the sender task; idempotent."""
         if self.closed:
             raise NoSession(f"session to {self.url} is closed")
-        if self.session_id is not None:
+        if self.session_id is not None or self._queue is not None:
             return self
         if self._http is None:
             self._http = httpx.AsyncClient(base_url=self.url, timeout=self.timeout, transport=self._transport)
-        try:
-            data = await self._request("POST", "/v1/sessions")
-            created = _parse(SessionCreated, data, "session creation")
-        except BaseException:
-            await self._http.aclose()
-            self._http = None
-            raise
-        self.session_id, self.token = created.session_id, created.token
-        self._http.headers["Authorization"] = f"Bearer {created.token}"
+        if not self._defer_open:
+            try:
+                await self._create()
+            except BaseException:
+                await self._http.aclose()
+                self._http = None
+                raise
         self._queue = asyncio.Queue()
-        self._worker = asyncio.create_task(self._send_loop(), name=f"parrot-session-{self.session_id}")
+        self._worker = asyncio.create_task(self._send_loop(), name=f"parrot-session-{id(self):x}")
         return self
+
+    async def _create(self, batch: _Batch | None = None) -> None:
+        """``POST /v1/sessions`` (carrying ``batch``, whose ids it settles)."""
+        body = None if batch is None else {"batch": batch.body()}
+        data = await self._request("POST", "/v1/sessions", json=body)
+        created = _parse(SessionCreated, data, "session creation")
+        if batch is not None:
+            if created.batch is None:
+                raise ParrotError("the manager's session carries no batch result", code="bad_response")
+            batch.settle(created.batch.model_dump())
+        self.session_id, self.token = created.session_id, created.token
+        assert self._http is not None
+        self._http.headers["Authorization"] = f"Bearer {created.token}"
+
+    def _require_open(self) -> None:
+        if self._defer_open and not self.closed and self._queue is not None:
+            return  # opened; the manager session comes with the first request
+        super()._require_open()
 
     async def close(self, *, drain: bool = True) -> None:
         """Send what is queued (unless ``drain`` is false), then close the
@@ -744,6 +772,8 @@ class AsyncSession(_Base):
                 return
             job, run = item
             try:
+                if self.session_id is None and not job.opens:
+                    await self._create()  # a deferred open: this request needs the session
                 await run()
             except ParrotError as error:
                 job.error = error
@@ -817,6 +847,7 @@ class AsyncSession(_Base):
             self._batch = None
         if not len(batch):
             return
+        job.opens = True  # if the session is still to be created, the batch does it
         try:
             self._enqueue(lambda _: self._send_batch(batch), job)
         except ParrotError as error:  # the session was closed meanwhile
@@ -832,6 +863,9 @@ class AsyncSession(_Base):
             for var in batch.outside:
                 if var.id is None:  # queued earlier, so already answered; its failure fails the batch
                     await self._await_id(var, None, None, observe=False)
+            if self.session_id is None:  # a deferred open: the session comes with the batch
+                await self._create(batch)
+                return
             batch.settle(await self._request("POST", f"{self._sp}/batch", json=batch.body()))
         except ParrotError as error:
             batch.fail(error)
@@ -989,7 +1023,12 @@ def connect(
 
 
 def aconnect(
-    url: str, *, timeout: float = DEFAULT_TIMEOUT, transport: httpx.AsyncBaseTransport | None = None
+    url: str,
+    *,
+    timeout: float = DEFAULT_TIMEOUT,
+    transport: httpx.AsyncBaseTransport | None = None,
+    defer_open: bool = False,
 ) -> AsyncSession:
-    """An asyncio session to the manager at ``url``; opened by ``async with`` (or ``await s.open()``)."""
-    return AsyncSession(url, timeout=timeout, transport=transport)
+    """An asyncio session to the manager at ``url``; opened by ``async with`` (or ``await s.open()``).
+    ``defer_open``: the manager session is created with the first request (see :class:`AsyncSession`)."""
+    return AsyncSession(url, timeout=timeout, transport=transport, defer_open=defer_open)

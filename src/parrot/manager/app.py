@@ -24,6 +24,7 @@ from parrot.protocol.schemas import (
     BatchResult,
     CallInfo,
     CallSubmitted,
+    CreateSession,
     CreateVariable,
     Criteria,
     EngineDescription,
@@ -77,9 +78,18 @@ def create_app(manager: Manager) -> FastAPI:
 
     # ------------------------------------------------------------ sessions
     @app.post("/v1/sessions", status_code=201, response_model=SessionCreated)
-    async def create_session() -> SessionCreated:
+    async def create_session(body: CreateSession | None = None) -> SessionCreated:
+        """A new session; with ``batch``, that batch applied to it too (all or none: a
+        rejected batch leaves no session behind and answers the batch's error)."""
         session, token = manager.create_session()
-        return SessionCreated(session_id=session.session_id, token=token)
+        result = None
+        if body is not None and body.batch is not None:
+            try:
+                result = apply_batch(manager, session, body.batch)
+            except BaseException:
+                manager.close_session(session)
+                raise
+        return SessionCreated(session_id=session.session_id, token=token, batch=result)
 
     @app.delete("/v1/sessions/{session_id}", status_code=204)
     async def close_session(session_id: str, authorization: Auth = None) -> Response:

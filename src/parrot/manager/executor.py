@@ -611,7 +611,7 @@ class Executor:
             rendered = self._rendered(ticket, handle)
             call.prompt_tokens = rendered.prompt_tokens
             call.state = "running"
-            call.started_at = time.time()
+            call.started_at, call.first_token_at = time.time(), None
             await self._drive(call, handle, rendered)
             call.state = "done"
             call.finished_at = time.time()
@@ -648,6 +648,8 @@ class Executor:
                 out = step.output
                 text: list[str] = []
                 async for chunk in api.generate(out.sampling, context_id):
+                    if chunk.token_ids and call.first_token_at is None:
+                        call.first_token_at = time.time()
                     if chunk.text:
                         text.append(chunk.text)
                         out.var.partial.append(chunk.text)

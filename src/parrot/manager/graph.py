@@ -124,6 +124,7 @@ class Call:
     seq: int = field(default_factory=lambda: next(_seqs), repr=False)
     dispatched_at: float | None = None  # placed on an engine
     started_at: float | None = None
+    first_token_at: float | None = None  # the engine's first generated token of this run
     finished_at: float | None = None
 
     def input_vars(self) -> list[Variable]:

@@ -445,6 +445,7 @@ class Manager:
             submitted_at=call.submitted_at,
             dispatched_at=call.dispatched_at,
             started_at=call.started_at,
+            first_token_at=call.first_token_at,
             finished_at=call.finished_at,
         )
 

@@ -32,6 +32,7 @@ class ErrorInfo(BaseModel):
 class SessionCreated(BaseModel):
     session_id: str
     token: str = Field(description="Secret; present it as 'Authorization: Bearer <token>' on every request.")
+    batch: BatchResult | None = Field(default=None, description="The result of the batch sent with it.")
 
 
 # ---------------------------------------------------------------- variables
@@ -104,6 +105,9 @@ class CallInfo(BaseModel):
     submitted_at: float
     dispatched_at: float | None = None
     started_at: float | None = None
+    first_token_at: float | None = Field(
+        default=None, description="When the engine sent the call's first generated token (its last run)."
+    )
     finished_at: float | None = None
 
 
@@ -170,6 +174,16 @@ class BatchResult(BaseModel):
     refs: dict[str, str] = Field(
         default_factory=dict, description="Every ref the batch defined -> variable id."
     )
+
+
+class CreateSession(_Strict):
+    """Optional body of ``POST /v1/sessions``: a first batch applied to the new session in
+    the same request (one round trip for a whole app); if it is rejected, no session is made."""
+
+    batch: BatchRequest | None = None
+
+
+SessionCreated.model_rebuild()
 
 
 # ------------------------------------------------------------------ engines
