@@ -624,39 +624,34 @@ def test_systems_switch_off_one_mechanism_each_and_baselines_have_no_prefix_cach
         "parrot-no-prefix-cache",
     }
     changes = {
-        name: (spec.policy, spec.serve_flags, spec.engine_flags, spec.optional_flags)
-        for name, spec in ablations.items()
+        name: (spec.policy, spec.serve_flags, spec.engine_flags) for name, spec in ablations.items()
     }
     assert changes == {
-        "parrot-no-app-fifo": ("parrot", ("--no-app-fifo",), (), ()),
-        "parrot-no-deduction": ("no-deduction", (), (), ()),
-        "parrot-no-affinity": ("no-affinity", (), (), ()),
-        "parrot-no-prefix-cache": ("parrot", (), ("--no-prefix-cache",), ()),
+        "parrot-no-app-fifo": ("parrot", ("--no-app-fifo",), ()),
+        "parrot-no-deduction": ("no-deduction", (), ()),
+        "parrot-no-affinity": ("no-affinity", (), ()),
+        "parrot-no-prefix-cache": ("parrot", (), ("--no-prefix-cache",)),
     }
     for name in ("parrot-baseline-latency", "parrot-baseline-throughput"):
         spec = SYSTEMS[name]
         assert spec.kind == "openai" and spec.engine_flags == ("--no-prefix-cache",)
-        assert spec.optional_flags == ("--no-prefix-cache",)
     assert SYSTEMS["vllm"].engine_flags == ()
 
 
-def test_missing_flags_fail_ablations_and_are_dropped_from_baselines(monkeypatch) -> None:
-    from benchmarks.suite import systems
+def test_every_flag_of_the_systems_exists_in_the_cli() -> None:
+    """The ablations and baselines switch mechanisms off with real options of ``parrot``."""
+    from benchmarks.suite.systems import SYSTEMS
 
-    monkeypatch.setattr(systems, "parrot_supports", lambda sub, flag: flag != "--no-prefix-cache")
-    serve, engine, notes = systems._supported_flags(systems.SYSTEMS["parrot-baseline-latency"], 2)
-    assert (serve, engine) == ((), ()) and "no --no-prefix-cache" in notes[0]
-    with pytest.raises(systems.SystemStartError, match="no --no-prefix-cache"):
-        systems._supported_flags(systems.SYSTEMS["parrot-no-prefix-cache"], 1)
-    serve, engine, notes = systems._supported_flags(systems.SYSTEMS["parrot-no-app-fifo"], 1)
-    assert (serve, engine, notes) == (("--no-app-fifo",), (), [])
+    from parrot.cli import _parser
 
-
-def test_parrot_supports_reads_the_installed_cli() -> None:
-    from benchmarks.suite.systems import parrot_supports
-
-    assert parrot_supports("serve", "--policy") and parrot_supports("engine", "--weight-dtype")
-    assert not parrot_supports("serve", "--no-such-flag")
+    for spec in SYSTEMS.values():
+        if spec.backend != "parrot":
+            continue
+        for flag in spec.serve_flags:
+            assert _parser().parse_args(["serve", flag]) is not None
+        for flag in spec.engine_flags:
+            for sub in (["serve"], ["engine", "--manager", "http://127.0.0.1:1"]):
+                assert _parser().parse_args([*sub, flag]) is not None
 
 
 def test_vllm_servers_each_get_their_own_cores() -> None:

@@ -34,10 +34,6 @@ runs one worker whatever N (``notes`` say so).
 The request-level baselines on Parrot's engines model the paper's baselines,
 which had no prefix sharing: their engines run with ``--no-prefix-cache``.
 vLLM keeps its automatic prefix caching (the strong request-level baseline).
-A Parrot whose CLI has no ``--no-prefix-cache`` has no automatic prefix
-caching either, so the baselines start without the flag there (a note says
-so); the ablations that need a missing flag fail to start
-(:class:`SystemStartError`) instead of running as something they are not.
 
 Invariants: everything listens on 127.0.0.1 only; a context manager that
 started processes stops them in its ``finally`` (Parrot: SIGTERM to each
@@ -88,8 +84,7 @@ class SystemSpec:
     """What a system name stands for: which client drives it and what serves it.
 
     ``serve_flags`` go to ``parrot serve``, ``engine_flags`` to every Parrot
-    engine (embedded or not); ``optional_flags`` may be left out when the
-    installed Parrot lacks them (see the module docstring)."""
+    engine (embedded or not)."""
 
     kind: Kind  # "parrot": Parrot's client; "openai": the baseline client over /v1/completions
     backend: Backend
@@ -97,7 +92,6 @@ class SystemSpec:
     description: str = ""
     serve_flags: tuple[str, ...] = ()
     engine_flags: tuple[str, ...] = ()
-    optional_flags: tuple[str, ...] = ()
 
     @property
     def ablation(self) -> bool:
@@ -131,7 +125,6 @@ SYSTEMS: dict[str, SystemSpec] = {
         "baseline-latency",
         "baseline client on Parrot's engines, latency-centric policy, no prefix cache",
         engine_flags=(NO_PREFIX_CACHE,),
-        optional_flags=(NO_PREFIX_CACHE,),
     ),
     "parrot-baseline-throughput": SystemSpec(
         "openai",
@@ -139,7 +132,6 @@ SYSTEMS: dict[str, SystemSpec] = {
         "baseline-throughput",
         "baseline client on Parrot's engines, throughput-centric policy, no prefix cache",
         engine_flags=(NO_PREFIX_CACHE,),
-        optional_flags=(NO_PREFIX_CACHE,),
     ),
     "vllm": SystemSpec("openai", "vllm", None, "baseline client on N vLLM-CPU servers (prefix caching on)"),
     "fastchat": SystemSpec("openai", "fastchat", None, "baseline client on FastChat (HF transformers)"),
@@ -359,43 +351,6 @@ def parrot_commands(
     return [*serve, "--no-engine"], engine_cmds
 
 
-_HELP: dict[str, str] = {}
-
-
-def parrot_supports(subcommand: str, flag: str) -> bool:
-    """Whether the installed ``parrot <subcommand>`` accepts ``flag`` (from its ``--help``; cached)."""
-    if subcommand not in _HELP:
-        proc = subprocess.run(
-            [*parrot_command(), subcommand, "--help"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-        _HELP[subcommand] = proc.stdout
-    return flag in _HELP[subcommand].split()
-
-
-def _supported_flags(spec: SystemSpec, engines: int) -> tuple[tuple[str, ...], tuple[str, ...], list[str]]:
-    """``(serve_flags, engine_flags, notes)`` of ``spec`` that the installed Parrot accepts;
-    raises SystemStartError for a missing flag that is not optional."""
-    notes = []
-    engine_cmd = "serve" if engines <= 1 else "engine"
-
-    def keep(flags: tuple[str, ...], subcommand: str) -> tuple[str, ...]:
-        kept = []
-        for flag in flags:
-            if parrot_supports(subcommand, flag):
-                kept.append(flag)
-            elif flag in spec.optional_flags:
-                notes.append(f"this Parrot has no {flag} (nor what it switches off): started without it")
-            else:
-                raise SystemStartError(f"this Parrot's `parrot {subcommand}` has no {flag}")
-        return tuple(kept)
-
-    return keep(spec.serve_flags, "serve"), keep(spec.engine_flags, engine_cmd), notes
-
-
 @contextlib.contextmanager
 def _parrot_system(
     name: str,
@@ -410,7 +365,6 @@ def _parrot_system(
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cores = cpu_cores()
-    serve_flags, engine_flags, notes = _supported_flags(spec, engines)
     serve_cmd, engine_cmds = parrot_commands(
         spec.policy or "parrot",
         model_path,
@@ -419,8 +373,8 @@ def _parrot_system(
         cores,
         latency_cap,
         dtype=dtype,
-        serve_flags=serve_flags,
-        engine_flags=engine_flags,
+        serve_flags=spec.serve_flags,
+        engine_flags=spec.engine_flags,
     )
     threads = cores if engines <= 1 else max(1, cores // engines)
     env = {"OMP_NUM_THREADS": str(threads)}
@@ -440,7 +394,6 @@ def _parrot_system(
             engines=want,
             backend="parrot",
             ignore_eos=True,
-            notes=notes,
             commands=[serve_cmd, *engine_cmds],
             log_dir=log_dir,
             pgids=[p.popen.pid for p in procs],
