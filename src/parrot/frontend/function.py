@@ -34,7 +34,8 @@ from parrot.frontend.variable import Criteria, SemanticVariable, check_criteria,
 from parrot.protocol.errors import BindingError, InvalidTemplate, ParrotError
 from parrot.protocol.sampling import DEFAULT_SAMPLING, SamplingParams
 from parrot.protocol.schemas import SubmitCall, SubmitCallOp
-from parrot.protocol.template import Direction, Template, parse_template
+from parrot.protocol.template import Direction, Template, parse_template, prompt_text
+from parrot.protocol.tokenizer import ChatFormat
 from parrot.protocol.transforms import TransformChain, parse_transforms
 
 _D = DEFAULT_SAMPLING
@@ -190,6 +191,34 @@ class SemanticFunction:
         if missing:
             raise BindingError(f"{label} missing input(s) {missing}")
         return {n: bound[n] for n in self.inputs}
+
+    def render(self, inputs: Mapping[str, Any], chat_format: ChatFormat | None = None) -> str:
+        """The prompt the model reads for a call with these input values, as one
+        string: what a request-level client sends to ``POST /v1/completions``
+        (which adds BOS like every call) to generate this function's output.
+
+        ``inputs`` maps every input name to its value (``str``, or an
+        ``int``/``float`` converted as in a call; defaults fill the rest).
+        With ``chat=True``, ``chat_format`` is the served model's chat markup
+        (``GET /v1/models`` gives it as ``chat_format``), wrapped around the
+        user's text exactly as the manager wraps a call.  Only functions with
+        one output can be rendered: a later output's prompt would contain the
+        earlier ones as generated.
+        """
+        if len(self.outputs) != 1:
+            raise BindingError(
+                f"{self.__name__}(): render() needs a function with one output, it has {list(self.outputs)}"
+            )
+        values = {
+            name: check_value(value, f"{self.__name__}(): input {name!r}")
+            for name, value in self.bind((), inputs).items()
+        }
+        wrap = None
+        if self.chat:
+            if chat_format is None:
+                raise BindingError(f"{self.__name__}() has chat=True: render() needs the model's chat_format")
+            wrap = chat_format.wrap()
+        return prompt_text(self.template, values, chat=self.chat, chat_wrap=wrap)
 
     def submit_body(self, inputs: Mapping[str, str | SemanticVariable]) -> dict[str, Any]:
         """The ``SubmitCall`` JSON body for already-checked ``inputs``.

@@ -26,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from parrot.manager.graph import Call, Variable
-from parrot.protocol.template import Piece, Text
+from parrot.protocol.template import Piece, Text, prompt_pieces
 
 
 def _chain(prev: bytes, kind: bytes, text: str) -> bytes:
@@ -35,21 +35,11 @@ def _chain(prev: bytes, kind: bytes, text: str) -> bytes:
 
 
 def user_pieces(call: Call) -> list[Piece]:
-    """The template's pieces as the model will read them, before any chat
-    markup: with ``chat=True``, whitespace at the edges of the user's turn
-    (a docstring's newline before the output) is dropped — it only confuses
-    the model — and the output is the last piece."""
-    pieces = list(call.template.pieces)
-    if not call.chat:
-        return pieces
-    while pieces and isinstance(pieces[-1], Text) and not pieces[-1].text.strip():
-        pieces.pop()
-    body = pieces[:-1]
-    if body and isinstance(body[-1], Text):
-        body[-1] = Text(body[-1].text.rstrip())
-    if body and isinstance(body[0], Text):
-        body[0] = Text(body[0].text.lstrip())
-    return [*(p for p in body if not isinstance(p, Text) or p.text), pieces[-1]]
+    """The call's template pieces as the model will read them, before any chat
+    markup (:func:`parrot.protocol.template.prompt_pieces`: with ``chat=True``,
+    whitespace at the edges of the user's turn is dropped and the output is
+    the last piece)."""
+    return prompt_pieces(call.template, call.chat)
 
 
 def prefix_keys(call: Call) -> list[str]:

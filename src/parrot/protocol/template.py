@@ -15,6 +15,7 @@ and is never also an input.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -154,3 +155,66 @@ def _check_outputs(template: Template) -> None:
     both = seen_out & inputs
     if both:
         raise InvalidTemplate(f"placeholder(s) {sorted(both)} used as both input and output")
+
+
+def prompt_pieces(template: Template, chat: bool) -> list[Piece]:
+    """The template's pieces as the model will read them, before any chat
+    markup: with ``chat=True``, whitespace at the edges of the user's turn
+    (a docstring's newline before the output) is dropped — it only confuses
+    the model — and the output is the last piece.
+
+    The manager renders calls from these pieces, and :func:`prompt_text` turns
+    them into the text a request-level client sends; both read them here so
+    the two cannot drift apart.  With ``chat=True`` the template must end with
+    its only output (trailing whitespace allowed), as the manager requires.
+    """
+    pieces = list(template.pieces)
+    if not chat:
+        return pieces
+    while pieces and isinstance(pieces[-1], Text) and not pieces[-1].text.strip():
+        pieces.pop()
+    outputs = [p for p in pieces if isinstance(p, Placeholder) and p.direction == "output"]
+    if len(outputs) != 1 or pieces[-1] is not outputs[0]:
+        raise InvalidTemplate(
+            "with chat=True the template must have exactly one output placeholder, as its last element"
+        )
+    body = pieces[:-1]
+    if body and isinstance(body[-1], Text):
+        body[-1] = Text(body[-1].text.rstrip())
+    if body and isinstance(body[0], Text):
+        body[0] = Text(body[0].text.lstrip())
+    return [*(p for p in body if not isinstance(p, Text) or p.text), pieces[-1]]
+
+
+def prompt_text(
+    template: Template,
+    values: Mapping[str, str],
+    *,
+    chat: bool = False,
+    chat_wrap: tuple[str, str] | None = None,
+) -> str:
+    """The text the model reads before the template's first output, with the
+    inputs set to ``values``: what a request-level client sends as the whole
+    prompt of ``POST /v1/completions`` to get what the call generates.
+
+    With ``chat=True``, ``chat_wrap`` is the model's ``(before, between)``
+    markup (:meth:`parrot.protocol.tokenizer.ChatFormat.wrap`), placed around
+    the user's text as the manager places it.  A BOS token is not text: the
+    server adds it to every prompt, a completion's included.
+    """
+    if chat and chat_wrap is None:
+        raise InvalidTemplate("chat=True needs the model's chat markup (chat_wrap) to render the prompt")
+    out: list[str] = []
+    for piece in prompt_pieces(template, chat):
+        if isinstance(piece, Text):
+            out.append(piece.text)
+        elif piece.direction == "output":
+            break
+        else:
+            if piece.name not in values:
+                raise InvalidTemplate(f"no value for input {piece.name!r}")
+            out.append(values[piece.name])
+    if not chat:
+        return "".join(out)
+    before, between = chat_wrap  # type: ignore[misc]
+    return before + "".join(out) + between
