@@ -7,6 +7,7 @@ every test also checks that no session is left behind.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+import parrot as P
 import tests.conftest as conftest
 from parrot.engine.local import LocalEngine
 from parrot.manager.app import create_app
@@ -22,6 +24,7 @@ from parrot.manager.engines import EngineHandle
 from parrot.manager.openai_api import openai_router
 from parrot.manager.service import Manager, ManagerConfig
 from parrot.protocol.sampling import SamplingParams
+from parrot.protocol.tokenizer import ChatFormat
 
 WAIT = 30.0
 
@@ -193,6 +196,30 @@ def test_models_lists_live_engines(client: httpx.Client) -> None:
     assert [m["id"] for m in body["data"]] == ["tiny"]
     assert body["data"][0]["object"] == "model"
     assert body["data"][0]["max_model_len"] > 0
+    # the chat markup chat=True calls are wrapped in (the tiny model's: ChatML, no system turn)
+    assert body["data"][0]["chat_format"] == dataclasses.asdict(ChatFormat.chatml())
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_rendered_prompt_completes_like_the_semantic_function(
+    oa: conftest.LiveServer, client: httpx.Client, chat: bool
+) -> None:
+    """A request-level client that sends ``fn.render(...)`` (chat-wrapped with the
+    markup from /v1/models) gets what the call generates: the tiny tokenizer is
+    byte-level, so the prompt's tokens are the same either way."""
+    fn = P.template_function(
+        "  Facts: {{input:a}}\n\n{{input:b}} so {{output:c}}\n",
+        chat=chat,
+        c=P.Output(max_tokens=12, temperature=0.0, ignore_eos=True),
+    )
+    values = {"a": "Lighthouses warn ships.", "b": "{{not a placeholder}}"}
+    with P.connect(oa.url) as session:
+        via_parrot = session.call(fn, **values).get()
+    chat_format = ChatFormat(**client.get("/v1/models").json()["data"][0]["chat_format"])
+    prompt = fn.render(values, chat_format)
+    assert ("<|im_start|>user\n" in prompt) == chat
+    body = complete(client, prompt=prompt, max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert body["choices"][0]["text"] == via_parrot
 
 
 # ------------------------------------------------------------------- streaming

@@ -25,6 +25,13 @@ silently ignored.  Errors use Parrot's JSON error body
 ``{"error": {"code", "message"}}`` with its HTTP status (400 invalid
 parameters, 503 ``no_engine`` for a model no live engine serves).
 
+``GET /v1/models`` lists each served model with ``max_model_len`` and, as an
+extension, ``chat_format``: the chat markup ``chat=True`` calls are wrapped in
+(the fields of :class:`~parrot.protocol.tokenizer.ChatFormat`; ``null`` for a
+model without one), so that a request-level client can send a chat-wrapped
+prompt that reads exactly like a semantic function's
+(:meth:`parrot.SemanticFunction.render`).
+
 ``finish_reason`` is derived from token counts ("length" when ``max_tokens``
 or the context was used up, else "stop"), since calls do not record the
 engine's reason; a stop token sampled exactly at ``max_tokens`` reads "length".
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
@@ -247,13 +255,23 @@ def openai_router(manager: Manager) -> APIRouter:
     @router.get("/v1/models")
     async def list_models() -> dict:
         models: dict[str, int] = {}
+        chat: dict[str, dict[str, Any] | None] = {}
         for h in manager.pool:
             if h.alive:
                 models[h.model] = max(models.get(h.model, 0), h.max_seq_len)
+                fmt = h.api.tokenizer.chat
+                chat.setdefault(h.model, None if fmt is None else dataclasses.asdict(fmt))
         return {
             "object": "list",
             "data": [
-                {"id": m, "object": "model", "created": 0, "owned_by": "parrot", "max_model_len": n}
+                {
+                    "id": m,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "parrot",
+                    "max_model_len": n,
+                    "chat_format": chat[m],
+                }
                 for m, n in sorted(models.items())
             ],
         }
