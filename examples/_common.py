@@ -1,16 +1,16 @@
-"""Shared helpers for the summarisation examples: arguments, chunking, timing.
+"""Shared helpers for the examples: arguments, chunking, printing the result.
 
-Not an example itself; ``chain_summary.py`` and ``map_reduce.py`` import it.
+Not an example itself; the example apps import it.
 """
 
 import argparse
 import itertools
 import re
-import time
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
 from typing import Any
+
+from _two_ways import DEFAULT_DELAY_MS, Comparison, report
 
 import parrot as P
 
@@ -24,10 +24,29 @@ _PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
-def parse_args(description: str, argv: list[str] | None = None) -> argparse.Namespace:
-    """The common command line: ``--url``, ``--file``, ``--chunk-words``, ``--max-tokens``."""
+def base_parser(description: str) -> argparse.ArgumentParser:
+    """The options every example takes: ``--url`` and ``--delay-ms``."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--url", default=DEFAULT_URL, help=f"Parrot server URL (default {DEFAULT_URL})")
+    parser.add_argument(
+        "--delay-ms",
+        type=float,
+        default=DEFAULT_DELAY_MS,
+        help="emulated network round trip per HTTP request, paid by both ways "
+        f"(default {DEFAULT_DELAY_MS:g})",
+    )
+    return parser
+
+
+def check_base_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.delay_ms < 0:
+        parser.error("--delay-ms cannot be negative")
+
+
+def parse_args(description: str, argv: list[str] | None = None) -> argparse.Namespace:
+    """The summarisation apps' command line: ``--url``, ``--delay-ms``, ``--file``,
+    ``--chunk-words``, ``--max-tokens``."""
+    parser = base_parser(description)
     parser.add_argument(
         "--file",
         type=Path,
@@ -47,6 +66,7 @@ def parse_args(description: str, argv: list[str] | None = None) -> argparse.Name
         help=f"max tokens generated per summary (default {DEFAULT_MAX_TOKENS})",
     )
     args = parser.parse_args(argv)
+    check_base_args(parser, args)
     if args.chunk_words < 1:
         parser.error("--chunk-words must be positive")
     if args.max_tokens < 1:
@@ -134,39 +154,21 @@ def word_count(text: str) -> int:
     return len(text.split())
 
 
-class Timer:
-    """Wall-clock timer: ``with Timer() as t: ...`` then ``t.elapsed`` (seconds)."""
-
-    def __init__(self) -> None:
-        self.start = 0.0
-        self.end: float | None = None
-
-    def __enter__(self) -> "Timer":
-        self.start = time.perf_counter()
-        self.end = None
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.end = time.perf_counter()
-
-    @property
-    def elapsed(self) -> float:
-        end = self.end if self.end is not None else time.perf_counter()
-        return end - self.start
-
-
-def print_result(final: str, n_chunks: int, elapsed: float) -> None:
-    """What both apps print at the end."""
+def print_result(comparison: Comparison, what: str) -> None:
+    """What every app prints at the end: the final value (both, if they differ), then the comparison."""
+    parrot, request_level = comparison.parrot.value, comparison.request_level.value
     print()
-    print("Final summary:")
-    print(final)
+    if comparison.equal:
+        print(f"{what} (both ways):")
+        print(parrot)
+    else:
+        print(f"{what} (Parrot):")
+        print(parrot)
+        print()
+        print(f"{what} (request level):")
+        print(request_level)
     print()
-    print(f"chunks: {n_chunks}  wall time: {elapsed:.2f}s")
+    print(report(comparison), flush=True)
 
 
 def build_summarise(max_tokens: int) -> Callable[..., Any]:

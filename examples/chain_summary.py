@@ -12,6 +12,12 @@ once, and passing a future into the next call wires the dependency on the
 server, so the whole chain runs there without a client round trip between
 steps.  Only the final summary is fetched.
 
+The script runs the application twice on the same server and compares
+(see ``_two_ways.py``): once as above, and once as a request-level client
+that renders every prompt itself and sends one ``POST /v1/completions`` per
+call, waiting for each answer before sending the call that needs it; every
+HTTP request of both pays the same emulated network delay (``--delay-ms``).
+
 Run (with a server up, e.g. ``parrot serve`` in another terminal)::
 
     python examples/chain_summary.py
@@ -26,7 +32,8 @@ from typing import Any
 if str(Path(__file__).resolve().parent) not in sys.path:  # so `_common` imports however we are run
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import Timer, build_summarise, chunk_text, parse_args, print_result, read_text, word_count
+from _common import build_summarise, chunk_text, parse_args, print_result, read_text, word_count
+from _two_ways import Comparison, compare
 
 import parrot as P
 
@@ -50,8 +57,22 @@ def build_functions(max_tokens: int) -> tuple[Callable[..., Any], Callable[..., 
     return build_summarise(max_tokens), refine
 
 
-def main() -> None:
-    args = parse_args("Chain summarisation: summarise the first chunk, then refine with each next chunk.")
+def chain(summarise: Callable[..., Any], refine: Callable[..., Any], chunks: list[str]) -> Any:
+    """The application: summarise the first chunk, refine with each next one.
+
+    With the semantic functions themselves, each call returns a future at
+    once and passing it on wires the dependency on the server; the returned
+    summary is the only value fetched."""
+    summary = summarise(chunks[0])
+    for chunk in chunks[1:]:
+        summary = refine(summary=summary, chunk=chunk)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> Comparison:
+    args = parse_args(
+        "Chain summarisation: summarise the first chunk, then refine with each next chunk.", argv
+    )
     text = read_text(args.file)
     chunks = chunk_text(text, args.chunk_words)
     if not chunks:
@@ -59,15 +80,9 @@ def main() -> None:
     print(f"{args.file.name}: {word_count(text)} words in {len(chunks)} chunks", flush=True)
 
     summarise, refine = build_functions(args.max_tokens)
-    with Timer() as timer, P.connect(args.url):
-        # Submit the whole chain first; nothing here waits for the model.
-        summary = summarise(chunks[0])
-        for chunk in chunks[1:]:
-            summary = refine(summary=summary, chunk=chunk)
-        # The only fetch: blocks until the last link of the chain is generated.
-        final = summary.get(P.LATENCY)
-
-    print_result(final, len(chunks), timer.elapsed)
+    comparison = compare(lambda way: chain(way(summarise), way(refine), chunks), args.url, args.delay_ms)
+    print_result(comparison, "Final summary")
+    return comparison
 
 
 if __name__ == "__main__":

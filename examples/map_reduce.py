@@ -11,6 +11,13 @@ fixed, so it is built at run time with ``P.template_function`` from
 are submitted before anything is fetched; the reduce call depends on the map
 outputs on the server, and only its output is fetched.
 
+The script runs the application twice on the same server and compares
+(see ``_two_ways.py``): once as above, and once as a request-level client
+that renders every prompt itself and sends one ``POST /v1/completions`` per
+call (the map calls concurrently, the reduce once their answers are back);
+every HTTP request of both pays the same emulated network delay
+(``--delay-ms``).
+
 Run (with a server up, e.g. ``parrot serve`` in another terminal)::
 
     python examples/map_reduce.py
@@ -25,7 +32,8 @@ from typing import Any
 if str(Path(__file__).resolve().parent) not in sys.path:  # so `_common` imports however we are run
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import Timer, build_summarise, chunk_text, parse_args, print_result, read_text, word_count
+from _common import build_summarise, chunk_text, parse_args, print_result, read_text, word_count
+from _two_ways import Comparison, compare
 
 import parrot as P
 
@@ -46,8 +54,18 @@ def build_reduce(n_parts: int, max_tokens: int) -> Callable[..., Any]:
     )
 
 
-def main() -> None:
-    args = parse_args("Map-reduce summarisation: summarise every chunk in parallel, then combine.")
+def map_reduce(summarise: Callable[..., Any], reduce: Callable[..., Any], chunks: list[str]) -> Any:
+    """The application: summarise every chunk (independent calls), then combine.
+
+    With the semantic functions themselves, the map calls are submitted back
+    to back and none is awaited; the reduce call is wired to every map output
+    on the server, and its output is the only value fetched."""
+    partials = [summarise(chunk) for chunk in chunks]
+    return reduce(**{f"s{i}": v for i, v in enumerate(partials)})
+
+
+def main(argv: list[str] | None = None) -> Comparison:
+    args = parse_args("Map-reduce summarisation: summarise every chunk in parallel, then combine.", argv)
     text = read_text(args.file)
     chunks = chunk_text(text, args.chunk_words)
     if not chunks:
@@ -56,15 +74,9 @@ def main() -> None:
 
     summarise = build_summarise(args.max_tokens)
     reduce = build_reduce(len(chunks), args.max_tokens + args.max_tokens // 4)
-    with Timer() as timer, P.connect(args.url):
-        # Map: independent calls, submitted back to back; none is awaited.
-        partials = [summarise(chunk) for chunk in chunks]
-        # Reduce: wired to every map output on the server.
-        final_var = reduce(**{f"s{i}": v for i, v in enumerate(partials)})
-        # The only fetch.
-        final = final_var.get(P.LATENCY)
-
-    print_result(final, len(chunks), timer.elapsed)
+    comparison = compare(lambda way: map_reduce(way(summarise), way(reduce), chunks), args.url, args.delay_ms)
+    print_result(comparison, "Final summary")
+    return comparison
 
 
 if __name__ == "__main__":
