@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Set up (if needed), start `parrot serve` on the default model (SmolLM2-135M),
-# run the example applications against it, and stop the server.
+# run each example application against it both ways -- as semantic functions
+# (Parrot) and as a request-level client (one /v1/completions per call) --
+# with the same emulated network delay per HTTP request, and stop the server.
+# PARROT_DEMO_DELAY_MS sets the delay (default 250).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -18,9 +21,21 @@ for _ in $(seq 1 600); do
   sleep 0.5
 done
 grep -m1 "manager ready" "$log" || true
+DELAY_MS=${PARROT_DEMO_DELAY_MS:-250}
 echo
-echo "=== chain summarisation ==="
-python examples/chain_summary.py --url "$URL"
-echo
-echo "=== map-reduce summarisation ==="
-python examples/map_reduce.py --url "$URL"
+echo "Each app runs twice on this server: as semantic functions (Parrot: all calls"
+echo "submitted in one request, values flow between them inside the server, only the"
+echo "final value is fetched) and as a request-level client (it renders each prompt"
+echo "itself, sends one POST /v1/completions per call, and waits for an answer before"
+echo "sending the call that needs it). Every HTTP request of either way pays an"
+echo "emulated network round trip of $DELAY_MS ms."
+for app in qa_chain chain_summary map_reduce; do
+  case $app in
+    qa_chain) title="question-and-answer chain (5 short calls)" ;;
+    chain_summary) title="chain summarisation" ;;
+    map_reduce) title="map-reduce summarisation" ;;
+  esac
+  echo
+  echo "=== $title ==="
+  python "examples/$app.py" --url "$URL" --delay-ms "$DELAY_MS"
+done
