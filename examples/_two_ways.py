@@ -3,14 +3,14 @@
 Not an example itself; the example apps import it.
 
 **Parrot** (semantic functions): every call of the application is recorded in
-one ``session.batch()`` and submitted as one request; dependencies are
-variables wired on the server, which runs each call as soon as its inputs
-exist; only the application's final value is fetched.  That is two HTTP
-requests, however many calls the application makes (a long poll that
-outlasts the server's 30 s ``wait`` adds one more ``GET``).  The session is
-opened before the clock starts and closed after it stops, as the
-request-level client's HTTP connection is created and closed; neither pays
-the emulated delay.
+one ``session.batch()`` and submitted as one request, which also creates the
+session (``P.aconnect(url, defer_open=True)``); dependencies are variables
+wired on the server, which runs each call as soon as its inputs exist; only
+the application's final value is fetched.  That is two HTTP requests, however
+many calls the application makes (a long poll that outlasts the server's
+30 s ``wait`` adds one more ``GET``).  Closing the session comes after the
+clock stops and pays no delay, as closing the request-level client's
+connections does.
 
 **Request level**: what a client of a completion API does.  For each call it
 renders the prompt itself (:meth:`parrot.SemanticFunction.render`: exactly
@@ -22,8 +22,15 @@ would), so the comparison is with the best a request-level client can do.
 
 **Emulated network**: each HTTP request of either way costs one round trip of
 ``delay_ms``: half is slept before the request leaves, half after its answer
-arrived.  The model's chat markup (``GET /v1/models``) and one short warm-up
-completion are fetched before any timing, with no delay.
+arrived.
+
+**Same engine state**: before either way is timed, the model's chat markup is
+read (``GET /v1/models``) and the application runs once, untimed and with no
+delay (the request-level way).  The engine's prefix cache keeps computed
+prompt blocks, and both ways send it the same prompts, so without this the
+way timed second would find the first one's prompts already computed; after
+it, both find every prompt of the application cached (and the engine's
+first-use costs paid).
 
 The application is written once, as a function of its semantic functions;
 :func:`compare` runs it with the real semantic functions inside a Parrot
@@ -34,6 +41,7 @@ are equal (greedy decoding makes them comparable).
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import Counter
@@ -54,27 +62,33 @@ _CONTEXT_CHARS = 30  # characters shown either side of a difference
 
 
 # ------------------------------------------------------------------ network
-class Network(httpx.BaseTransport):
-    """An HTTP transport that delays every request by one emulated round trip
-    (``rtt_s``: half before sending, half after the whole answer arrived) and
-    logs ``(method, path)`` of each.  Thread-safe."""
+class Network(httpx.BaseTransport, httpx.AsyncBaseTransport):
+    """An HTTP transport (sync and async) that delays every request by one
+    emulated round trip (``rtt_s``: half before sending, half after the whole
+    answer arrived) and logs ``(method, path)`` of each.  While ``charging`` is
+    false, requests pass undelayed and unlogged.  Thread-safe."""
 
     def __init__(self, rtt_s: float, *, charging: bool = True):
         if rtt_s < 0:
             raise ValueError("the round trip cannot be negative")
         self.rtt_s = rtt_s
-        self.charging = charging  # while False, requests pass undelayed and unlogged (set-up)
+        self.charging = charging
         self.log: list[tuple[str, str]] = []
         self._lock = threading.Lock()
-        self._inner = httpx.HTTPTransport()
+        self._sync = httpx.HTTPTransport()
+        self._async = httpx.AsyncHTTPTransport()
+
+    def _charge(self, request: httpx.Request) -> bool:
+        if self.charging:
+            with self._lock:
+                self.log.append((request.method, request.url.path))
+        return self.charging
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
-        if not self.charging:
-            return self._inner.handle_request(request)
-        with self._lock:
-            self.log.append((request.method, request.url.path))
+        if not self._charge(request):
+            return self._sync.handle_request(request)
         time.sleep(self.rtt_s / 2)
-        response = self._inner.handle_request(request)
+        response = self._sync.handle_request(request)
         try:
             response.read()  # the answer is in before its trip back is charged
         except BaseException:
@@ -83,8 +97,24 @@ class Network(httpx.BaseTransport):
         time.sleep(self.rtt_s / 2)
         return response
 
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if not self._charge(request):
+            return await self._async.handle_async_request(request)
+        await asyncio.sleep(self.rtt_s / 2)
+        response = await self._async.handle_async_request(request)
+        try:
+            await response.aread()
+        except BaseException:
+            await response.aclose()
+            raise
+        await asyncio.sleep(self.rtt_s / 2)
+        return response
+
     def close(self) -> None:
-        self._inner.close()
+        self._sync.close()
+
+    async def aclose(self) -> None:
+        await self._async.aclose()
 
 
 def describe_requests(log: list[tuple[str, str]]) -> str:
@@ -96,12 +126,10 @@ def describe_requests(log: list[tuple[str, str]]) -> str:
 def _kind(method: str, path: str) -> str:
     if path == "/v1/completions":
         return "completion"
-    if method == "POST" and path == "/v1/sessions":
-        return "open session"
+    if method == "POST" and (path == "/v1/sessions" or path.endswith("/batch") or path.endswith("/calls")):
+        return "submit"  # POST /v1/sessions carries the first batch (defer_open)
     if method == "DELETE":
         return "close session"
-    if method == "POST" and (path.endswith("/batch") or path.endswith("/calls")):
-        return "submit"
     if method == "GET" and "/variables/" in path:
         return "get"
     return f"{method} {path}"
@@ -176,12 +204,6 @@ def chat_format_of(url: str, model: str | None = None) -> ChatFormat | None:
     return None if fmt is None else ChatFormat(**fmt)
 
 
-def warm_up(url: str) -> None:
-    """One short completion, so that neither way pays the engine's first-use costs."""
-    body = {"prompt": "Hello", "max_tokens": 2, "temperature": 0.0}
-    httpx.post(f"{url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S).raise_for_status()
-
-
 # ------------------------------------------------------------------ running
 Way = Callable[[P.SemanticFunction], Callable[..., Any]]
 """How an application reaches a semantic function: the function itself (Parrot),
@@ -216,30 +238,32 @@ class Comparison:
 
 
 def run_parrot(app: App, url: str, delay_ms: float) -> WayResult:
-    network = Network(delay_ms / 1000.0, charging=False)
+    return asyncio.run(_run_parrot(app, url, delay_ms))
+
+
+async def _run_parrot(app: App, url: str, delay_ms: float) -> WayResult:
+    network = Network(delay_ms / 1000.0)
     try:
-        with P.connect(url, timeout=REQUEST_TIMEOUT_S, transport=network) as session:
-            # The session is set up before the clock starts and closed after it
-            # stops, as the request-level client's HTTP connection is.
-            network.charging = True
+        # defer_open: the manager session is created by the request carrying the batch
+        async with P.aconnect(url, timeout=REQUEST_TIMEOUT_S, transport=network, defer_open=True) as session:
             start = time.perf_counter()
-            with session.batch():  # every call of the app in one request
+            async with session.batch():  # every call of the app, in one request
                 final = app(lambda fn: fn)
-            value = final.get(P.LATENCY)  # the only value that travels back
+            value = await final.aget(P.LATENCY)  # the only value that travels back
             seconds = time.perf_counter() - start
-            network.charging = False
+            network.charging = False  # closing the session is after the app, like closing a connection
     finally:
-        network.close()
+        await network.aclose()
     return WayResult(value, seconds, list(network.log))
 
 
 def run_request_level(app: App, url: str, delay_ms: float, chat_format: ChatFormat | None) -> WayResult:
     network = Network(delay_ms / 1000.0)
     try:
-        start = time.perf_counter()
         with RequestLevelClient(url, network, chat_format) as client:
+            start = time.perf_counter()
             value = app(client.function).get()
-        seconds = time.perf_counter() - start
+            seconds = time.perf_counter() - start
     finally:
         network.close()
     return WayResult(value, seconds, list(network.log))
@@ -248,7 +272,7 @@ def run_request_level(app: App, url: str, delay_ms: float, chat_format: ChatForm
 def compare(app: App, url: str, delay_ms: float = DEFAULT_DELAY_MS) -> Comparison:
     """Run ``app`` the Parrot way, then the request-level way, on the server at ``url``."""
     chat_format = chat_format_of(url)
-    warm_up(url)
+    run_request_level(app, url, 0.0, chat_format)  # warm-up: see "Same engine state" above
     parrot = run_parrot(app, url, delay_ms)
     request_level = run_request_level(app, url, delay_ms, chat_format)
     return Comparison(parrot, request_level, delay_ms)
@@ -288,8 +312,8 @@ def report(c: Comparison) -> str:
     width = 32
     return "\n".join(
         [
-            f"emulated network: {c.delay_ms:g} ms round trip per HTTP request, both ways "
-            "(Parrot's session opened and closed outside the timing, like a connection)",
+            f"emulated network: {c.delay_ms:g} ms round trip per HTTP request, both ways; "
+            "both timed after an untimed run of the app (same engine and prefix-cache state)",
             f"{'Parrot (semantic functions):':<{width}} {p.seconds:6.2f} s, "
             f"requests {describe_requests(p.requests)}",
             f"{'request level (/v1/completions):':<{width}} {r.seconds:6.2f} s, "

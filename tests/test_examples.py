@@ -45,21 +45,22 @@ def test_example_runs_both_ways(live, app, capsys):
 
     # Request level: one completion per call, and nothing else.
     assert request_level.requests == [("POST", "/v1/completions")] * calls
-    # Parrot: the whole app in one submission, then only gets of the final value.
-    assert parrot.requests[0][0] == "POST" and re.fullmatch(
-        r"/v1/sessions/[^/]+/batch", parrot.requests[0][1]
-    )
+    # Parrot: the whole app in the request that creates the session, then only gets of
+    # the final value.
+    assert parrot.requests[0] == ("POST", "/v1/sessions")
     gets = parrot.requests[1:]
     assert gets and all(
         m == "GET" and re.fullmatch(r"/v1/sessions/[^/]+/variables/[^/]+", p) for m, p in gets
     )
     assert len({p for _, p in gets}) == 1  # one variable fetched: the final value
-    # The server saw the same: one batch, no single-call submissions, and one completion
-    # per call plus the warm-up.
+    # The server saw the same: one session, whose calls all came with its creation (no
+    # later batch or single-call submission), closed after the run; and one completion per
+    # call in the untimed run and in the timed one.
     seen = live.requests
-    assert sum(m == "POST" and p.endswith("/batch") for m, p in seen) == 1
-    assert not any(p.endswith("/calls") for _, p in seen)
-    assert seen.count(("POST", "/v1/completions")) == calls + 1
+    assert seen.count(("POST", "/v1/sessions")) == 1
+    assert not any(p.endswith(("/batch", "/calls")) for _, p in seen)
+    assert not live.manager.sessions
+    assert seen.count(("POST", "/v1/completions")) == 2 * calls  # the app ran untimed first
 
     # Every request paid the emulated round trip, one after another on the critical path.
     assert parrot.seconds >= len(parrot.requests) * DELAY_MS / 1000
