@@ -76,9 +76,8 @@ def test_example_runs_both_ways(live, app, capsys):
     assert f"{request_level.seconds:6.2f} s, requests {calls} (completion {calls})" in out
     assert f"request level / Parrot: {request_level.seconds / parrot.seconds:.2f}x" in out
     assert f"{DELAY_MS:g} ms round trip per HTTP request" in out
-    # The tiny model's tokenizer is byte-level: tokenizing the prompt piece by piece (the
-    # server, for a semantic function) or whole (a completion) gives the same tokens, so
-    # with greedy decoding the two ways must agree.
+    # The manager tokenizes a semantic function's rendered prompt whole, as a completion's,
+    # so both ways give the model the same tokens and, greedy, must agree.
     assert comparison.equal, out
 
 

@@ -205,8 +205,7 @@ def test_a_rendered_prompt_completes_like_the_semantic_function(
     oa: conftest.LiveServer, client: httpx.Client, chat: bool
 ) -> None:
     """A request-level client that sends ``fn.render(...)`` (chat-wrapped with the
-    markup from /v1/models) gets what the call generates: the tiny tokenizer is
-    byte-level, so the prompt's tokens are the same either way."""
+    markup from /v1/models) gets what the call generates: the same prompt tokens."""
     fn = P.template_function(
         "  Facts: {{input:a}}\n\n{{input:b}} so {{output:c}}\n",
         chat=chat,
