@@ -17,6 +17,7 @@ import pytest
 from parrot.engine.block_pool import BlockPool
 from parrot.engine.local import LocalEngine
 from parrot.engine.prefix_cache import ROOT, PrefixCache, block_digest
+from parrot.engine.runner import StepInfo
 from parrot.protocol.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -197,6 +198,26 @@ def test_calls_arriving_together_under_a_prompt_shorter_than_a_step_compute_it_o
     before = cached_tokens(eng)
     assert asyncio.run(all_at_once(eng)) == expected
     assert cached_tokens(eng) - before == 5 * 6 * 16
+
+
+def test_a_short_shared_block_before_a_long_private_part_does_not_hold_a_prompt_back(engines, tiny_model):
+    """Two prompts sharing one whole block and then 200 tokens each: waiting a step to reuse
+    16 tokens would leave most of the step unused, so both are computed in the first step."""
+    vocab = tiny_model.config.vocab_size
+    eng = engines("short-shared", kv_cache_tokens=8192, max_step_tokens=512)
+    shared = prompt(6, 16, vocab)
+    prompts = [shared + prompt(40 + i, 200, vocab) for i in range(2)]
+    steps: list[StepInfo] = []
+
+    async def both() -> None:
+        eng.runner.on_step = steps.append
+        try:
+            await asyncio.gather(*(complete(eng, p) for p in prompts))
+        finally:
+            eng.runner.on_step = None
+
+    asyncio.run(both())
+    assert steps[0].num_tokens == 2 * 216
 
 
 def test_under_memory_pressure_cached_blocks_are_evicted_and_outputs_stay_right(engines, tiny_model):

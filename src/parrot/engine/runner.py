@@ -540,9 +540,10 @@ class EngineRunner:
     def _plan(self) -> list[tuple[Job, SeqSlice]]:
         """Pending tokens the prefix cache holds are taken from it; then decode slices
         (one token) first, then prompt chunks within ``max_step_tokens``.  A prompt whose
-        next whole block an earlier chunk of this step computes waits a step and takes it
+        next whole blocks an earlier chunk of this step computes waits a step and takes them
         from the cache then (calls arriving together under one prompt shorter than a step
-        would otherwise each compute it in the same step)."""
+        would otherwise each compute it in the same step), when they are at least half of
+        what it has to compute."""
         decodes: list[tuple[Job, SeqSlice]] = []
         chunks: list[tuple[Job, SeqSlice]] = []
         for job in self._running:
@@ -568,12 +569,20 @@ class EngineRunner:
         return decodes + chunks
 
     def _next_block_computing(self, ctx: Context, computing: set[bytes]) -> bool:
-        """Whether ``ctx``'s next pending block is a whole block that a chunk already
-        planned this step computes (same tokens from position 0)."""
+        """Whether at least half of ``ctx``'s pending tokens are whole blocks that chunks
+        already planned this step compute (same tokens from position 0): then waiting a
+        step for them is worth it; for a few such blocks ahead of a long private part,
+        computing them again costs less than leaving the step's budget unused."""
         bs, c = self.pool.block_size, ctx.computed_len
         if self.contexts.cache is None or c % bs or c + bs >= ctx.length:
             return False
-        return self.contexts.digests_ahead(ctx, c // bs + 1)[-1] in computing
+        stop = (ctx.length - 1) // bs
+        shared = 0
+        for digest in self.contexts.digests_ahead(ctx, stop):
+            if digest not in computing:
+                break
+            shared += 1
+        return 2 * shared * bs >= ctx.num_pending
 
     def _mark_computing(self, ctx: Context, n: int, computing: set[bytes]) -> None:
         """Record the digests of the whole blocks a chunk of ``n`` tokens computes."""
