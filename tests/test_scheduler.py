@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 
@@ -24,8 +25,21 @@ LAT = CallObjective("latency", None, "test")
 THR = CallObjective("throughput", None, "test")
 
 
-def eng(eid, load=0, mode=None, cap=64_000, msl=16_384, model="m", groups=(), prefixes=(), alive=True):
-    return EngineSnapshot(eid, model, msl, cap, load, mode, frozenset(groups), frozenset(prefixes), alive)
+def eng(
+    eid,
+    load=0,
+    mode=None,
+    cap=64_000,
+    msl=16_384,
+    model="m",
+    groups=(),
+    prefixes=(),
+    alive=True,
+    last=0,
+):
+    return EngineSnapshot(
+        eid, model, msl, cap, load, mode, frozenset(groups), frozenset(prefixes), alive, last
+    )
 
 
 def q(cid, kind="latency", group=None, tokens=100, rank=0, prefixes=(), model="m"):
@@ -160,6 +174,43 @@ def test_dead_engines_and_max_seq_len_are_respected():
     assert where(out) == {"a": "e3", "b": "e2"}
 
 
+# ------------------------------------------------------------------ ties
+def test_equal_loads_go_to_the_engine_given_work_least_recently():
+    engines = [eng("e1", last=7), eng("e2", last=3), eng("e3", last=5)]
+    assert where(run([q("a")], engines)) == {"a": "e2"}
+    engines = [eng("e1", load=10, mode="latency", last=7), eng("e2", load=10, mode="latency", last=9)]
+    assert where(run([q("a")], engines)) == {"a": "e1"}
+    assert where(run([q("a")], [eng("e1", load=10, mode="latency"), eng("e2", last=9)])) == {"a": "e2"}
+    # affinity picks break ties the same way
+    engines = [eng("e1", prefixes={"p"}, last=4), eng("e2", prefixes={"p"}, last=2)]
+    assert run([q("a", prefixes=("p",))], engines) == [Placement("a", "e2", "prefix-engine")]
+
+
+def test_one_call_per_round_alternates_between_idle_engines():
+    """Each round places one call, which finishes before the next round (so every round
+    starts from equal loads); the caller stamps the engine it used.  Ties by id alone
+    would put every call on e1."""
+    engines = {"e1": eng("e1"), "e2": eng("e2")}
+    used = []
+    for clock in range(1, 9):
+        [p] = run([q(f"c{clock}", tokens=50 if clock % 2 else 5000)], list(engines.values()))
+        used.append(p.engine_id)
+        engines[p.engine_id] = dataclasses.replace(engines[p.engine_id], last_assigned=clock)
+    assert used == ["e1", "e2"] * 4
+
+
+def test_within_a_round_even_a_tiny_call_moves_the_next_one_elsewhere():
+    engines = [eng("e1"), eng("e2"), eng("e3")]
+    queue = [q("tiny", tokens=1), q("big", tokens=3000, rank=1), q("mid", tokens=500, rank=2)]
+    assert where(run(queue, engines)) == {"tiny": "e1", "big": "e2", "mid": "e3"}
+    queue = [q(f"t{i}", tokens=1, rank=i) for i in range(6)]
+    assert [p.engine_id for p in run(queue, engines)] == ["e1", "e2", "e3"] * 2
+    # equal loads within the round: the engine placed on earliest in the round goes next
+    engines = [eng("e1", last=9), eng("e2", last=1)]
+    queue = [q(f"t{i}", tokens=100, rank=i) for i in range(4)]
+    assert [p.engine_id for p in run(queue, engines)] == ["e2", "e1", "e2", "e1"]
+
+
 # ------------------------------------------------------------------ big calls
 def test_a_call_larger_than_the_cap_runs_alone_on_an_idle_engine():
     engines = [eng("e1", load=10, mode="latency"), eng("e2")]
@@ -269,6 +320,8 @@ def test_validation():
         eng("e1", mode="fast")
     with pytest.raises(ValueError, match="positive"):
         eng("e1", cap=0)
+    with pytest.raises(ValueError, match="last_assigned"):
+        eng("e1", last=-1)
 
 
 def test_unservable_calls_are_reported_distinctly():
@@ -300,6 +353,7 @@ def rounds(draw):
     for i in range(n_eng):
         cap = draw(st.sampled_from([2048, 8192, 32_000]))
         load = draw(st.sampled_from([0, 0, 100, 3000, 6000, 9000]))
+        last = draw(st.sampled_from([0, 1, 2, 7]))
         engines.append(
             eng(
                 f"e{i}",
@@ -311,6 +365,7 @@ def rounds(draw):
                 groups=draw(st.sets(st.sampled_from(["tg:1", "tg:2"]), max_size=1)),
                 prefixes=draw(st.sets(st.sampled_from(["p", "q"]), max_size=2)),
                 alive=draw(st.booleans()) or i == 0,
+                last=last,
             )
         )
     queue = []

@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 TICK_S = 0.1
 MIN_ROUND_GAP_S = 0.0005
 _LATENCY_DEFAULT = CallObjective("latency", reason="not deduced yet")
+# Stamps of placements (EngineSnapshot.last_assigned): increasing in placement order, process-wide.
+_assignments = itertools.count(1)
 
 
 class _EngineLost(str):
@@ -70,6 +72,7 @@ class _Usage:
     groups: dict[str, int] = field(default_factory=dict)  # task group -> running calls
     prefixes: dict[str, int] = field(default_factory=dict)  # shared prefix key -> running calls
     group_set: frozenset[str] = frozenset()  # the keys of ``groups``, rebuilt when they change
+    last_assigned: int = 0  # stamp of the last call placed there (0: none yet); ties go to the oldest
 
     @property
     def mode(self) -> str | None:
@@ -407,6 +410,7 @@ class Executor:
             task_groups=use.group_set,
             prefixes=self.prefixes.keys_on(h.engine_id),
             alive=h.alive,
+            last_assigned=use.last_assigned,
         )
 
     def snapshots(self) -> list[EngineSnapshot]:
@@ -423,6 +427,8 @@ class Executor:
             use = self._usage[eid] = _Usage()
         self._stale.add(eid)
         use.load += sign * (ticket.tokens or 0)
+        if sign > 0:
+            use.last_assigned = next(_assignments)
         if ticket.shared_prefix is not None:
             key, n = ticket.shared_prefix
             count = use.prefixes.get(key, 0) + sign

@@ -33,18 +33,25 @@ producers first, then arrival).  For each call ``c``:
    Throughput ``c``: the least-loaded fitting engine in throughput mode or
    idle; only if none fits, one in latency mode (under ``cap_L``).
 
-Ties are broken by ``engine_id``, so results do not depend on the order of
-``engines``.  Each placement updates a working copy of its engine (load +=
-tokens; mode becomes ``"latency"`` with latency work, ``"throughput"`` if it
-was idle; the call's task group and prefix hashes are recorded), so later
-decisions in the round see it.  An engine reporting load 0 is treated as
-idle (mode None).
+Each placement updates a working copy of its engine (load += tokens; mode
+becomes ``"latency"`` with latency work, ``"throughput"`` if it was idle; the
+call's task group and prefix hashes are recorded), so later decisions in the
+round see it.  An engine reporting load 0 is treated as idle (mode None).
+
+Ties.  "Least-loaded" compares ``(load, recency, engine_id)``.  Among engines
+of equal load the one given work least recently wins: its snapshot's
+``last_assigned``, which the caller stamps from a monotone clock when it
+places a call there; a placement of the running round counts as more recent
+than any stamp, and a later one of the round as more recent still.  Then the
+smallest id.  So a stream of calls over idle engines spreads over them
+instead of piling onto the lowest id, and results do not depend on the order
+of ``engines``.
 
 Drain reservation (``parrot`` and the ablations).  A call that is not placed
 and is larger than the cap of *every* engine that could ever run it can only
-run on an idle engine; it reserves the least-loaded such engine (ties by id),
-which then takes no new work for the rest of the round, so it drains and the
-big call gets it in a later round.
+run on an idle engine; it reserves the least-loaded such engine (ties as
+above), which then takes no new work for the rest of the round, so it drains
+and the big call gets it in a later round.
 
 Policies:
 
@@ -61,13 +68,14 @@ Policies:
 
 Cost: O(Q log Q) for the sort plus, per call, O(H + log E) where H is the
 number of (model, mode, capacity, max_seq_len) classes of engines (a handful)
-— engines of one class share a cap, so a heap ordered by load answers "least
-loaded that fits" from its top.  Affinity look-ups are dict hits.  No O(Q²).
-Building those heaps and indexes costs O(E log E + affinity keys) per call of
-``schedule``; :class:`Scheduler` keeps them between rounds and is told which
-engines changed, so a round of a busy manager (few calls, a few changed
-engines, many engines) costs O(changed engines · log E) before its first
-decision.  It runs the same code and returns the same placements.
+— engines of one class share a cap, so a heap ordered by (load, recency, id)
+answers "least loaded that fits" from its top.  Affinity look-ups are dict
+hits.  No O(Q²).  Building those heaps and indexes costs O(E log E +
+affinity keys) per call of ``schedule``; :class:`Scheduler` keeps them
+between rounds and is told which engines changed, so a round of a busy
+manager (few calls, a few changed engines, many engines) costs O(changed
+engines · log E) before its first decision.  It runs the same code and
+returns the same placements.
 """
 
 from __future__ import annotations
@@ -92,6 +100,9 @@ POLICIES: tuple[Policy, ...] = (
 Reason = Literal["task-group", "prefix-queued", "prefix-engine", "find-engine", "find-engine-mixed", "fifo"]
 _MODES = ("latency", "throughput", None)
 
+_IN_ROUND = 1 << 62
+"""Recency of the first placement of a round: above every snapshot's ``last_assigned``."""
+
 
 @dataclass(frozen=True, slots=True)
 class EngineSnapshot:
@@ -100,7 +111,10 @@ class EngineSnapshot:
     ``mode`` is the kind of work it runs now: ``"latency"`` if any running
     call is latency-sensitive (its cap is then ``cap_L``), ``"throughput"`` if
     it runs only throughput work, None if idle.  ``token_load`` counts KV
-    tokens of work running or already assigned there.
+    tokens of work running or already assigned there.  ``last_assigned``:
+    when the engine was last given a call, on the caller's monotone clock (0:
+    never; must stay below 2**62); of two equally loaded engines the smaller
+    value wins.
     """
 
     engine_id: str
@@ -112,6 +126,7 @@ class EngineSnapshot:
     task_groups: frozenset[str] = frozenset()
     prefixes: frozenset[object] = frozenset()
     alive: bool = True
+    last_assigned: int = 0
 
     def __post_init__(self) -> None:
         if not self.engine_id:
@@ -122,6 +137,8 @@ class EngineSnapshot:
             raise ValueError(f"engine {self.engine_id}: token_load must be >= 0")
         if self.mode not in _MODES:
             raise ValueError(f"engine {self.engine_id}: mode must be one of {_MODES}, got {self.mode!r}")
+        if not 0 <= self.last_assigned < _IN_ROUND:
+            raise ValueError(f"engine {self.engine_id}: last_assigned must lie in [0, 2**62)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +191,7 @@ class Placement:
 class _Eng:
     """Working copy of one live engine's snapshot: what a round has placed on it so far."""
 
-    __slots__ = ("blocked", "id", "load", "mode", "snap", "touched", "version")
+    __slots__ = ("blocked", "id", "load", "mode", "recency", "snap", "touched", "version")
 
     def __init__(self, snap: EngineSnapshot):
         self.snap = snap
@@ -186,11 +203,13 @@ class _Eng:
         self.touched = False  # changed by the running round (undone when it ends)
         self.load = snap.token_load
         self.mode: str | None = snap.mode if snap.token_load > 0 else None
+        self.recency = snap.last_assigned  # raised by placements of the running round
 
     def reset(self) -> None:
         snap = self.snap
         self.load = snap.token_load
         self.mode = snap.mode if snap.token_load > 0 else None
+        self.recency = snap.last_assigned
 
 
 def _matches(model: str | None, eng_model: str) -> bool:
@@ -284,7 +303,8 @@ class Scheduler:
         self._by_model: dict[str, dict[str, _Eng]] = {}  # live engines by model
         # model -> {(token_capacity, max_seq_len): live engines of that shape}
         self._shapes: dict[str, dict[tuple[int, int], int]] = {}
-        # heaps[cls] = [(load, engine_id, version, eng)]; cls = (model, mode, token_capacity, max_seq_len)
+        # heaps[cls] = [(load, recency, engine_id, version, eng)];
+        # cls = (model, mode, token_capacity, max_seq_len)
         self._heaps: dict[tuple, list] = {}
         self._classes: dict[str | None, dict[str | None, list[tuple]]] = {}
         self._pushes = 0  # heap entries pushed since the heaps were last rebuilt
@@ -295,6 +315,7 @@ class Scheduler:
         self._round_groups: dict[object, dict[str, _Eng]] = {}
         self._round_prefixes: dict[object, dict[str, _Eng]] = {}
         self._touched: list[_Eng] = []
+        self._recency = _IN_ROUND  # the next placement's recency within the running round
 
     # -- what it knows of the engines
     @property
@@ -449,7 +470,7 @@ class Scheduler:
         if heap is None:
             heap = self._heaps[cls] = []
             self._classes.setdefault(s.model, {}).setdefault(mode, []).append(cls)
-        heapq.heappush(heap, (e.load, e.id, e.version, e))
+        heapq.heappush(heap, (e.load, e.recency, e.id, e.version, e))
         self._pushes += 1
 
     def _rebuild_heaps(self) -> None:
@@ -465,7 +486,7 @@ class Scheduler:
             if heap is None:
                 heap = heaps[cls] = []
                 classes.setdefault(s.model, {}).setdefault(mode, []).append(cls)
-            heap.append((e.load, e.id, e.version, e))
+            heap.append((e.load, e.recency, e.id, e.version, e))
         for heap in heaps.values():
             heapq.heapify(heap)
         self._heaps, self._classes, self._pushes = heaps, classes, 0
@@ -474,14 +495,14 @@ class Scheduler:
         heap = self._heaps[cls]
         while heap:
             top = heap[0]
-            e = top[3]
-            if top[2] == e.version and not e.blocked:
+            e = top[4]
+            if top[3] == e.version and not e.blocked:
                 return top
             heapq.heappop(heap)
         return None
 
     def _least_loaded(self, c: QueuedCall, kind: str, modes: tuple) -> _Eng | None:
-        """Least-loaded engine (ties by id) in one of ``modes`` that ``c`` fits."""
+        """Least-loaded engine (ties by recency, then id) in one of ``modes`` that ``c`` fits."""
         best = None
         models = self._classes if c.model is None else (c.model,)
         for model in models:
@@ -498,18 +519,20 @@ class Scheduler:
                     load = top[0]
                     if load and load + c.tokens > self._cap(kind, mode, cls[2]):
                         continue  # same cap in the class: nothing else here fits either
-                    if best is None or top[:2] < best[:2]:
+                    if best is None or top[:3] < best[:3]:
                         best = top
-        return None if best is None else best[3]
+        return None if best is None else best[4]
 
     def _pick(self, held: dict[str, _Eng] | None, placed: dict[str, _Eng] | None, c: QueuedCall, kind: str):
-        """Least-loaded engine (ties by id) among ``held`` and ``placed`` that ``c`` fits."""
+        """Least-loaded engine (ties by recency, then id) among ``held`` and ``placed`` that ``c`` fits."""
         best = None
         for group in (held, placed):
             if group is None:
                 continue
             for e in group.values():
-                if self._fits(e, c, kind) and (best is None or (e.load, e.id) < (best.load, best.id)):
+                if self._fits(e, c, kind) and (
+                    best is None or (e.load, e.recency, e.id) < (best.load, best.recency, best.id)
+                ):
                     best = e
         return best
 
@@ -554,6 +577,7 @@ class Scheduler:
             e.version = next(self._versions)
             self._push(e)
         self._touched.clear()
+        self._recency = _IN_ROUND
         self._round_groups.clear()
         self._round_prefixes.clear()
         if self._pushes > 4 * len(self._engs) + 64:
@@ -593,6 +617,8 @@ class Scheduler:
     def _place(self, e: _Eng, c: QueuedCall, kind: str, group: str | None) -> None:
         self._touch(e)
         e.load += c.tokens
+        e.recency = self._recency
+        self._recency += 1
         if kind == "latency":
             e.mode = "latency"
         elif e.mode is None:
@@ -631,4 +657,4 @@ class Scheduler:
             if not e.blocked and c.tokens <= e.snap.max_seq_len
         ]
         if usable:
-            self._block(min(usable, key=lambda e: (e.load, e.id)))
+            self._block(min(usable, key=lambda e: (e.load, e.recency, e.id)))
