@@ -16,6 +16,7 @@ Implements the engine API the manager uses (``fill`` / ``generate`` /
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -24,12 +25,15 @@ from typing import Any
 import torch
 
 from parrot.engine.block_pool import DEFAULT_BLOCK_SIZE
+from parrot.engine.latency_probe import LATENCY_FACTOR
 from parrot.engine.loader import LoadedModel
 from parrot.engine.runner import EngineRunner, Job
 from parrot.protocol.errors import BadRequest, ParrotError
 from parrot.protocol.sampling import SamplingParams
 from parrot.protocol.schemas import EngineStats, GenerateChunk
 from parrot.protocol.tokenizer import TextTokenizer
+
+log = logging.getLogger(__name__)
 
 
 class _LoopMailbox:
@@ -70,6 +74,15 @@ class LocalEngine:
     :mod:`parrot.engine.kv_store`), ``weight_dtype`` (bf16 packed GEMM weights) and
     ``kv_dtype`` (a bf16 KV cache).
 
+    The latency cap the engine reports (:mod:`parrot.engine.latency_probe`):
+    with ``latency_probe`` the worker's first job, before any request, times a
+    few decode steps on fabricated contexts (no prefill; milliseconds on the
+    tiny model, about half a second on SmolLM2 on 2 cores): the constructor
+    does not wait for it, requests and :meth:`stats` do; until it ends the cap
+    is 0 (unknown).  Real decode steps refine the fit.  ``latency_factor`` /
+    ``latency_target_ms`` set the step time the cap keeps to; ``latency_cap``
+    fixes the reported cap instead (no probe then).
+
     ``loaded`` may be a function that loads the model: it then runs on the engine's
     own thread, like everything else the engine does with torch (see
     :meth:`EngineRunner.start_on_own_thread`); pass a loader where speed matters.
@@ -87,10 +100,14 @@ class LocalEngine:
         kv_cache_bytes: int | None = None,
         weight_dtype: torch.dtype | None = None,
         kv_dtype: torch.dtype | None = None,
+        latency_probe: bool = True,
+        latency_factor: float = LATENCY_FACTOR,
+        latency_target_ms: float | None = None,
+        latency_cap: int | None = None,
     ):
         def make() -> EngineRunner:
             model = loaded if isinstance(loaded, LoadedModel) else loaded()
-            return EngineRunner(
+            runner = EngineRunner(
                 model,
                 max_step_tokens=max_step_tokens,
                 token_capacity=token_capacity,
@@ -100,7 +117,13 @@ class LocalEngine:
                 kv_cache_bytes=kv_cache_bytes,
                 weight_dtype=weight_dtype,
                 kv_dtype=kv_dtype,
+                latency_factor=latency_factor,
+                latency_target_ms=latency_target_ms,
+                latency_cap=latency_cap,
             )
+            if latency_probe and latency_cap is None:
+                runner.call(runner.probe_latency, _log_probe_failure)  # the loop's first job
+            return runner
 
         self.runner = EngineRunner.start_on_own_thread(make)
         self.loaded = self.runner.loaded
@@ -127,6 +150,14 @@ class LocalEngine:
     @property
     def tokenizer(self) -> TextTokenizer:
         return self.loaded.tokenizer
+
+    @property
+    def latency_cap_tokens(self) -> int:
+        """The latency cap the engine reports (as in :meth:`stats`; 0 while unknown), read
+        without a trip to the worker thread (for the manager's snapshots of an in-process
+        engine)."""
+        runner = self.runner
+        return runner.latency.cap(runner.token_capacity)
 
     def close(self) -> None:
         self.runner.stop()
@@ -216,6 +247,11 @@ class LocalEngine:
 
     async def context_ids(self) -> list[int]:
         return await self._on_worker(self.runner.contexts.all_ids)
+
+
+def _log_probe_failure(_: Any, error: BaseException | None) -> None:
+    if error is not None:
+        log.warning("latency probe failed (the cap stays unknown until decode steps are timed): %r", error)
 
 
 def _settle(fut: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:

@@ -40,6 +40,7 @@ import bisect
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +51,7 @@ from parrot.engine import decode_forward
 from parrot.engine.block_pool import DEFAULT_BLOCK_SIZE, BlockPool
 from parrot.engine.contexts import Context, ContextTable
 from parrot.engine.kv_store import PagedKVCache, kv_cache_blocks
+from parrot.engine.latency_probe import LATENCY_FACTOR, StepLatency, probe
 from parrot.engine.loader import LoadedModel
 from parrot.engine.memory import MemoryManager
 from parrot.engine.paged import PagedStepAttention, SeqSlice
@@ -117,7 +119,10 @@ class EngineRunner:
     dtype (``torch.bfloat16``: bf16 GEMMs, opt-in) instead of the weights' own;
     ``kv_dtype`` — the KV cache's dtype (default: the weights'; ``torch.bfloat16``
     halves the bytes each decode step reads and doubles the tokens a byte budget
-    holds; attention still computes in the queries' dtype)."""
+    holds; attention still computes in the queries' dtype); ``latency_factor``,
+    ``latency_target_ms``, ``latency_cap`` — how the engine sizes the latency cap
+    it reports (:mod:`parrot.engine.latency_probe`: its decode steps are timed
+    against load; :meth:`probe_latency` gives a first fit at start-up)."""
 
     def __init__(
         self,
@@ -132,6 +137,9 @@ class EngineRunner:
         prepack: bool = True,
         weight_dtype: torch.dtype | None = None,
         kv_dtype: torch.dtype | None = None,
+        latency_factor: float = LATENCY_FACTOR,
+        latency_target_ms: float | None = None,
+        latency_cap: int | None = None,
     ):
         if max_step_tokens < 1:
             raise ValueError("max_step_tokens must be >= 1")
@@ -172,6 +180,9 @@ class EngineRunner:
         )
         self.share_prefix = share_prefix
         self.on_step: Callable[[StepInfo], None] | None = None  # called on the worker after each forward
+        # decode step time against token load, and the latency cap it implies (reported in stats)
+        self.latency = StepLatency(factor=latency_factor, target_ms=latency_target_ms, fixed_cap=latency_cap)
+        self._probing = False  # the latency probe is stepping fabricated contexts
         self._logits: dict[int, tuple[int, torch.Tensor]] = {}  # context -> (length, logits at that length)
         self._waiting: list[Job] = []  # sorted by arrival
         self._running: list[Job] = []
@@ -273,6 +284,12 @@ class EngineRunner:
         self._reap_cancelled()
         self.contexts.free(context_id)
 
+    def probe_latency(self) -> None:
+        """Time a few decode steps on fabricated contexts to fit the latency model at once
+        (:func:`~parrot.engine.latency_probe.probe`; worker thread, idle engine, no prefill)."""
+        with torch.inference_mode():
+            probe(self)
+
     def token_load(self) -> int:
         """Distinct KV tokens the running work reads: a prefix shared by several running
         contexts counts once (shared-prefix attention reads it once per step)."""
@@ -296,6 +313,7 @@ class EngineRunner:
             filled_tokens=self.counters["filled_tokens"],
             generates=self.counters["generates"],
             generated_tokens=self.counters["generated_tokens"],
+            **self.latency.report(self.token_capacity),
         )
 
     def _on_release(self, context_id: int) -> None:
@@ -587,6 +605,7 @@ class EngineRunner:
         plan = self._reserve(self._plan())
         if not plan:
             return [], None
+        started = time.perf_counter()
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -616,7 +635,7 @@ class EngineRunner:
             s.ctx.computed_len += s.n
             if not s.ctx.num_pending:
                 finishing.append((job, row - 1))
-        if self.on_step is not None:
+        if self.on_step is not None and not self._probing:
             self.on_step(
                 StepInfo(len(plan), len(ids), len(self._running), self.token_load(), self.pool.num_used)
             )
@@ -624,6 +643,8 @@ class EngineRunner:
             return [], None
         with torch.inference_mode():
             logits = self.model.compute_logits(hidden[[r for _, r in finishing]])
+        if len(ids) == len(plan):  # a pure decode step: its time is each sequence's time per token
+            self.latency.record(_UniqueTokens([s.ctx for _, s in plan]).total, time.perf_counter() - started)
         generates: list[Job] = []
         rows: list[int] = []
         for i, ((job, _), lg) in enumerate(zip(finishing, logits, strict=True)):

@@ -175,7 +175,14 @@ class BatchResult(BaseModel):
 # ------------------------------------------------------------------ engines
 class EngineStats(BaseModel):
     """A snapshot of an engine's load.  ``token_load`` counts KV tokens of
-    running work; ``token_capacity`` is the engine's batching knob."""
+    running work; ``token_capacity`` is the engine's batching knob.
+
+    ``latency_cap_tokens`` is the token load up to which the engine keeps a
+    decode step (each running request's time per output token) within
+    ``decode_ms_target``, from its fit ``decode_ms_base + decode_ms_per_1k_tokens
+    * load / 1000`` (see :mod:`parrot.engine.latency_probe`); 0 while unknown.
+    Invariant: ``latency_cap_tokens <= token_capacity``.
+    """
 
     num_contexts: int = 0
     num_running: int = 0
@@ -192,6 +199,18 @@ class EngineStats(BaseModel):
     filled_tokens: int = 0
     generates: int = 0
     generated_tokens: int = 0
+    latency_cap_tokens: int = Field(
+        default=0, ge=0, description="Token load under which latency-sensitive work may run here; 0: unknown."
+    )
+    latency_cap_source: Literal["none", "measured", "fixed"] = Field(
+        default="none", description="measured: from the decode-step fit; fixed: set by the operator."
+    )
+    decode_ms_base: float = Field(default=0.0, description="Fitted decode step time at no load (ms).")
+    decode_ms_per_1k_tokens: float = Field(
+        default=0.0, description="Fitted growth of the decode step time per 1,000 tokens of load (ms)."
+    )
+    decode_ms_target: float = Field(default=0.0, description="The step time the cap keeps to (ms).")
+    decode_steps_fitted: int = Field(default=0, description="Decode steps behind the fit.")
 
 
 class EngineDescription(_Strict):

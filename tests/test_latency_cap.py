@@ -1,0 +1,163 @@
+"""Each engine sizes its own latency cap from its decode step time against load
+(issue 13, defect 2): the fit, the cap's bounds, the start-up probe on the tiny
+model, real decode steps refining it, and the stats that report it."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Sequence
+
+import httpx
+import pytest
+
+from parrot.engine import latency_probe as lp
+from parrot.engine.latency_probe import StepFit, StepLatency, cap_from_fit, fit_step_times
+from parrot.engine.loader import LoadedModel
+from parrot.engine.local import LocalEngine
+from parrot.protocol.sampling import SamplingParams
+from parrot.protocol.schemas import EngineStats
+
+
+# ------------------------------------------------------------------ the fit
+def line(
+    a: float, b: float, loads: Sequence[int], per_load: int, rng: random.Random
+) -> list[tuple[int, float]]:
+    """Samples of ``a + b * load`` with small noise, one slow outlier in four (contention)."""
+    out = []
+    for load in loads:
+        for k in range(per_load):
+            t = (a + b * load) * rng.uniform(0.98, 1.02)
+            out.append((load, t * 3 if k % 4 == 3 else t))
+    return out
+
+
+def test_fit_recovers_the_line_despite_slow_outliers():
+    rng = random.Random(3)
+    samples = line(0.030, 5e-6, [300, 700, 1500, 3000, 6000, 12_000], 8, rng)
+    fit = fit_step_times(samples)
+    assert fit is not None and fit.buckets == 6 and fit.steps == len(samples)
+    assert fit.base_s == pytest.approx(0.030, rel=0.05)
+    assert fit.per_token_s == pytest.approx(5e-6, rel=0.05)
+    assert fit.step_s(1000) == pytest.approx(0.035, rel=0.05)
+
+
+def test_fit_is_monotone_and_needs_two_loads():
+    falling = [(500, 0.040), (500, 0.041), (4000, 0.030), (4000, 0.031)]
+    fit = fit_step_times(falling)
+    assert fit is not None and fit.per_token_s == 0.0 and fit.base_s > 0
+    assert fit_step_times([(500, 0.04)] * 5) is None  # one load: no slope
+    assert fit_step_times([(500, 0.04)] * 5 + [(4000, 0.05)] * 2, min_samples=3) is None
+    steep = fit_step_times([(1000, 0.001), (2000, 0.011)])  # the line would cross 0 before load 0
+    assert steep is not None and steep.base_s == pytest.approx(1e-6)
+    with pytest.raises(ValueError, match="load"):
+        fit_step_times([(-1, 0.01), (100, 0.02)])
+    with pytest.raises(ValueError, match="step time"):
+        fit_step_times([(10, 0.0), (100, 0.02)])
+
+
+def test_cap_is_where_the_step_time_reaches_its_target_within_floor_and_capacity():
+    fit = StepFit(0.030, 5e-6, 3, 9)
+    # 1.25 x 30 ms = 37.5 ms is reached at 7.5 ms / 5 us = 1,500 tokens
+    assert cap_from_fit(fit, 46_592) == 1500
+    assert cap_from_fit(fit, 46_592, factor=1.5) == 3000
+    assert cap_from_fit(fit, 46_592, target_s=0.040) == 2000
+    assert cap_from_fit(fit, 1200) == 1200  # never above the capacity
+    steep = StepFit(0.030, 1e-4, 3, 9)  # 75 tokens: the floor
+    assert cap_from_fit(steep, 46_592) == lp.MIN_LATENCY_CAP_TOKENS
+    assert cap_from_fit(steep, 500) == 500  # the floor never exceeds the capacity
+    assert cap_from_fit(fit, 46_592, target_s=0.020) == lp.MIN_LATENCY_CAP_TOKENS  # below a: floor
+    assert cap_from_fit(StepFit(0.030, 0.0, 2, 6), 46_592) == 46_592  # no growth: the capacity
+    with pytest.raises(ValueError, match="factor"):
+        cap_from_fit(fit, 1000, factor=1.0)
+    with pytest.raises(ValueError, match="capacity"):
+        cap_from_fit(fit, 0)
+
+
+def test_step_latency_refits_from_recorded_steps_and_reports():
+    tracker = StepLatency()
+    assert tracker.cap(50_000) == 0 and tracker.report(50_000)["latency_cap_source"] == "none"
+    rng = random.Random(5)
+    for load, t in line(0.030, 5e-6, [600, 2400], lp.REFIT_EVERY // 2, rng):
+        tracker.record(load, t)
+    assert tracker.fit is not None  # refitted after REFIT_EVERY steps
+    assert tracker.cap(50_000) == pytest.approx(1500, rel=0.1)
+    report = tracker.report(50_000)
+    assert report["latency_cap_source"] == "measured" and report["decode_steps_fitted"] == lp.REFIT_EVERY
+    assert report["decode_ms_base"] == pytest.approx(30, rel=0.1)
+    assert report["decode_ms_per_1k_tokens"] == pytest.approx(5, rel=0.1)
+    assert report["decode_ms_target"] == pytest.approx(37.5, rel=0.1)
+    EngineStats(**report)  # the stats schema takes every field
+    tracker.enabled = False
+    tracker.record(100, 99.0)
+    assert sum(len(b) for b in tracker._buckets.values()) == lp.REFIT_EVERY
+    fixed = StepLatency(fixed_cap=3000)
+    assert fixed.cap(50_000) == 3000 and fixed.cap(2000) == 2000
+    assert fixed.report(50_000)["latency_cap_source"] == "fixed"
+    for bad in ({"factor": 1.0}, {"target_ms": 0.0}, {"fixed_cap": 0}, {"fixed_cap": True}):
+        with pytest.raises(ValueError):
+            StepLatency(**bad)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ the probe on the tiny model
+def test_probe_on_the_tiny_model_gives_a_positive_cap_quickly_without_prefilling(tiny_model: LoadedModel):
+    engine = LocalEngine(tiny_model, max_step_tokens=256)
+    try:
+        stats = asyncio.run(engine.stats())  # queued behind the probe
+        runner = engine.runner
+        assert stats.latency_cap_source == "measured"
+        assert min(lp.MIN_LATENCY_CAP_TOKENS, stats.token_capacity) <= stats.latency_cap_tokens
+        assert stats.latency_cap_tokens <= stats.token_capacity
+        assert engine.latency_cap_tokens == stats.latency_cap_tokens
+        assert stats.decode_ms_base > 0 and stats.decode_ms_per_1k_tokens >= 0
+        assert stats.decode_ms_target == pytest.approx(1.25 * stats.decode_ms_base, rel=0.01)
+        assert stats.decode_steps_fitted == len(lp.PROBE_SEQS) * lp.PROBE_STEPS
+        probe_s = runner.latency.probe_s
+        assert probe_s is not None and probe_s < 3.0, probe_s  # milliseconds on an idle machine
+        # nothing prefilled, nothing left behind, no step counted as the engine's
+        assert stats.fills == stats.filled_tokens == stats.generates == 0
+        assert stats.num_contexts == 0 and stats.kv_blocks_used == 0 and runner.counters["steps"] == 0
+    finally:
+        engine.close()
+
+
+def test_engine_with_a_fixed_cap_skips_the_probe(tiny_model: LoadedModel):
+    engine = LocalEngine(tiny_model, latency_cap=3000)
+    try:
+        stats = asyncio.run(engine.stats())
+        assert (stats.latency_cap_tokens, stats.latency_cap_source) == (3000, "fixed")
+        assert engine.runner.latency.probe_s is None and stats.decode_steps_fitted == 0
+    finally:
+        engine.close()
+
+
+def test_real_decode_steps_are_timed_and_refine_the_fit(tiny_model: LoadedModel):
+    engine = LocalEngine(tiny_model, latency_probe=False)
+    try:
+        assert asyncio.run(engine.stats()).latency_cap_tokens == 0  # no probe: unknown so far
+
+        async def run() -> None:
+            await engine.fill(list(range(3, 200)), 1)
+            sp = SamplingParams(max_tokens=lp.REFIT_EVERY + 8, temperature=0.0, ignore_eos=True)
+            async for _ in engine.generate(sp, 1):
+                pass
+            await engine.free_context(1)
+
+        tracker = engine.runner.latency
+        loads: list[int] = []
+        record = tracker.record
+        tracker.record = lambda load, seconds: (loads.append(load), record(load, seconds))  # type: ignore[method-assign]
+        asyncio.run(run())
+        # every decode step (the first token comes from the prefill's logits), not the prefill
+        assert loads == list(range(198, 198 + lp.REFIT_EVERY + 7))
+        stats = asyncio.run(engine.stats())
+        assert stats.latency_cap_source == "measured" and stats.latency_cap_tokens > 0
+    finally:
+        engine.close()
+
+
+def test_engines_endpoint_shows_the_cap(live):
+    [info] = httpx.get(f"{live.url}/v1/engines", timeout=10).json()
+    stats = info["stats"]
+    assert stats["latency_cap_tokens"] > 0 and stats["latency_cap_source"] == "measured"
+    assert stats["decode_ms_base"] > 0 and stats["decode_ms_target"] > stats["decode_ms_base"]
