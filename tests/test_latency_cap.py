@@ -1,22 +1,28 @@
 """Each engine sizes its own latency cap from its decode step time against load
 (issue 13, defect 2): the fit, the cap's bounds, the start-up probe on the tiny
-model, real decode steps refining it, and the stats that report it."""
+model, real decode steps refining it, the stats that report it, the cap
+reaching the manager, and the scheduler honouring it."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import random
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import httpx
 import pytest
 
+from parrot.cli import _parser
 from parrot.engine import latency_probe as lp
 from parrot.engine.latency_probe import StepFit, StepLatency, cap_from_fit, fit_step_times
 from parrot.engine.loader import LoadedModel
 from parrot.engine.local import LocalEngine
+from parrot.manager.scheduler import DEFAULT_LATENCY_CAP_TOKENS
+from parrot.manager.service import Manager, ManagerConfig
 from parrot.protocol.sampling import SamplingParams
-from parrot.protocol.schemas import EngineStats
+from parrot.protocol.schemas import EngineStats, GenerateChunk, PlaceholderBinding, SubmitCall
+from parrot.protocol.tokenizer import TextTokenizer
 
 
 # ------------------------------------------------------------------ the fit
@@ -161,3 +167,132 @@ def test_engines_endpoint_shows_the_cap(live):
     stats = info["stats"]
     assert stats["latency_cap_tokens"] > 0 and stats["latency_cap_source"] == "measured"
     assert stats["decode_ms_base"] > 0 and stats["decode_ms_target"] > stats["decode_ms_base"]
+
+
+def test_cli_latency_options():
+    parser = _parser()
+    serve = parser.parse_args(["serve"])
+    assert serve.latency_cap is None and serve.latency_factor == lp.LATENCY_FACTOR
+    assert serve.latency_target_ms is None
+    engine = parser.parse_args(["engine", "--manager", "http://m", "--latency-cap", "2000"])
+    assert engine.latency_cap == 2000
+    engine = parser.parse_args(["engine", "--manager", "http://m", "--latency-target-ms", "45"])
+    assert engine.latency_cap is None and engine.latency_target_ms == 45.0
+    [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    help_text = " ".join(sub.choices["serve"].format_help().split())
+    assert "--latency-cap" in help_text and "each engine's own cap" in help_text
+    assert "--latency-target-ms" in help_text and "--latency-factor" in help_text
+
+
+# ------------------------------------------------------------------ the manager
+class HeldEngine:
+    """A fake engine whose generations hold their KV until released; reports a latency cap."""
+
+    model_name = "fake"
+    max_seq_len = 4096
+
+    def __init__(self, tokenizer: TextTokenizer, latency_cap_tokens: int | None):
+        self._tokenizer = tokenizer
+        if latency_cap_tokens is not None:
+            self.latency_cap_tokens = latency_cap_tokens
+        self.release = asyncio.Event()
+        self.running = 0
+
+    @property
+    def tokenizer(self) -> TextTokenizer:
+        return self._tokenizer
+
+    async def fill(
+        self, tokens: Sequence[int], context_id: int, parent_context_id: int | None = None
+    ) -> None:
+        await asyncio.sleep(0)
+
+    async def generate(
+        self, sampling: SamplingParams, context_id: int, parent_context_id: int | None = None
+    ) -> AsyncIterator[GenerateChunk]:
+        self.running += 1
+        await self.release.wait()
+        yield GenerateChunk(token_ids=[65], text="A", done=True, finish_reason="length")
+
+    async def free_context(self, context_id: int) -> None:
+        return None
+
+    async def stats(self) -> EngineStats:
+        return EngineStats()
+
+
+def latency_call(manager: Manager, session, i: int):
+    # ~40 prompt tokens + 160 new: about 200 tokens each; a LATENCY output
+    binding = PlaceholderBinding(name="y", sampling={"max_tokens": 160}, criteria="LATENCY")
+    body = SubmitCall(
+        template=f"Question {i}: say something short please. {{{{output:y}}}}", placeholders=[binding]
+    )
+    return manager.submit_call(session, body)
+
+
+def test_the_scheduler_keeps_each_engine_under_its_own_reported_cap():
+    """Engine a measured a cap of 300 tokens, b one of 5,000: with ~200-token latency calls,
+    a takes one and b the rest (under one manager-wide cap of 6,144, a would take every other)."""
+
+    async def main() -> None:
+        manager = Manager(ManagerConfig())
+        tokenizer = TextTokenizer.byte_level_tiny()
+        a = HeldEngine(tokenizer, 300)
+        b = HeldEngine(tokenizer, 5000)
+        ha, hb = manager.pool.register(a), manager.pool.register(b)
+        session = manager.create_session()[0]
+        calls = [latency_call(manager, session, i) for i in range(4)]
+        for _ in range(200):
+            if a.running + b.running == 4:
+                break
+            await asyncio.sleep(0.005)
+        assert [c.engine_id for c in calls].count(ha.engine_id) == 1, [c.engine_id for c in calls]
+        assert (a.running, b.running) == (1, 3)
+        snaps = {s.engine_id: s for s in manager.executor.snapshots()}
+        assert snaps[ha.engine_id].latency_cap_tokens == 300
+        assert snaps[hb.engine_id].latency_cap_tokens == 5000
+        a.release.set()
+        b.release.set()
+        await manager.executor.drain()
+
+    asyncio.run(main())
+
+
+def test_the_operator_cap_overrides_every_engine_and_heartbeats_carry_remote_caps():
+    async def main() -> None:
+        manager = Manager(ManagerConfig(latency_cap_tokens=6000))
+        tokenizer = TextTokenizer.byte_level_tiny()
+        a, b = HeldEngine(tokenizer, 300), HeldEngine(tokenizer, 5000)
+        ha, _ = manager.pool.register(a), manager.pool.register(b)
+        remote = manager.pool.register(HeldEngine(tokenizer, None), url="http://fake")
+        snaps = {s.engine_id: s for s in manager.executor.snapshots()}
+        assert snaps[remote.engine_id].latency_cap_tokens == DEFAULT_LATENCY_CAP_TOKENS
+        manager.pool.heartbeat(remote.engine_id, EngineStats(token_capacity=20_000, latency_cap_tokens=777))
+        snaps = {s.engine_id: s for s in manager.executor.snapshots()}
+        assert snaps[remote.engine_id].latency_cap_tokens == 777
+        manager.pool.suspect(remote.engine_id)  # no calls for it: they go to a and b
+        session = manager.create_session()[0]
+        calls = [latency_call(manager, session, i) for i in range(4)]
+        for _ in range(200):
+            if a.running + b.running == 4:
+                break
+            await asyncio.sleep(0.005)
+        # 6,000 for both: the calls spread by load; a's own 300 would have let it take only one
+        assert [c.engine_id for c in calls].count(ha.engine_id) == 2, [c.engine_id for c in calls]
+        assert (a.running, b.running) == (2, 2)
+        a.release.set()
+        b.release.set()
+        await manager.executor.drain()
+
+    asyncio.run(main())
+
+
+def test_an_engine_reporting_no_cap_gets_the_papers():
+    async def main() -> None:
+        manager = Manager(ManagerConfig())
+        h = manager.pool.register(HeldEngine(TextTokenizer.byte_level_tiny(), None))
+        [snap] = manager.executor.snapshots()
+        assert snap.engine_id == h.engine_id and snap.latency_cap_tokens == DEFAULT_LATENCY_CAP_TOKENS == 6144
+        await manager.executor.drain()
+
+    asyncio.run(main())

@@ -50,6 +50,7 @@ def snapshots(draw, engine_id: str) -> EngineSnapshot:
         frozenset(draw(st.sets(st.sampled_from(["tg:1", "tg:2"]), max_size=2))),
         frozenset(draw(st.sets(st.sampled_from(["p", "q", "r"]), max_size=2))),
         draw(st.booleans()) or draw(st.booleans()),
+        draw(st.sampled_from([1024, 3000, 6144])),  # the engine's own latency cap
         draw(st.sampled_from([0, 1, 2, 5])),  # last_assigned
     )
 
@@ -77,10 +78,10 @@ def queues(draw) -> list[QueuedCall]:
 def histories(draw):
     """A config and rounds of (engine updates, queue); an update is ("set", snapshot),
     ("same", id) (the current snapshot again, or an equal copy), ("tweak", id, field,
-    value) (one field of the current snapshot changed: its stamp or load),
+    value) (one field of the current snapshot changed: its latency cap, stamp or load),
     ("remove", id), or ("sync", snapshots) (the whole engine set)."""
     policy = draw(st.sampled_from(POLICIES))
-    config = SchedulerConfig(policy, latency_cap_tokens=draw(st.sampled_from([1024, 6144])))
+    config = SchedulerConfig(policy, latency_cap_tokens=draw(st.sampled_from([None, None, 1024, 6144])))
     rounds = []
     for _ in range(draw(st.integers(1, 8))):
         ops = []
@@ -90,8 +91,10 @@ def histories(draw):
             if what == "set":
                 ops.append(("set", draw(snapshots(eid))))
             elif what == "tweak":
-                field = draw(st.sampled_from(["last_assigned", "token_load"]))
-                value = draw(st.sampled_from([0, 1, 500, 1024, 6144]))
+                field = draw(st.sampled_from(["latency_cap_tokens", "last_assigned", "token_load"]))
+                value = draw(
+                    st.sampled_from([0, 1, 500, 1024, 6144] if field != "latency_cap_tokens" else [500, 6144])
+                )
                 ops.append(("tweak", eid, field, value))
             elif what == "sync":
                 ids = draw(st.sets(st.sampled_from(ENGINE_IDS), max_size=len(ENGINE_IDS)))

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from parrot.manager.objectives import CallObjective
 from parrot.manager.scheduler import (
+    DEFAULT_LATENCY_CAP_TOKENS,
     POLICIES,
     EngineSnapshot,
     Placement,
@@ -35,10 +36,11 @@ def eng(
     groups=(),
     prefixes=(),
     alive=True,
+    lat=DEFAULT_LATENCY_CAP_TOKENS,
     last=0,
 ):
     return EngineSnapshot(
-        eid, model, msl, cap, load, mode, frozenset(groups), frozenset(prefixes), alive, last
+        eid, model, msl, cap, load, mode, frozenset(groups), frozenset(prefixes), alive, lat, last
     )
 
 
@@ -172,6 +174,55 @@ def test_dead_engines_and_max_seq_len_are_respected():
     ]
     out = run([q("a", tokens=2000), q("b", tokens=500, rank=1)], engines)
     assert where(out) == {"a": "e3", "b": "e2"}
+
+
+# ------------------------------------------------------------------ per-engine latency caps
+def test_each_engine_keeps_latency_work_under_its_own_cap():
+    engines = [eng("e1", load=900, mode="latency", lat=1000), eng("e2", load=2000, mode="latency", lat=4000)]
+    # e1 is less loaded, but 900 + 200 is over its own cap of 1,000
+    assert run([q("a", tokens=200)], engines) == [Placement("a", "e2", "find-engine")]
+    assert where(run([q("a", tokens=100)], engines)) == {"a": "e1"}  # exactly its cap
+    # the same engines under one manager-wide cap: the less loaded one
+    assert where(run([q("a", tokens=200)], engines, latency_cap_tokens=6144)) == {"a": "e1"}
+    # and a cap above the capacity is the capacity
+    engines = [eng("e1", load=900, mode="latency", lat=50_000, cap=1000)]
+    assert run([q("a", tokens=200)], engines) == []
+
+
+def test_a_round_fills_each_engine_to_its_own_cap():
+    engines = [eng("small", lat=1000), eng("big", lat=3000)]
+    out = run([q(f"c{i}", tokens=500, rank=i) for i in range(10)], engines)
+    placed = [p.engine_id for p in out]
+    assert placed.count("small") == 2 and placed.count("big") == 6  # 1,000 and 3,000 tokens
+    out = run([q(f"c{i}", tokens=500, rank=i) for i in range(10)], engines, latency_cap_tokens=2000)
+    assert [p.engine_id for p in out].count("small") == 4  # the operator's cap for both
+
+
+def test_throughput_work_is_not_bound_by_the_latency_cap_but_mixed_engines_are():
+    engines = [eng("e1", load=900, mode="throughput", lat=2000)]
+    assert where(run([q("t", kind="throughput", tokens=5000)], engines)) == {"t": "e1"}
+    assert run([q("a", tokens=1500)], engines) == []  # 2,400 > its latency cap
+    # once it runs latency work its cap is 2,000 for everything: t (1,400 + 700) waits
+    out = run([q("a", tokens=500), q("t", kind="throughput", tokens=700, rank=1)], engines)
+    assert out == [Placement("a", "e1", "find-engine-mixed")]
+
+
+def test_baselines_use_each_engines_latency_cap():
+    engines = [eng("e1", lat=1000), eng("e2", lat=3000)]
+    queue = [q(f"c{i}", tokens=600, rank=i) for i in range(7)]
+    placed = [p.engine_id for p in run(queue, engines, "baseline-latency")]
+    assert placed == ["e1"] + ["e2"] * 5  # 600 and 3,000 tokens; the seventh fits neither
+    assert len(run(queue, engines, "baseline-throughput")) == 7
+
+
+def test_drain_reservation_uses_each_engines_cap():
+    # 2,500 tokens: over e1's cap but within e2's; it just waits for room, reserving nothing
+    engines = [eng("e1", load=100, mode="latency", lat=1000), eng("e2", load=2000, mode="latency", lat=3000)]
+    out = run([q("mid", tokens=2500), q("s", tokens=10, rank=1)], engines)
+    assert where(out) == {"s": "e1"}
+    # over every engine's cap: it reserves the least-loaded engine, e1
+    out = run([q("big", tokens=5000), q("s", tokens=10, rank=1)], engines)
+    assert where(out) == {"s": "e2"}
 
 
 # ------------------------------------------------------------------ ties
@@ -320,8 +371,13 @@ def test_validation():
         eng("e1", mode="fast")
     with pytest.raises(ValueError, match="positive"):
         eng("e1", cap=0)
+    with pytest.raises(ValueError, match="latency_cap_tokens"):
+        eng("e1", lat=0)
     with pytest.raises(ValueError, match="last_assigned"):
         eng("e1", last=-1)
+    with pytest.raises(ValueError, match="latency_cap_tokens"):
+        SchedulerConfig(latency_cap_tokens=0)
+    assert SchedulerConfig().latency_cap_tokens is None  # each engine's own cap by default
 
 
 def test_unservable_calls_are_reported_distinctly():
@@ -353,6 +409,7 @@ def rounds(draw):
     for i in range(n_eng):
         cap = draw(st.sampled_from([2048, 8192, 32_000]))
         load = draw(st.sampled_from([0, 0, 100, 3000, 6000, 9000]))
+        lat = draw(st.sampled_from([1024, 3000, 6144, 50_000]))
         last = draw(st.sampled_from([0, 1, 2, 7]))
         engines.append(
             eng(
@@ -365,6 +422,7 @@ def rounds(draw):
                 groups=draw(st.sets(st.sampled_from(["tg:1", "tg:2"]), max_size=1)),
                 prefixes=draw(st.sets(st.sampled_from(["p", "q"]), max_size=2)),
                 alive=draw(st.booleans()) or i == 0,
+                lat=lat,
                 last=last,
             )
         )
@@ -384,7 +442,7 @@ def rounds(draw):
             )
         )
     policy = draw(st.sampled_from(POLICIES))
-    lat_cap = draw(st.sampled_from([1024, 6144]))
+    lat_cap = draw(st.sampled_from([None, None, 1024, 6144]))
     return queue, engines, SchedulerConfig(policy, latency_cap_tokens=lat_cap)
 
 
@@ -421,7 +479,7 @@ def test_property_caps_models_liveness(case):
         ):
             cap = e.token_capacity
         else:
-            cap = min(config.latency_cap_tokens, e.token_capacity)
+            cap = min(config.latency_cap_tokens or e.latency_cap_tokens, e.token_capacity)
         # Never over the cap, except one big call alone on an engine that was idle.
         assert final <= cap or (e.token_load == 0 and len(cs) == 1), (eid, final, cap, cs)
 

@@ -10,6 +10,8 @@ import socket
 import sys
 import time
 
+from parrot.engine.latency_probe import LATENCY_FACTOR  # torch-free
+
 DEFAULT_MODEL = "smollm2"
 
 
@@ -52,6 +54,21 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "and the bytes each decode step reads; attention still computes in fp32",
     )
     p.add_argument(
+        "--latency-target-ms",
+        type=float,
+        default=None,
+        help="the decode step time (per-output-token latency) the engine's latency cap keeps to "
+        f"(default: {LATENCY_FACTOR:g} x its measured unloaded step time)",
+    )
+    p.add_argument(
+        "--latency-factor",
+        type=float,
+        default=LATENCY_FACTOR,
+        help="the latency cap is the token load at which the measured decode step time reaches "
+        "this many times its unloaded value (default %(default)g: the paper's 6,144 tokens kept "
+        "per-token latency within 20-25%%)",
+    )
+    p.add_argument(
         "--no-shared-attention",
         action="store_true",
         help="plain per-sequence decode attention (forks still share KV blocks); for A/B runs",
@@ -89,8 +106,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--latency-cap",
         type=int,
-        default=6144,
-        help="token load under which an engine takes latency-sensitive work (the paper's 6,144)",
+        default=None,
+        help="token load under which every engine takes latency-sensitive work (default: each "
+        "engine's own cap, measured from its decode step time against load and shown in "
+        "GET /v1/engines; this overrides it for all, the embedded engine included)",
     )
     serve.add_argument(
         "--engine-wait",
@@ -105,6 +124,13 @@ def _parser() -> argparse.ArgumentParser:
     engine.add_argument("--host", default="127.0.0.1")
     engine.add_argument("--port", type=int, default=0, help="0 picks a free port")
     engine.add_argument("--name", default=None)
+    engine.add_argument(
+        "--latency-cap",
+        type=int,
+        default=None,
+        help="report this latency cap (tokens) instead of measuring one; a manager started with "
+        "--latency-cap overrides it",
+    )
     _add_engine_args(engine)
     return parser
 
@@ -132,6 +158,9 @@ def _load_engine(args: argparse.Namespace):
         share_prefix=not args.no_shared_attention,
         weight_dtype=getattr(torch, args.weight_dtype) if args.weight_dtype else None,
         kv_dtype=getattr(torch, args.kv_dtype) if args.kv_dtype else None,
+        latency_factor=args.latency_factor,
+        latency_target_ms=args.latency_target_ms,
+        latency_cap=args.latency_cap,
     )
 
 
@@ -152,6 +181,8 @@ def serve(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     if not 0 < args.heartbeat_interval < args.heartbeat_timeout:
         raise SystemExit("parrot serve: need 0 < --heartbeat-interval < --heartbeat-timeout")
+    if args.latency_cap is not None and args.latency_cap < 1:
+        raise SystemExit("parrot serve: --latency-cap must be a positive number of tokens")
     manager = Manager(
         ManagerConfig(
             max_body_bytes=args.max_body_bytes,

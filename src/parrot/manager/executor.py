@@ -39,7 +39,13 @@ from parrot.manager.graph import Call, fail_call, materialise
 from parrot.manager.objectives import CallObjective, deduce
 from parrot.manager.prefix import PrefixEntry, PrefixIndex, prefix_keys
 from parrot.manager.render import FillStep, Rendered, render
-from parrot.manager.scheduler import EngineSnapshot, QueuedCall, Scheduler, SchedulerConfig
+from parrot.manager.scheduler import (
+    DEFAULT_LATENCY_CAP_TOKENS,
+    EngineSnapshot,
+    QueuedCall,
+    Scheduler,
+    SchedulerConfig,
+)
 from parrot.protocol.errors import (
     CallFailed,
     ContextTooLong,
@@ -133,8 +139,8 @@ class Executor:
         # of engines whose snapshot changed — their usage or prefixes (_stale), or what the pool
         # says of them (_seen: handle, alive, capacity, as of the last round).
         self._sched: Scheduler | None = None
-        self._pool_seen: list[tuple[EngineHandle, bool, int]] = []
-        self._seen: dict[str, tuple[EngineHandle, bool, int]] = {}
+        self._pool_seen: list[tuple[EngineHandle, bool, int, int]] = []
+        self._seen: dict[str, tuple[EngineHandle, bool, int, int]] = {}
         self._stale: set[str] = set()
         self._last_round = 0.0
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -369,9 +375,9 @@ class Executor:
         stale = self._stale
         stale.update(self.prefixes.take_changed())
         # What the pool says of each engine; an engine joining or leaving, suspected or back,
-        # or reporting another capacity changes this list.
+        # or reporting another capacity or latency cap changes this list.
         default = self.engine_token_capacity
-        pool_now = [(h, h.alive, h.stats.token_capacity or default) for h in self.pool]
+        pool_now = [(h, h.alive, h.stats.token_capacity or default, _latency_cap(h)) for h in self.pool]
         if pool_now != self._pool_seen:
             self._pool_seen = pool_now
             seen = self._seen
@@ -381,7 +387,7 @@ class Executor:
                     seen[eid] = polled
                     stale.add(eid)
             if len(seen) != len(pool_now):
-                live = {h.engine_id for h, _, _ in pool_now}
+                live = {polled[0].engine_id for polled in pool_now}
                 for eid in [eid for eid in seen if eid not in live]:
                     del seen[eid]
                     sched.remove_engine(eid)
@@ -410,6 +416,7 @@ class Executor:
             task_groups=use.group_set,
             prefixes=self.prefixes.keys_on(h.engine_id),
             alive=h.alive,
+            latency_cap_tokens=_latency_cap(h) or DEFAULT_LATENCY_CAP_TOKENS,
             last_assigned=use.last_assigned,
         )
 
@@ -628,3 +635,13 @@ class Executor:
         for entry in self.prefixes.evictable(handle.engine_id):
             self.prefixes.remove(entry)
             await handle.api.free_context(entry.context_id)
+
+
+def _latency_cap(h: EngineHandle) -> int:
+    """The latency cap an engine reports (0: none yet).  An in-process engine is asked
+    directly (``latency_cap_tokens``: current, no round trip to its worker), a remote one
+    through the stats of its last heartbeat."""
+    own = getattr(h.api, "latency_cap_tokens", None)
+    if isinstance(own, int) and not isinstance(own, bool) and own > 0:
+        return own
+    return h.stats.latency_cap_tokens
