@@ -117,12 +117,25 @@ def test_probe_on_the_tiny_model_gives_a_positive_cap_quickly_without_prefilling
         assert engine.latency_cap_tokens == stats.latency_cap_tokens
         assert stats.decode_ms_base > 0 and stats.decode_ms_per_1k_tokens >= 0
         assert stats.decode_ms_target == pytest.approx(1.25 * stats.decode_ms_base, rel=0.01)
-        assert stats.decode_steps_fitted == len(lp.PROBE_SEQS) * lp.PROBE_STEPS
+        # 3 loads x 3 steps, unless a machine busy with other work made it hit its time budget
+        assert 2 <= stats.decode_steps_fitted <= len(lp.PROBE_SEQS) * lp.PROBE_STEPS
         probe_s = runner.latency.probe_s
-        assert probe_s is not None and probe_s < 3.0, probe_s  # milliseconds on an idle machine
+        assert probe_s is not None and probe_s < lp.PROBE_BUDGET_S + 2, probe_s  # ms on an idle machine
         # nothing prefilled, nothing left behind, no step counted as the engine's
         assert stats.fills == stats.filled_tokens == stats.generates == 0
         assert stats.num_contexts == 0 and stats.kv_blocks_used == 0 and runner.counters["steps"] == 0
+    finally:
+        engine.close()
+
+
+def test_probe_stops_at_its_time_budget_and_leaves_nothing_behind(tiny_model: LoadedModel, monkeypatch):
+    monkeypatch.setattr(lp, "PROBE_BUDGET_S", 0.0)  # as if every step took seconds
+    engine = LocalEngine(tiny_model)
+    try:
+        stats = asyncio.run(engine.stats())
+        assert (stats.latency_cap_tokens, stats.latency_cap_source) == (0, "none")  # unknown for now
+        assert stats.num_contexts == 0 and stats.kv_blocks_used == 0 and engine.runner.counters["steps"] == 0
+        assert engine.runner.latency.probe_s is not None and engine.runner.latency.probe_s < 2.0
     finally:
         engine.close()
 

@@ -84,6 +84,10 @@ PROBE_SEQS = (1, 4, 8)
 PROBE_STEPS = 3
 """Measured decode steps at each probe load (after one unmeasured warm-up step at each)."""
 
+PROBE_BUDGET_S = 3.0
+"""The probe stops stepping once it has run this long (requests wait for it): on a machine
+oversubscribed by other processes a step can take seconds.  What it measured by then is fitted."""
+
 _PROBE_CONTEXT_BASE = -1_000_000  # probe contexts get ids below this; clients use their own ids
 
 
@@ -224,10 +228,11 @@ class StepLatency:
         if self._since_refit >= REFIT_EVERY:
             self.refit()
 
-    def refit(self) -> StepFit | None:
-        """Fit the kept steps again; keeps the previous fit when there is too little to fit."""
+    def refit(self, min_samples: int = MIN_BUCKET_SAMPLES) -> StepFit | None:
+        """Fit the kept steps again (buckets of at least ``min_samples`` steps); keeps the
+        previous fit when there is too little to fit."""
         self._since_refit = 0
-        fit = fit_step_times((s for b in self._buckets.values() for s in b), MIN_BUCKET_SAMPLES)
+        fit = fit_step_times((s for b in self._buckets.values() for s in b), min_samples)
         if fit is not None:
             self.fit = fit
         return self.fit
@@ -269,9 +274,10 @@ def probe(runner: EngineRunner) -> StepFit | None:
     loads are 1, 4 and 8 sequences of ``PROBE_SEQ_TOKENS`` tokens, shrunk to
     fit half the free KV pool and the engine's context length; the probe is
     skipped (returns the current fit) when that leaves sequences under 16
-    tokens or the engine is busy.  Everything is freed afterwards; the
-    runner's counters are left as they were and its ``on_step`` hook does not
-    see these steps.  Returns the fit (also kept as ``runner.latency.fit``).
+    tokens or the engine is busy, and stops early after ``PROBE_BUDGET_S``.
+    Everything is freed afterwards; the runner's counters are left as they
+    were and its ``on_step`` hook does not see these steps.  Returns the fit
+    (also kept as ``runner.latency.fit``).
     """
     started = time.perf_counter()
     if runner._running or runner._waiting:
@@ -309,6 +315,8 @@ def probe(runner: EngineRunner) -> StepFit | None:
         # anything else running on the machine meanwhile slows every load alike.
         plan = [(n, False) for n in PROBE_SEQS] + [(n, True) for _ in range(PROBE_STEPS) for n in PROBE_SEQS]
         for n, measured in plan:
+            if time.perf_counter() - started > PROBE_BUDGET_S:
+                break
             tracker.enabled = measured
             for i in range(n):
                 ctx = contexts.get(made[i])
@@ -329,6 +337,6 @@ def probe(runner: EngineRunner) -> StepFit | None:
                 contexts.free(cid)
         runner.counters.update(counters)
         runner._probing = False
-    fit = runner.latency.refit()
+    fit = runner.latency.refit(min_samples=1)  # a load the budget cut short still counts
     runner.latency.probe_s = time.perf_counter() - started
     return fit
