@@ -94,8 +94,8 @@ def test_step_latency_refits_from_recorded_steps_and_reports():
     assert report["decode_ms_per_1k_tokens"] == pytest.approx(5, rel=0.1)
     assert report["decode_ms_target"] == pytest.approx(37.5, rel=0.1)
     EngineStats(**report)  # the stats schema takes every field
-    tracker.enabled = False
-    tracker.record(100, 99.0)
+    tracker.record(100, float("nan"))  # ignored
+    tracker.record(-1, 0.01)
     assert sum(len(b) for b in tracker._buckets.values()) == lp.REFIT_EVERY
     fixed = StepLatency(fixed_cap=3000)
     assert fixed.cap(50_000) == 3000 and fixed.cap(2000) == 2000

@@ -26,10 +26,11 @@ the machine, so each engine measures its own cap:
 - *Probe.*  :func:`probe` gives the first fit at start-up without prefilling
   anything: it fabricates contexts whose KV blocks are allocated, zeroed (so
   the memory the attention reads is real, not the kernel's shared zero page)
-  and marked computed, runs a few decode steps through the engine's own
-  forward at three loads (one, four and eight sequences of up to
-  :data:`PROBE_SEQ_TOKENS` tokens), then frees them.  Real decode steps keep
-  refining the fit (it is redone every :data:`REFIT_EVERY` of them).
+  and marked computed, runs decode steps through the engine's own forward at
+  three loads (one, four and eight sequences of up to
+  :data:`PROBE_SEQ_TOKENS` tokens: the probe assumes calls of about that
+  size), then frees them.  Real decode steps keep refining the fit (it is
+  redone every :data:`REFIT_EVERY` of them).
 - *Cap.*  The load at which the fitted step time reaches the target:
   ``target = factor * a`` (default :data:`LATENCY_FACTOR` = 1.25, the
   paper's "within 20-25 %") or an absolute ``target_ms``;
@@ -82,11 +83,12 @@ PROBE_SEQS = (1, 4, 8)
 """Sequences stepped together at each of the probe's loads."""
 
 PROBE_STEPS = 3
-"""Measured decode steps at each probe load (after one unmeasured warm-up step at each)."""
+"""Decode steps at each probe load, the loads taken in turn (the lower quartile of three is their
+minimum, so the first step at a load, which pays one-time costs, does not count)."""
 
 PROBE_BUDGET_S = 3.0
-"""The probe stops stepping once it has run this long (requests wait for it): on a machine
-oversubscribed by other processes a step can take seconds.  What it measured by then is fitted."""
+"""The probe stops stepping once it has run this long (the engine's start waits for it): on a
+machine oversubscribed by other processes a step can take seconds.  What it measured is fitted."""
 
 _PROBE_CONTEXT_BASE = -1_000_000  # probe contexts get ids below this; clients use their own ids
 
@@ -210,7 +212,6 @@ class StepLatency:
         self.target_s = None if target_ms is None else target_ms / 1000
         self.fixed_cap = fixed_cap
         self.floor = floor
-        self.enabled = True  # record() ignores steps while False (the probe's warm-up steps)
         self.fit: StepFit | None = None
         self.probe_s: float | None = None  # how long the start-up probe took
         self._buckets: dict[int, deque[tuple[int, float]]] = {}
@@ -218,7 +219,7 @@ class StepLatency:
 
     def record(self, load: int, seconds: float) -> None:
         """One pure decode step of ``seconds`` at token ``load`` (worker thread)."""
-        if not self.enabled or not (seconds > 0 and math.isfinite(seconds)) or load < 0:
+        if not (seconds > 0 and math.isfinite(seconds)) or load < 0:
             return
         bucket = self._buckets.get(_bucket(load))
         if bucket is None:
@@ -285,7 +286,7 @@ def probe(runner: EngineRunner) -> StepFit | None:
     most = max(PROBE_SEQS)
     pool, contexts, cache = runner.pool, runner.contexts, runner.cache
     bs = pool.block_size
-    steps = len(PROBE_SEQS) * (PROBE_STEPS + 1)  # the most tokens one fabricated context gains
+    steps = len(PROBE_SEQS) * PROBE_STEPS  # the most tokens one fabricated context gains
     seq = min(PROBE_SEQ_TOKENS, runner.max_seq_len - steps - 1)
     seq = min(seq, (pool.num_free * bs // 2) // most - steps - bs)
     if seq < 16:
@@ -310,14 +311,11 @@ def probe(runner: EngineRunner) -> StepFit | None:
             cache.v.index_fill_(1, blocks, 0.0)
         from parrot.engine.runner import Job
 
-        tracker = runner.latency
-        # One unmeasured warm-up step at each load, then the loads in turn, so that
-        # anything else running on the machine meanwhile slows every load alike.
-        plan = [(n, False) for n in PROBE_SEQS] + [(n, True) for _ in range(PROBE_STEPS) for n in PROBE_SEQS]
-        for n, measured in plan:
+        # The loads in turn, so that anything else running on the machine meanwhile slows
+        # every load alike.
+        for n in [n for _ in range(PROBE_STEPS) for n in PROBE_SEQS]:
             if time.perf_counter() - started > PROBE_BUDGET_S:
                 break
-            tracker.enabled = measured
             for i in range(n):
                 ctx = contexts.get(made[i])
                 if not ctx.num_pending:
@@ -329,9 +327,8 @@ def probe(runner: EngineRunner) -> StepFit | None:
                 for job in runner._running:
                     job.ctx.busy = False  # type: ignore[union-attr]
                 runner._running = []
-                return tracker.fit
+                return runner.latency.fit
     finally:
-        runner.latency.enabled = True
         for cid in made:
             if cid in contexts:
                 contexts.free(cid)

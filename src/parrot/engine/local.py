@@ -75,13 +75,14 @@ class LocalEngine:
     ``kv_dtype`` (a bf16 KV cache).
 
     The latency cap the engine reports (:mod:`parrot.engine.latency_probe`):
-    with ``latency_probe`` the worker's first job, before any request, times a
-    few decode steps on fabricated contexts (no prefill; milliseconds on the
-    tiny model, about half a second on SmolLM2 on 2 cores): the constructor
-    does not wait for it, requests and :meth:`stats` do; until it ends the cap
-    is 0 (unknown).  Real decode steps refine the fit.  ``latency_factor`` /
-    ``latency_target_ms`` set the step time the cap keeps to; ``latency_cap``
-    fixes the reported cap instead (no probe then).
+    with ``latency_probe`` the engine's thread times nine decode steps on
+    fabricated contexts right after building the runner, before the
+    constructor returns (no prefill; about 20 ms on the tiny model, 0.6 s on
+    SmolLM2 on 2 cores).  It runs while nothing else in the process does, so
+    its timings are as clean as the machine allows (a probe overlapping the
+    server's start-up measured nothing usable).  Real decode steps refine the
+    fit.  ``latency_factor`` / ``latency_target_ms`` set the step time the cap
+    keeps to; ``latency_cap`` fixes the reported cap instead (no probe then).
 
     ``loaded`` may be a function that loads the model: it then runs on the engine's
     own thread, like everything else the engine does with torch (see
@@ -122,7 +123,12 @@ class LocalEngine:
                 latency_cap=latency_cap,
             )
             if latency_probe and latency_cap is None:
-                runner.call(runner.probe_latency, _log_probe_failure)  # the loop's first job
+                try:
+                    runner.probe_latency()
+                except Exception:  # never fatal: the cap stays unknown until real steps are timed
+                    log.exception("latency probe failed")
+                else:
+                    _log_probe(runner)
             return runner
 
         self.runner = EngineRunner.start_on_own_thread(make)
@@ -249,9 +255,21 @@ class LocalEngine:
         return await self._on_worker(self.runner.contexts.all_ids)
 
 
-def _log_probe_failure(_: Any, error: BaseException | None) -> None:
-    if error is not None:
-        log.warning("latency probe failed (the cap stays unknown until decode steps are timed): %r", error)
+def _log_probe(runner: EngineRunner) -> None:
+    latency, fit = runner.latency, runner.latency.fit
+    if fit is None:
+        log.warning(
+            "latency probe measured too little in %.2fs; the cap stays unknown for now", latency.probe_s or 0
+        )
+        return
+    log.info(
+        "latency probe: decode step %.2f ms + %.3f ms per 1,000 tokens (%d steps, %.2fs): latency cap %d",
+        fit.base_s * 1e3,
+        fit.per_token_s * 1e6,
+        fit.steps,
+        latency.probe_s or 0,
+        latency.cap(runner.token_capacity),
+    )
 
 
 def _settle(fut: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:

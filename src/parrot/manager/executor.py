@@ -137,7 +137,7 @@ class Executor:
         self._usage: dict[str, _Usage] = {}  # engine id -> load of the calls placed there
         # Scheduler state kept between rounds (the fast path of scheduler.schedule): it is told
         # of engines whose snapshot changed — their usage or prefixes (_stale), or what the pool
-        # says of them (_seen: handle, alive, capacity, as of the last round).
+        # says of them (_seen: handle, alive, capacity, latency cap, as of the last round).
         self._sched: Scheduler | None = None
         self._pool_seen: list[tuple[EngineHandle, bool, int, int]] = []
         self._seen: dict[str, tuple[EngineHandle, bool, int, int]] = {}
