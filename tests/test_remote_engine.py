@@ -397,7 +397,8 @@ def test_engine_cli_sets_capacity_and_kv_pool(procs: Procs):
 def test_engine_reports_its_latency_cap_and_the_manager_learns_it_at_once(procs: Procs):
     mgr = procs.manager(heartbeat_interval=5, heartbeat_timeout=30)  # no second heartbeat in time
     fixed = procs.engine(mgr, "--latency-cap", "2222")
-    measured = procs.engine(mgr, "--latency-factor", "1.5")
+    # one thread: two OpenMP threads on 2 busy cores stall at every barrier, flat in load
+    measured = procs.engine(mgr, "--latency-factor", "1.5", "--threads", "1")
     stats = httpx.get(f"{fixed.url}/stats", timeout=10).json()
     assert (stats["latency_cap_tokens"], stats["latency_cap_source"]) == (2222, "fixed")
     stats = httpx.get(f"{measured.url}/stats", timeout=10).json()  # answered after its probe

@@ -19,8 +19,9 @@ the machine, so each engine measures its own cap:
   ever add time, so the low end is the engine's own), the Theil-Sen slope
   over the buckets (the median of pairwise slopes, clamped at 0: step time
   never falls as load grows) and the intercept as the median of
-  ``time - b * load``.  It needs two buckets with at least
-  :data:`MIN_BUCKET_SAMPLES` steps each.  Scaling every step's time alike
+  ``time - b * load``.  It needs buckets with at least
+  :data:`MIN_BUCKET_SAMPLES` steps each spanning an octave of load, and a
+  step time that grows measurably across them (:data:`MIN_GROWTH`).  Scaling every step's time alike
   (a uniformly busier machine) scales ``a`` and ``b`` alike and leaves the
   cap unchanged.
 - *Probe.*  :func:`probe` gives the first fit at start-up without prefilling
@@ -29,8 +30,9 @@ the machine, so each engine measures its own cap:
   and marked computed, runs decode steps through the engine's own forward at
   three loads (one, four and eight sequences of up to
   :data:`PROBE_SEQ_TOKENS` tokens: the probe assumes calls of about that
-  size), then frees them.  Real decode steps keep refining the fit (it is
-  redone every :data:`REFIT_EVERY` of them).
+  size), three rounds or more while the machine is noisy, then frees them.
+  Real decode steps keep refining the fit (it is redone every
+  :data:`REFIT_EVERY` of them).
 - *Cap.*  The load at which the fitted step time reaches the target:
   ``target = factor * a`` (default :data:`LATENCY_FACTOR` = 1.25, the
   paper's "within 20-25 %") or an absolute ``target_ms``;
@@ -67,6 +69,13 @@ MIN_LATENCY_CAP_TOKENS = 1024
 """The measured cap is never below this (or the token capacity, if smaller): one typical call of
 the evaluation's workloads (a prompt of a few hundred tokens and its output) must fit."""
 
+MIN_GROWTH = 0.05
+"""A fit must show the step time growing by at least this fraction across the loads it saw, which
+must span an octave at least: otherwise the timings cannot place the cap (it would lie far beyond
+them) and nothing is fitted.  Flat timings also mean something else dominated every step: on a
+2-core machine shared with a busy process, every step of the tiny model took ~150 ms whatever its
+load."""
+
 WINDOW = 32
 """Decode steps kept per load bucket (the most recent)."""
 
@@ -83,8 +92,16 @@ PROBE_SEQS = (1, 4, 8)
 """Sequences stepped together at each of the probe's loads."""
 
 PROBE_STEPS = 3
-"""Decode steps at each probe load, the loads taken in turn (the lower quartile of three is their
-minimum, so the first step at a load, which pays one-time costs, does not count)."""
+"""Decode steps at each probe load at least, the loads taken in turn (the lower quartile of three
+is their minimum, so the first step at a load, which pays one-time costs, does not count)."""
+
+PROBE_MAX_STEPS = 8
+"""Decode steps at each probe load at most: after ``PROBE_STEPS`` rounds the probe goes on while
+the two fastest steps of some load differ by more than ``PROBE_SETTLED`` (a busy machine)."""
+
+PROBE_SETTLED = 0.2
+"""See ``PROBE_MAX_STEPS``."""
+
 
 PROBE_BUDGET_S = 3.0
 """The probe stops stepping once it has run this long (the engine's start waits for it): on a
@@ -127,9 +144,11 @@ def fit_step_times(samples: Iterable[tuple[int, float]], min_samples: int = 1) -
     point (median load, lower-quartile time).  The slope is the Theil-Sen estimate
     over those points (median of the slopes of all pairs), clamped at 0 (a
     step never gets faster with more load); the intercept is the median of
-    ``time - slope * load``, at least 1 microsecond.  Returns None with fewer
-    than two points.  Raises ValueError on a negative load or a time that is
-    not a positive finite number.
+    ``time - slope * load``, at least 1 microsecond.  Returns None when the
+    points do not span an octave of load (largest >= 2 x smallest) or the
+    fitted time grows by less than ``MIN_GROWTH`` across them: such timings
+    cannot place the cap.  Raises ValueError on a negative load or a time
+    that is not a positive finite number.
     """
     groups: dict[int, list[tuple[int, float]]] = {}
     for load, seconds in samples:
@@ -143,13 +162,16 @@ def fit_step_times(samples: Iterable[tuple[int, float]], min_samples: int = 1) -
         for g in groups.values()
         if len(g) >= min_samples
     ]
-    if len(points) < 2:
+    lo, hi = min(x for x, _ in points), max(x for x, _ in points)
+    if hi < 2 * max(lo, 1):
         return None
     slopes = [
         (t2 - t1) / (x2 - x1) for i, (x1, t1) in enumerate(points) for x2, t2 in points[i + 1 :] if x2 != x1
     ]
     slope = max(0.0, statistics.median(slopes)) if slopes else 0.0
     base = max(1e-6, statistics.median(t - slope * x for x, t in points))
+    if slope * (hi - lo) < MIN_GROWTH * (base + slope * lo):
+        return None
     steps = sum(len(g) for g in groups.values() if len(g) >= min_samples)
     return StepFit(base, slope, len(points), steps)
 
@@ -214,6 +236,7 @@ class StepLatency:
         self.floor = floor
         self.fit: StepFit | None = None
         self.probe_s: float | None = None  # how long the start-up probe took
+        self.last: tuple[int, float] | None = None  # the last step recorded
         self._buckets: dict[int, deque[tuple[int, float]]] = {}
         self._since_refit = 0
 
@@ -225,6 +248,7 @@ class StepLatency:
         if bucket is None:
             bucket = self._buckets[_bucket(load)] = deque(maxlen=WINDOW)
         bucket.append((load, seconds))
+        self.last = (load, seconds)
         self._since_refit += 1
         if self._since_refit >= REFIT_EVERY:
             self.refit()
@@ -264,6 +288,17 @@ class StepLatency:
         }
 
 
+def _settled(times: dict[int, list[float]]) -> bool:
+    """Whether the two fastest steps of every load agree within ``PROBE_SETTLED``."""
+    for ts in times.values():
+        if len(ts) < 2:
+            return False
+        first, second = sorted(ts)[:2]
+        if second > first * (1 + PROBE_SETTLED):
+            return False
+    return True
+
+
 def probe(runner: EngineRunner) -> StepFit | None:
     """Measure decode steps at a few loads on fabricated contexts; fit them (worker thread, idle engine).
 
@@ -271,32 +306,40 @@ def probe(runner: EngineRunner) -> StepFit | None:
     for all but its last token (zeroed, so they are committed memory) and is
     marked computed up to there; each step then computes one pending token
     per stepped context through :meth:`EngineRunner._forward` (timed and
-    recorded by the runner as any decode step), and appends the next.  The
-    loads are 1, 4 and 8 sequences of ``PROBE_SEQ_TOKENS`` tokens, shrunk to
-    fit half the free KV pool and the engine's context length; the probe is
-    skipped (returns the current fit) when that leaves sequences under 16
-    tokens or the engine is busy, and stops early after ``PROBE_BUDGET_S``.
+    recorded into ``runner.latency`` as any decode step), and appends the
+    next.  The loads are 1, 4 and 8 sequences of ``PROBE_SEQ_TOKENS`` tokens,
+    shrunk to fit half the free KV pool and the engine's context length,
+    stepped in turn: ``PROBE_STEPS`` rounds, then more (up to
+    ``PROBE_MAX_STEPS``) until the two fastest steps of every load agree
+    within ``PROBE_SETTLED``; never past ``PROBE_BUDGET_S``.  Then the steps
+    are fitted (buckets of one step count); timings that cannot place the cap
+    (see :func:`fit_step_times`) leave it unknown.  The probe is skipped when
+    the sequences would be under 16 tokens or the engine is busy.
     Everything is freed afterwards; the runner's counters are left as they
-    were and its ``on_step`` hook does not see these steps.  Returns the fit
-    (also kept as ``runner.latency.fit``).
+    were and its ``on_step`` hook does not see these steps.  Returns
+    ``runner.latency.fit``.
     """
     started = time.perf_counter()
+    latency = runner.latency
     if runner._running or runner._waiting:
-        return runner.latency.fit
+        return latency.fit
     most = max(PROBE_SEQS)
     pool, contexts, cache = runner.pool, runner.contexts, runner.cache
     bs = pool.block_size
-    steps = len(PROBE_SEQS) * PROBE_STEPS  # the most tokens one fabricated context gains
-    seq = min(PROBE_SEQ_TOKENS, runner.max_seq_len - steps - 1)
-    seq = min(seq, (pool.num_free * bs // 2) // most - steps - bs)
+    grows = len(PROBE_SEQS) * PROBE_MAX_STEPS  # the most tokens one fabricated context gains
+    seq = min(PROBE_SEQ_TOKENS, runner.max_seq_len - grows - 1)
+    seq = min(seq, (pool.num_free * bs // 2) // most - grows - bs)
     if seq < 16:
-        return runner.latency.fit
+        return latency.fit
     counters = dict(runner.counters)
     runner._probing = True  # its steps are not the engine's: no on_step for them
+    times: dict[int, list[float]] = {n: [] for n in PROBE_SEQS}
     made: list[int] = []
     vocab = runner.loaded.config.vocab_size
     try:
         import torch
+
+        from parrot.engine.runner import Job
 
         for i in range(most):
             cid = _PROBE_CONTEXT_BASE - i
@@ -304,17 +347,18 @@ def probe(runner: EngineRunner) -> StepFit | None:
             made.append(cid)
             contexts.append(ctx, [(7 * i + p) % vocab for p in range(seq)])
             if contexts.reserve(ctx, seq - 1) is None:
-                return runner.latency.fit
+                return latency.fit
             ctx.computed_len = seq - 1  # its KV (zeros) counts as computed; the last token is pending
             blocks = torch.tensor(ctx.block_table, dtype=torch.long, device=cache.device)
             cache.k.index_fill_(1, blocks, 0.0)
             cache.v.index_fill_(1, blocks, 0.0)
-        from parrot.engine.runner import Job
-
         # The loads in turn, so that anything else running on the machine meanwhile slows
-        # every load alike.
-        for n in [n for _ in range(PROBE_STEPS) for n in PROBE_SEQS]:
+        # every load alike; more rounds while the fastest steps of a load disagree.
+        for step in range(len(PROBE_SEQS) * PROBE_MAX_STEPS):
+            n = PROBE_SEQS[step % len(PROBE_SEQS)]
             if time.perf_counter() - started > PROBE_BUDGET_S:
+                break
+            if n == PROBE_SEQS[0] and step >= len(PROBE_SEQS) * PROBE_STEPS and _settled(times):
                 break
             for i in range(n):
                 ctx = contexts.get(made[i])
@@ -322,18 +366,20 @@ def probe(runner: EngineRunner) -> StepFit | None:
                     contexts.append(ctx, [(3 * i + ctx.length) % vocab])
                 ctx.busy = True
                 runner._running.append(Job(ctx.context_id, None, internal=True, ctx=ctx))
+            latency.last = None
             runner._forward()
+            if latency.last is not None:
+                times[n].append(latency.last[1])
             if runner._running:  # not expected: every fabricated job finishes in its step
                 for job in runner._running:
                     job.ctx.busy = False  # type: ignore[union-attr]
                 runner._running = []
-                return runner.latency.fit
+                return latency.fit
     finally:
         for cid in made:
             if cid in contexts:
                 contexts.free(cid)
         runner.counters.update(counters)
         runner._probing = False
-    fit = runner.latency.refit(min_samples=1)  # a load the budget cut short still counts
-    runner.latency.probe_s = time.perf_counter() - started
-    return fit
+    latency.probe_s = time.perf_counter() - started
+    return latency.refit(min_samples=1)

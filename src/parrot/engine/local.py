@@ -75,14 +75,15 @@ class LocalEngine:
     ``kv_dtype`` (a bf16 KV cache).
 
     The latency cap the engine reports (:mod:`parrot.engine.latency_probe`):
-    with ``latency_probe`` the engine's thread times nine decode steps on
-    fabricated contexts right after building the runner, before the
-    constructor returns (no prefill; about 20 ms on the tiny model, 0.6 s on
-    SmolLM2 on 2 cores).  It runs while nothing else in the process does, so
-    its timings are as clean as the machine allows (a probe overlapping the
-    server's start-up measured nothing usable).  Real decode steps refine the
-    fit.  ``latency_factor`` / ``latency_target_ms`` set the step time the cap
-    keeps to; ``latency_cap`` fixes the reported cap instead (no probe then).
+    with ``latency_probe`` the engine's thread times nine or more decode steps
+    on fabricated contexts right after building the runner, before the
+    constructor returns (no prefill; tens of milliseconds on the tiny model,
+    under a second on SmolLM2 on 2 cores, at most ``PROBE_BUDGET_S``).  It
+    runs while nothing else in the process does, so its timings are as clean
+    as the machine allows (run while the server started, it measured nothing
+    usable).  Real decode steps refine the fit.  ``latency_factor`` /
+    ``latency_target_ms`` set the step time the cap keeps to; ``latency_cap``
+    fixes the reported cap instead (no probe then).
 
     ``loaded`` may be a function that loads the model: it then runs on the engine's
     own thread, like everything else the engine does with torch (see
@@ -259,7 +260,10 @@ def _log_probe(runner: EngineRunner) -> None:
     latency, fit = runner.latency, runner.latency.fit
     if fit is None:
         log.warning(
-            "latency probe measured too little in %.2fs; the cap stays unknown for now", latency.probe_s or 0
+            "latency probe: its %.2fs of decode steps cannot place the cap (too few, or no "
+            "measurable growth with load: a busy machine?); it stays unknown until real decode "
+            "steps are timed",
+            latency.probe_s or 0,
         )
         return
     log.info(
