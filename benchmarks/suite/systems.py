@@ -249,7 +249,7 @@ def parrot_commands(
     One engine: ``parrot serve --model M --threads <cores>`` (embedded engine).
     N engines: ``parrot serve --no-engine`` and N ``parrot engine --manager URL
     --model M --threads max(1, cores // N)``.  ``latency_cap``: the manager's
-    ``--latency-cap`` (default: Parrot's, the paper's 6,144 tokens).
+    ``--latency-cap`` (default: none, so each engine uses the cap it measured).
     """
     url = f"http://127.0.0.1:{port}"
     serve = [*parrot_command(), "--log-level", "warning", "serve", "--host", "127.0.0.1"]
