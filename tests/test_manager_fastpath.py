@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 from collections.abc import AsyncIterator, Sequence
 
 import pytest
@@ -48,6 +49,8 @@ def snapshots(draw, engine_id: str) -> EngineSnapshot:
         frozenset(draw(st.sets(st.sampled_from(["tg:1", "tg:2"]), max_size=2))),
         frozenset(draw(st.sets(st.sampled_from(["p", "q", "r"]), max_size=2))),
         draw(st.booleans()) or draw(st.booleans()),
+        draw(st.sampled_from([1024, 3000, 6144])),  # the engine's own latency cap
+        draw(st.sampled_from([0, 1, 2, 5])),  # last_assigned
     )
 
 
@@ -73,18 +76,25 @@ def queues(draw) -> list[QueuedCall]:
 @st.composite
 def histories(draw):
     """A config and rounds of (engine updates, queue); an update is ("set", snapshot),
-    ("same", id) (the current snapshot again, or an equal copy), ("remove", id), or
-    ("sync", snapshots) (the whole engine set)."""
+    ("same", id) (the current snapshot again, or an equal copy), ("tweak", id, field,
+    value) (one field of the current snapshot changed: its latency cap, stamp or load),
+    ("remove", id), or ("sync", snapshots) (the whole engine set)."""
     policy = draw(st.sampled_from(POLICIES))
-    config = SchedulerConfig(policy, latency_cap_tokens=draw(st.sampled_from([1024, 6144])))
+    config = SchedulerConfig(policy, latency_cap_tokens=draw(st.sampled_from([None, None, 1024, 6144])))
     rounds = []
     for _ in range(draw(st.integers(1, 8))):
         ops = []
         for _ in range(draw(st.integers(0, 5))):
-            what = draw(st.sampled_from(["set", "set", "set", "same", "remove", "sync"]))
+            what = draw(st.sampled_from(["set", "set", "set", "same", "tweak", "remove", "sync"]))
             eid = draw(st.sampled_from(ENGINE_IDS))
             if what == "set":
                 ops.append(("set", draw(snapshots(eid))))
+            elif what == "tweak":
+                field = draw(st.sampled_from(["latency_cap_tokens", "last_assigned", "token_load"]))
+                value = draw(
+                    st.sampled_from([0, 1, 500, 1024, 6144] if field != "latency_cap_tokens" else [500, 6144])
+                )
+                ops.append(("tweak", eid, field, value))
             elif what == "sync":
                 ids = draw(st.sets(st.sampled_from(ENGINE_IDS), max_size=len(ENGINE_IDS)))
                 ops.append(("sync", [draw(snapshots(i)) for i in sorted(ids)]))
@@ -111,6 +121,11 @@ def test_incremental_scheduler_places_like_the_pure_function(history):
             elif op[0] == "remove":
                 engines.pop(op[1], None)
                 sched.remove_engine(op[1])
+            elif op[0] == "tweak":
+                if op[1] in engines:
+                    snap = dataclasses.replace(engines[op[1]], **{op[2]: op[3]})
+                    engines[op[1]] = snap
+                    sched.set_engine(snap)
             elif op[1] in engines:  # "same": the object again, or an equal copy
                 snap = engines[op[1]] if op[2] else dataclasses.replace(engines[op[1]])
                 engines[op[1]] = snap
@@ -140,6 +155,33 @@ def test_incremental_scheduler_survives_many_rounds_on_one_state():
             snap = dataclasses.replace(old, token_load=load, mode="latency" if load else None)
             engines[p.engine_id] = snap
             sched.set_engine(snap)
+
+
+def test_idle_engines_take_turns_when_calls_come_one_at_a_time():
+    """Issue 13, defect 4: every round starts from equal (zero) loads; ties by engine id
+    alone sent every call to the same engine while the other idled.  (The prompts share
+    no prefix, which would rightly keep them together.)"""
+
+    async def main() -> list[tuple[str | None, str | None]]:
+        manager = Manager(ManagerConfig())
+        tokenizer = TextTokenizer.byte_level_tiny()
+        for _ in range(2):
+            manager.pool.register(SlowishEngine(tokenizer))
+        session = manager.create_session()[0]
+        used = []
+        for i in range(6):
+            call = submit(manager, session, "{{input:x}} {{output:y}}", x=f"question {i}", y={"sampling": {}})
+            while call.state != "done":
+                await asyncio.sleep(0.001)
+            await asyncio.sleep(0.005)  # its context is freed: the engine is idle again
+            used.append((call.engine_id, call.placement))
+        await manager.executor.drain()
+        return used
+
+    used = asyncio.run(main())
+    engines = [e for e, _ in used]
+    assert {p for _, p in used} == {"find-engine"}
+    assert len(set(engines)) == 2 and all(a != b for a, b in itertools.pairwise(engines)), used
 
 
 def test_incremental_scheduler_validates_like_the_pure_function():

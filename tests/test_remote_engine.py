@@ -392,3 +392,23 @@ def test_engine_cli_sets_capacity_and_kv_pool(procs: Procs):
     stats = httpx.get(f"{eng.url}/stats", timeout=10).json()
     assert stats["token_capacity"] == 1234
     assert stats["kv_tokens_total"] == 4096 and stats["kv_blocks_total"] == 4096 // stats["kv_block_size"]
+
+
+def test_engine_reports_its_latency_cap_and_the_manager_learns_it_at_once(procs: Procs):
+    mgr = procs.manager(heartbeat_interval=5, heartbeat_timeout=30)  # no second heartbeat in time
+    fixed = procs.engine(mgr, "--latency-cap", "2222")
+    # one thread: two OpenMP threads on 2 busy cores stall at every barrier, flat in load
+    measured = procs.engine(mgr, "--latency-factor", "1.5", "--threads", "1")
+    stats = httpx.get(f"{fixed.url}/stats", timeout=10).json()
+    assert (stats["latency_cap_tokens"], stats["latency_cap_source"]) == (2222, "fixed")
+    stats = httpx.get(f"{measured.url}/stats", timeout=10).json()  # answered after its probe
+    assert stats["latency_cap_source"] == "measured" and stats["latency_cap_tokens"] > 0
+    assert stats["decode_ms_target"] == pytest.approx(1.5 * stats["decode_ms_base"], rel=1e-3)
+    # the first heartbeat follows registration at once: the manager knows both caps now
+    for eng, cap in ((fixed, 2222), (measured, stats["latency_cap_tokens"])):
+        seen = wait_until(
+            lambda eng=eng: (engine_by_url(mgr, eng.url) or {}).get("stats", {}).get("latency_cap_tokens"),
+            3,
+            lambda: f"no heartbeat with the cap yet: {engines(mgr)}",
+        )
+        assert seen == cap  # (an idle engine does not refit)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 
 from parrot.manager.objectives import CallObjective
 from parrot.manager.scheduler import (
+    DEFAULT_LATENCY_CAP_TOKENS,
     POLICIES,
     EngineSnapshot,
     Placement,
@@ -24,8 +26,22 @@ LAT = CallObjective("latency", None, "test")
 THR = CallObjective("throughput", None, "test")
 
 
-def eng(eid, load=0, mode=None, cap=64_000, msl=16_384, model="m", groups=(), prefixes=(), alive=True):
-    return EngineSnapshot(eid, model, msl, cap, load, mode, frozenset(groups), frozenset(prefixes), alive)
+def eng(
+    eid,
+    load=0,
+    mode=None,
+    cap=64_000,
+    msl=16_384,
+    model="m",
+    groups=(),
+    prefixes=(),
+    alive=True,
+    lat=DEFAULT_LATENCY_CAP_TOKENS,
+    last=0,
+):
+    return EngineSnapshot(
+        eid, model, msl, cap, load, mode, frozenset(groups), frozenset(prefixes), alive, lat, last
+    )
 
 
 def q(cid, kind="latency", group=None, tokens=100, rank=0, prefixes=(), model="m"):
@@ -160,6 +176,92 @@ def test_dead_engines_and_max_seq_len_are_respected():
     assert where(out) == {"a": "e3", "b": "e2"}
 
 
+# ------------------------------------------------------------------ per-engine latency caps
+def test_each_engine_keeps_latency_work_under_its_own_cap():
+    engines = [eng("e1", load=900, mode="latency", lat=1000), eng("e2", load=2000, mode="latency", lat=4000)]
+    # e1 is less loaded, but 900 + 200 is over its own cap of 1,000
+    assert run([q("a", tokens=200)], engines) == [Placement("a", "e2", "find-engine")]
+    assert where(run([q("a", tokens=100)], engines)) == {"a": "e1"}  # exactly its cap
+    # the same engines under one manager-wide cap: the less loaded one
+    assert where(run([q("a", tokens=200)], engines, latency_cap_tokens=6144)) == {"a": "e1"}
+    # and a cap above the capacity is the capacity
+    engines = [eng("e1", load=900, mode="latency", lat=50_000, cap=1000)]
+    assert run([q("a", tokens=200)], engines) == []
+
+
+def test_a_round_fills_each_engine_to_its_own_cap():
+    engines = [eng("small", lat=1000), eng("big", lat=3000)]
+    out = run([q(f"c{i}", tokens=500, rank=i) for i in range(10)], engines)
+    placed = [p.engine_id for p in out]
+    assert placed.count("small") == 2 and placed.count("big") == 6  # 1,000 and 3,000 tokens
+    out = run([q(f"c{i}", tokens=500, rank=i) for i in range(10)], engines, latency_cap_tokens=2000)
+    assert [p.engine_id for p in out].count("small") == 4  # the operator's cap for both
+
+
+def test_throughput_work_is_not_bound_by_the_latency_cap_but_mixed_engines_are():
+    engines = [eng("e1", load=900, mode="throughput", lat=2000)]
+    assert where(run([q("t", kind="throughput", tokens=5000)], engines)) == {"t": "e1"}
+    assert run([q("a", tokens=1500)], engines) == []  # 2,400 > its latency cap
+    # once it runs latency work its cap is 2,000 for everything: t (1,400 + 700) waits
+    out = run([q("a", tokens=500), q("t", kind="throughput", tokens=700, rank=1)], engines)
+    assert out == [Placement("a", "e1", "find-engine-mixed")]
+
+
+def test_baselines_use_each_engines_latency_cap():
+    engines = [eng("e1", lat=1000), eng("e2", lat=3000)]
+    queue = [q(f"c{i}", tokens=600, rank=i) for i in range(7)]
+    placed = [p.engine_id for p in run(queue, engines, "baseline-latency")]
+    assert placed == ["e1"] + ["e2"] * 5  # 600 and 3,000 tokens; the seventh fits neither
+    assert len(run(queue, engines, "baseline-throughput")) == 7
+
+
+def test_drain_reservation_uses_each_engines_cap():
+    # 2,500 tokens: over e1's cap but within e2's; it just waits for room, reserving nothing
+    engines = [eng("e1", load=100, mode="latency", lat=1000), eng("e2", load=2000, mode="latency", lat=3000)]
+    out = run([q("mid", tokens=2500), q("s", tokens=10, rank=1)], engines)
+    assert where(out) == {"s": "e1"}
+    # over every engine's cap: it reserves the least-loaded engine, e1
+    out = run([q("big", tokens=5000), q("s", tokens=10, rank=1)], engines)
+    assert where(out) == {"s": "e2"}
+
+
+# ------------------------------------------------------------------ ties
+def test_equal_loads_go_to_the_engine_given_work_least_recently():
+    engines = [eng("e1", last=7), eng("e2", last=3), eng("e3", last=5)]
+    assert where(run([q("a")], engines)) == {"a": "e2"}
+    engines = [eng("e1", load=10, mode="latency", last=7), eng("e2", load=10, mode="latency", last=9)]
+    assert where(run([q("a")], engines)) == {"a": "e1"}
+    assert where(run([q("a")], [eng("e1", load=10, mode="latency"), eng("e2", last=9)])) == {"a": "e2"}
+    # affinity picks break ties the same way
+    engines = [eng("e1", prefixes={"p"}, last=4), eng("e2", prefixes={"p"}, last=2)]
+    assert run([q("a", prefixes=("p",))], engines) == [Placement("a", "e2", "prefix-engine")]
+
+
+def test_one_call_per_round_alternates_between_idle_engines():
+    """Each round places one call, which finishes before the next round (so every round
+    starts from equal loads); the caller stamps the engine it used.  Ties by id alone
+    would put every call on e1."""
+    engines = {"e1": eng("e1"), "e2": eng("e2")}
+    used = []
+    for clock in range(1, 9):
+        [p] = run([q(f"c{clock}", tokens=50 if clock % 2 else 5000)], list(engines.values()))
+        used.append(p.engine_id)
+        engines[p.engine_id] = dataclasses.replace(engines[p.engine_id], last_assigned=clock)
+    assert used == ["e1", "e2"] * 4
+
+
+def test_within_a_round_even_a_tiny_call_moves_the_next_one_elsewhere():
+    engines = [eng("e1"), eng("e2"), eng("e3")]
+    queue = [q("tiny", tokens=1), q("big", tokens=3000, rank=1), q("mid", tokens=500, rank=2)]
+    assert where(run(queue, engines)) == {"tiny": "e1", "big": "e2", "mid": "e3"}
+    queue = [q(f"t{i}", tokens=1, rank=i) for i in range(6)]
+    assert [p.engine_id for p in run(queue, engines)] == ["e1", "e2", "e3"] * 2
+    # equal loads within the round: the engine placed on earliest in the round goes next
+    engines = [eng("e1", last=9), eng("e2", last=1)]
+    queue = [q(f"t{i}", tokens=100, rank=i) for i in range(4)]
+    assert [p.engine_id for p in run(queue, engines)] == ["e2", "e1", "e2", "e1"]
+
+
 # ------------------------------------------------------------------ big calls
 def test_a_call_larger_than_the_cap_runs_alone_on_an_idle_engine():
     engines = [eng("e1", load=10, mode="latency"), eng("e2")]
@@ -269,6 +371,13 @@ def test_validation():
         eng("e1", mode="fast")
     with pytest.raises(ValueError, match="positive"):
         eng("e1", cap=0)
+    with pytest.raises(ValueError, match="latency_cap_tokens"):
+        eng("e1", lat=0)
+    with pytest.raises(ValueError, match="last_assigned"):
+        eng("e1", last=-1)
+    with pytest.raises(ValueError, match="latency_cap_tokens"):
+        SchedulerConfig(latency_cap_tokens=0)
+    assert SchedulerConfig().latency_cap_tokens is None  # each engine's own cap by default
 
 
 def test_unservable_calls_are_reported_distinctly():
@@ -300,6 +409,8 @@ def rounds(draw):
     for i in range(n_eng):
         cap = draw(st.sampled_from([2048, 8192, 32_000]))
         load = draw(st.sampled_from([0, 0, 100, 3000, 6000, 9000]))
+        lat = draw(st.sampled_from([1024, 3000, 6144, 50_000]))
+        last = draw(st.sampled_from([0, 1, 2, 7]))
         engines.append(
             eng(
                 f"e{i}",
@@ -311,6 +422,8 @@ def rounds(draw):
                 groups=draw(st.sets(st.sampled_from(["tg:1", "tg:2"]), max_size=1)),
                 prefixes=draw(st.sets(st.sampled_from(["p", "q"]), max_size=2)),
                 alive=draw(st.booleans()) or i == 0,
+                lat=lat,
+                last=last,
             )
         )
     queue = []
@@ -329,7 +442,7 @@ def rounds(draw):
             )
         )
     policy = draw(st.sampled_from(POLICIES))
-    lat_cap = draw(st.sampled_from([1024, 6144]))
+    lat_cap = draw(st.sampled_from([None, None, 1024, 6144]))
     return queue, engines, SchedulerConfig(policy, latency_cap_tokens=lat_cap)
 
 
@@ -366,7 +479,7 @@ def test_property_caps_models_liveness(case):
         ):
             cap = e.token_capacity
         else:
-            cap = min(config.latency_cap_tokens, e.token_capacity)
+            cap = min(config.latency_cap_tokens or e.latency_cap_tokens, e.token_capacity)
         # Never over the cap, except one big call alone on an engine that was idle.
         assert final <= cap or (e.token_load == 0 and len(cs) == 1), (eid, final, cap, cs)
 

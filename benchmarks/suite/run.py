@@ -125,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="token cap for latency work on Parrot's engines (parrot serve --latency-cap; "
-        "default Parrot's, the paper's 6,144)",
+        "default: each engine's own, measured from its decode step time against load)",
     )
     return p
 

@@ -313,7 +313,7 @@ def parrot_commands(
     One engine: ``parrot serve --model M --threads <cores>`` (embedded engine).
     N engines: ``parrot serve --no-engine`` and N ``parrot engine --manager URL
     --model M --threads max(1, cores // N)``.  ``latency_cap``: the manager's
-    ``--latency-cap`` (default: Parrot's, the paper's 6,144).  Every engine
+    ``--latency-cap`` (default: none, so each engine uses the cap it measured).  Every engine
     gets ``--weight-dtype dtype --kv-dtype dtype`` and ``engine_flags``; the
     manager ``serve_flags``.
     """

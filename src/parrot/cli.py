@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from parrot.manager.service import ManagerConfig
 
+from parrot.engine.latency_probe import LATENCY_FACTOR  # torch-free
+
 DEFAULT_MODEL = "smollm2"
 
 
@@ -62,6 +64,21 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "on by default); for request-level baselines and ablations",
     )
     p.add_argument(
+        "--latency-target-ms",
+        type=float,
+        default=None,
+        help="the decode step time (per-output-token latency) the engine's latency cap keeps to "
+        f"(default: {LATENCY_FACTOR:g} x its measured unloaded step time)",
+    )
+    p.add_argument(
+        "--latency-factor",
+        type=float,
+        default=LATENCY_FACTOR,
+        help="the latency cap is the token load at which the measured decode step time reaches "
+        "this many times its unloaded value (default %(default)g: the paper's 6,144 tokens kept "
+        "per-token latency within 20-25%%)",
+    )
+    p.add_argument(
         "--no-shared-attention",
         action="store_true",
         help="plain per-sequence decode attention (forks still share KV blocks); for A/B runs",
@@ -100,8 +117,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--latency-cap",
         type=int,
-        default=6144,
-        help="token load under which an engine takes latency-sensitive work (the paper's 6,144)",
+        default=None,
+        help="token load under which every engine takes latency-sensitive work (default: each "
+        "engine's own cap, measured from its decode step time against load and shown in "
+        "GET /v1/engines; this overrides it for all, the embedded engine included)",
     )
     serve.add_argument(
         "--no-app-fifo",
@@ -122,6 +141,13 @@ def _parser() -> argparse.ArgumentParser:
     engine.add_argument("--host", default="127.0.0.1")
     engine.add_argument("--port", type=int, default=0, help="0 picks a free port")
     engine.add_argument("--name", default=None)
+    engine.add_argument(
+        "--latency-cap",
+        type=int,
+        default=None,
+        help="report this latency cap (tokens) instead of measuring one; a manager started with "
+        "--latency-cap overrides it",
+    )
     _add_engine_args(engine)
     return parser
 
@@ -150,6 +176,9 @@ def _load_engine(args: argparse.Namespace):
         prefix_cache=not args.no_prefix_cache,
         weight_dtype=getattr(torch, args.weight_dtype) if args.weight_dtype else None,
         kv_dtype=getattr(torch, args.kv_dtype) if args.kv_dtype else None,
+        latency_factor=args.latency_factor,
+        latency_target_ms=args.latency_target_ms,
+        latency_cap=args.latency_cap,
     )
 
 
@@ -168,6 +197,8 @@ def manager_config(args: argparse.Namespace) -> ManagerConfig:
 
     if not 0 < args.heartbeat_interval < args.heartbeat_timeout:
         raise SystemExit("parrot serve: need 0 < --heartbeat-interval < --heartbeat-timeout")
+    if args.latency_cap is not None and args.latency_cap < 1:
+        raise SystemExit("parrot serve: --latency-cap must be a positive number of tokens")
     return ManagerConfig(
         max_body_bytes=args.max_body_bytes,
         heartbeat_interval_s=args.heartbeat_interval,

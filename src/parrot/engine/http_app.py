@@ -89,7 +89,8 @@ def create_engine_app(engine: LocalEngine, *, max_body_bytes: int = 64 * 1024 * 
 async def register_and_heartbeat(
     engine: LocalEngine, manager_url: str, own_url: str, name: str | None, stop: asyncio.Event
 ) -> None:
-    """Register with the manager, then heartbeat until ``stop`` is set.
+    """Register with the manager, then heartbeat (the first one at once: the stats carry
+    the engine's latency cap) until ``stop`` is set.
     Re-registers if the manager forgot us (e.g. it restarted, or dropped us
     after missed heartbeats).  A manager that forgot us has given up on every
     call it had here, so the contexts left from before are freed once the new
@@ -119,6 +120,7 @@ async def register_and_heartbeat(
                             await engine.free_context(context_id)
                     if orphans:
                         log.warning("freed %d context(s) left from before registering", len(orphans))
+                    continue  # heartbeat at once: the manager learns the stats (latency cap) now
                 else:
                     stats = await engine.stats()
                     resp = await client.post(

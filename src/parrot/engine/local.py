@@ -16,6 +16,7 @@ Implements the engine API the manager uses (``fill`` / ``generate`` /
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -24,12 +25,15 @@ from typing import Any
 import torch
 
 from parrot.engine.block_pool import DEFAULT_BLOCK_SIZE
+from parrot.engine.latency_probe import LATENCY_FACTOR
 from parrot.engine.loader import LoadedModel
 from parrot.engine.runner import EngineRunner, Job
 from parrot.protocol.errors import BadRequest, ParrotError
 from parrot.protocol.sampling import SamplingParams
 from parrot.protocol.schemas import EngineStats, GenerateChunk
 from parrot.protocol.tokenizer import TextTokenizer
+
+log = logging.getLogger(__name__)
 
 
 class _LoopMailbox:
@@ -70,6 +74,17 @@ class LocalEngine:
     :mod:`parrot.engine.kv_store`), ``weight_dtype`` (bf16 packed GEMM weights) and
     ``kv_dtype`` (a bf16 KV cache).
 
+    The latency cap the engine reports (:mod:`parrot.engine.latency_probe`):
+    with ``latency_probe`` the engine's thread times nine or more decode steps
+    on fabricated contexts right after building the runner, before the
+    constructor returns (no prefill; tens of milliseconds on the tiny model,
+    under a second on SmolLM2 on 2 cores, at most ``PROBE_BUDGET_S``).  It
+    runs while nothing else in the process does, so its timings are as clean
+    as the machine allows (run while the server started, it measured nothing
+    usable).  Real decode steps refine the fit.  ``latency_factor`` /
+    ``latency_target_ms`` set the step time the cap keeps to; ``latency_cap``
+    fixes the reported cap instead (no probe then).
+
     ``loaded`` may be a function that loads the model: it then runs on the engine's
     own thread, like everything else the engine does with torch (see
     :meth:`EngineRunner.start_on_own_thread`); pass a loader where speed matters.
@@ -88,10 +103,14 @@ class LocalEngine:
         kv_cache_bytes: int | None = None,
         weight_dtype: torch.dtype | None = None,
         kv_dtype: torch.dtype | None = None,
+        latency_probe: bool = True,
+        latency_factor: float = LATENCY_FACTOR,
+        latency_target_ms: float | None = None,
+        latency_cap: int | None = None,
     ):
         def make() -> EngineRunner:
             model = loaded if isinstance(loaded, LoadedModel) else loaded()
-            return EngineRunner(
+            runner = EngineRunner(
                 model,
                 max_step_tokens=max_step_tokens,
                 token_capacity=token_capacity,
@@ -102,7 +121,18 @@ class LocalEngine:
                 kv_cache_bytes=kv_cache_bytes,
                 weight_dtype=weight_dtype,
                 kv_dtype=kv_dtype,
+                latency_factor=latency_factor,
+                latency_target_ms=latency_target_ms,
+                latency_cap=latency_cap,
             )
+            if latency_probe and latency_cap is None:
+                try:
+                    runner.probe_latency()
+                except Exception:  # never fatal: the cap stays unknown until real steps are timed
+                    log.exception("latency probe failed")
+                else:
+                    _log_probe(runner)
+            return runner
 
         self.runner = EngineRunner.start_on_own_thread(make)
         self.loaded = self.runner.loaded
@@ -129,6 +159,14 @@ class LocalEngine:
     @property
     def tokenizer(self) -> TextTokenizer:
         return self.loaded.tokenizer
+
+    @property
+    def latency_cap_tokens(self) -> int:
+        """The latency cap the engine reports (as in :meth:`stats`; 0 while unknown), read
+        without a trip to the worker thread (for the manager's snapshots of an in-process
+        engine)."""
+        runner = self.runner
+        return runner.latency.cap(runner.token_capacity)
 
     def close(self) -> None:
         self.runner.stop()
@@ -218,6 +256,26 @@ class LocalEngine:
 
     async def context_ids(self) -> list[int]:
         return await self._on_worker(self.runner.contexts.all_ids)
+
+
+def _log_probe(runner: EngineRunner) -> None:
+    latency, fit = runner.latency, runner.latency.fit
+    if fit is None:
+        log.warning(
+            "latency probe: its %.2fs of decode steps cannot place the cap (too few, or no "
+            "measurable growth with load: a busy machine?); it stays unknown until real decode "
+            "steps are timed",
+            latency.probe_s or 0,
+        )
+        return
+    log.info(
+        "latency probe: decode step %.2f ms + %.3f ms per 1,000 tokens (%d steps, %.2fs): latency cap %d",
+        fit.base_s * 1e3,
+        fit.per_token_s * 1e6,
+        fit.steps,
+        latency.probe_s or 0,
+        latency.cap(runner.token_capacity),
+    )
 
 
 def _settle(fut: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:

@@ -46,6 +46,7 @@ import bisect
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +57,7 @@ from parrot.engine import decode_forward
 from parrot.engine.block_pool import DEFAULT_BLOCK_SIZE, BlockPool
 from parrot.engine.contexts import Context, ContextTable
 from parrot.engine.kv_store import PagedKVCache, kv_cache_blocks
+from parrot.engine.latency_probe import LATENCY_FACTOR, StepLatency, probe
 from parrot.engine.loader import LoadedModel
 from parrot.engine.memory import MemoryManager
 from parrot.engine.paged import PagedStepAttention, SeqSlice
@@ -125,7 +127,10 @@ class EngineRunner:
     dtype (``torch.bfloat16``: bf16 GEMMs, opt-in) instead of the weights' own;
     ``kv_dtype`` — the KV cache's dtype (default: the weights'; ``torch.bfloat16``
     halves the bytes each decode step reads and doubles the tokens a byte budget
-    holds; attention still computes in the queries' dtype)."""
+    holds; attention still computes in the queries' dtype); ``latency_factor``,
+    ``latency_target_ms``, ``latency_cap`` — how the engine sizes the latency cap
+    it reports (:mod:`parrot.engine.latency_probe`: its decode steps are timed
+    against load; :meth:`probe_latency` gives a first fit at start-up)."""
 
     def __init__(
         self,
@@ -141,6 +146,9 @@ class EngineRunner:
         prepack: bool = True,
         weight_dtype: torch.dtype | None = None,
         kv_dtype: torch.dtype | None = None,
+        latency_factor: float = LATENCY_FACTOR,
+        latency_target_ms: float | None = None,
+        latency_cap: int | None = None,
     ):
         if max_step_tokens < 1:
             raise ValueError("max_step_tokens must be >= 1")
@@ -183,6 +191,9 @@ class EngineRunner:
         )
         self.share_prefix = share_prefix
         self.on_step: Callable[[StepInfo], None] | None = None  # called on the worker after each forward
+        # decode step time against token load, and the latency cap it implies (reported in stats)
+        self.latency = StepLatency(factor=latency_factor, target_ms=latency_target_ms, fixed_cap=latency_cap)
+        self._probing = False  # the latency probe is stepping fabricated contexts
         self._logits: dict[int, tuple[int, torch.Tensor]] = {}  # context -> (length, logits at that length)
         self._waiting: list[Job] = []  # sorted by arrival
         self._running: list[Job] = []
@@ -285,6 +296,12 @@ class EngineRunner:
         self._reap_cancelled()
         self.contexts.free(context_id)
 
+    def probe_latency(self) -> None:
+        """Time a few decode steps on fabricated contexts to fit the latency model at once
+        (:func:`~parrot.engine.latency_probe.probe`; worker thread, idle engine, no prefill)."""
+        with torch.inference_mode():
+            probe(self)
+
     def token_load(self) -> int:
         """KV tokens the running work reads, a block shared by several running contexts
         once (shared-prefix attention reads it once per step); see :class:`_Load`."""
@@ -317,6 +334,7 @@ class EngineRunner:
             generates=self.counters["generates"],
             generated_tokens=self.counters["generated_tokens"],
             cached_tokens=self.counters["cached_tokens"],
+            **self.latency.report(self.token_capacity),
         )
 
     def _on_release(self, context_id: int) -> None:
@@ -655,6 +673,7 @@ class EngineRunner:
         plan = self._reserve(self._plan())
         if not plan:
             return [], None
+        started = time.perf_counter()
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -685,7 +704,7 @@ class EngineRunner:
             self.contexts.index_computed(s.ctx)
             if not s.ctx.num_pending:
                 finishing.append((job, row - 1))
-        if self.on_step is not None:
+        if self.on_step is not None and not self._probing:
             self.on_step(
                 StepInfo(len(plan), len(ids), len(self._running), self.token_load(), self.pool.num_used)
             )
@@ -693,6 +712,11 @@ class EngineRunner:
             return [], None
         with torch.inference_mode():
             logits = self.model.compute_logits(hidden[[r for _, r in finishing]])
+        if len(ids) == len(plan):  # a pure decode step: its time is each sequence's time per token
+            read = _Load(self.pool.block_size)
+            for _, s in plan:
+                read.add(s.ctx.block_table, s.ctx.computed_len, s.ctx.num_pending)
+            self.latency.record(read.total, time.perf_counter() - started)
         generates: list[Job] = []
         rows: list[int] = []
         for i, ((job, _), lg) in enumerate(zip(finishing, logits, strict=True)):

@@ -57,7 +57,13 @@ from parrot.manager.graph import Call, fail_call, materialise
 from parrot.manager.objectives import CallObjective, deduce
 from parrot.manager.prefix import PrefixIndex, prefix_keys
 from parrot.manager.render import FillStep, Rendered, render
-from parrot.manager.scheduler import EngineSnapshot, QueuedCall, Scheduler, SchedulerConfig
+from parrot.manager.scheduler import (
+    DEFAULT_LATENCY_CAP_TOKENS,
+    EngineSnapshot,
+    QueuedCall,
+    Scheduler,
+    SchedulerConfig,
+)
 from parrot.protocol.errors import (
     CallFailed,
     ContextTooLong,
@@ -74,6 +80,8 @@ TICK_S = 0.1
 _ORDER_BITS = 64  # an app-FIFO rank is (application's place << _ORDER_BITS) | the call's own order
 MIN_ROUND_GAP_S = 0.0005
 _LATENCY_DEFAULT = CallObjective("latency", reason="not deduced yet")
+# Stamps of placements (EngineSnapshot.last_assigned): increasing in placement order, process-wide.
+_assignments = itertools.count(1)
 
 
 class _EngineLost(str):
@@ -89,6 +97,7 @@ class _Usage:
     groups: dict[str, int] = field(default_factory=dict)  # task group -> running calls
     prefixes: dict[str, int] = field(default_factory=dict)  # shared prefix key -> running calls
     group_set: frozenset[str] = frozenset()  # the keys of ``groups``, rebuilt when they change
+    last_assigned: int = 0  # stamp of the last call placed there (0: none yet); ties go to the oldest
 
     @property
     def mode(self) -> str | None:
@@ -149,10 +158,10 @@ class Executor:
         self._usage: dict[str, _Usage] = {}  # engine id -> load of the calls placed there
         # Scheduler state kept between rounds (the fast path of scheduler.schedule): it is told
         # of engines whose snapshot changed — their usage or prefixes (_stale), or what the pool
-        # says of them (_seen: handle, alive, capacity, as of the last round).
+        # says of them (_seen: handle, alive, capacity, latency cap, as of the last round).
         self._sched: Scheduler | None = None
-        self._pool_seen: list[tuple[EngineHandle, bool, int]] = []
-        self._seen: dict[str, tuple[EngineHandle, bool, int]] = {}
+        self._pool_seen: list[tuple[EngineHandle, bool, int, int]] = []
+        self._seen: dict[str, tuple[EngineHandle, bool, int, int]] = {}
         self._stale: set[str] = set()
         self._last_round = 0.0
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -469,9 +478,11 @@ class Executor:
         stale = self._stale
         stale.update(self.prefixes.take_changed())
         # What the pool says of each engine; an engine joining or leaving, suspected or back,
-        # or reporting another capacity changes this list.
+        # or reporting another capacity or latency cap changes this list.
         default = self.engine_token_capacity
-        pool_now = [(h, h.alive, h.stats.token_capacity or default) for h in self.pool]
+        pool_now = [
+            (h, h.alive, h.stats.token_capacity or default, h.stats.latency_cap_tokens) for h in self.pool
+        ]
         if pool_now != self._pool_seen:
             self._pool_seen = pool_now
             seen = self._seen
@@ -481,7 +492,7 @@ class Executor:
                     seen[eid] = polled
                     stale.add(eid)
             if len(seen) != len(pool_now):
-                live = {h.engine_id for h, _, _ in pool_now}
+                live = {polled[0].engine_id for polled in pool_now}
                 for eid in [eid for eid in seen if eid not in live]:
                     del seen[eid]
                     sched.remove_engine(eid)
@@ -510,6 +521,8 @@ class Executor:
             task_groups=use.group_set,
             prefixes=self.prefixes.keys_on(h.engine_id),
             alive=h.alive,
+            latency_cap_tokens=h.stats.latency_cap_tokens or DEFAULT_LATENCY_CAP_TOKENS,
+            last_assigned=use.last_assigned,
         )
 
     def snapshots(self) -> list[EngineSnapshot]:
@@ -526,6 +539,8 @@ class Executor:
             use = self._usage[eid] = _Usage()
         self._stale.add(eid)
         use.load += sign * (ticket.tokens or 0)
+        if sign > 0:
+            use.last_assigned = next(_assignments)
         if ticket.shared_prefix is not None:
             key, n = ticket.shared_prefix
             count = use.prefixes.get(key, 0) + sign
@@ -664,3 +679,4 @@ class Executor:
             if opened and handle.alive:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(api.free_context(context_id))
+

@@ -5,9 +5,13 @@ queued calls go to which engine.  It reads plain snapshots and returns
 placements; calls it does not place stay queued.  No I/O, no asyncio, no
 engine imports, so a simulator can reuse it unchanged.
 
-Caps.  ``cap_L(e) = min(latency_cap_tokens, e.token_capacity)`` bounds an
-engine that runs latency-sensitive work; ``cap_T(e) = e.token_capacity``
-(or ``min(throughput_cap, e.token_capacity)``) bounds one that runs only
+Caps.  ``cap_L(e) = min(L(e), e.token_capacity)`` bounds an engine that runs
+latency-sensitive work.  ``L(e)`` is the engine's own latency cap,
+``e.latency_cap_tokens``: the token load at which its measured per-token
+latency reaches its target (:mod:`parrot.engine.latency_probe`), so it
+differs from engine to engine; an operator's ``config.latency_cap_tokens``
+replaces it for every engine.  ``cap_T(e) = e.token_capacity`` (or
+``min(throughput_cap, e.token_capacity)``) bounds one that runs only
 throughput work.  Under ``parrot`` the cap that applies when placing call
 ``c`` on ``e`` is ``cap_L`` if ``c`` is latency-sensitive *or* ``e`` already
 runs latency work (mode ``"latency"``), else ``cap_T``; the baselines apply
@@ -33,18 +37,25 @@ producers first, then arrival).  For each call ``c``:
    Throughput ``c``: the least-loaded fitting engine in throughput mode or
    idle; only if none fits, one in latency mode (under ``cap_L``).
 
-Ties are broken by ``engine_id``, so results do not depend on the order of
-``engines``.  Each placement updates a working copy of its engine (load +=
-tokens; mode becomes ``"latency"`` with latency work, ``"throughput"`` if it
-was idle; the call's task group and prefix hashes are recorded), so later
-decisions in the round see it.  An engine reporting load 0 is treated as
-idle (mode None).
+Each placement updates a working copy of its engine (load += tokens; mode
+becomes ``"latency"`` with latency work, ``"throughput"`` if it was idle; the
+call's task group and prefix hashes are recorded), so later decisions in the
+round see it.  An engine reporting load 0 is treated as idle (mode None).
+
+Ties.  "Least-loaded" compares ``(load, recency, engine_id)``.  Among engines
+of equal load the one given work least recently wins: its snapshot's
+``last_assigned``, which the caller stamps from a monotone clock when it
+places a call there; a placement of the running round counts as more recent
+than any stamp, and a later one of the round as more recent still.  Then the
+smallest id.  So a stream of calls over idle engines spreads over them
+instead of piling onto the lowest id, and results do not depend on the order
+of ``engines``.
 
 Drain reservation (``parrot`` and the ablations).  A call that is not placed
 and is larger than the cap of *every* engine that could ever run it can only
-run on an idle engine; it reserves the least-loaded such engine (ties by id),
-which then takes no new work for the rest of the round, so it drains and the
-big call gets it in a later round.
+run on an idle engine; it reserves the least-loaded such engine (ties as
+above), which then takes no new work for the rest of the round, so it drains
+and the big call gets it in a later round.
 
 Policies:
 
@@ -60,14 +71,15 @@ Policies:
 - ``baseline-throughput``: the same with ``cap_T`` for everything.
 
 Cost: O(Q log Q) for the sort plus, per call, O(H + log E) where H is the
-number of (model, mode, capacity, max_seq_len) classes of engines (a handful)
-— engines of one class share a cap, so a heap ordered by load answers "least
-loaded that fits" from its top.  Affinity look-ups are dict hits.  No O(Q²).
-Building those heaps and indexes costs O(E log E + affinity keys) per call of
-``schedule``; :class:`Scheduler` keeps them between rounds and is told which
-engines changed, so a round of a busy manager (few calls, a few changed
-engines, many engines) costs O(changed engines · log E) before its first
-decision.  It runs the same code and returns the same placements.
+number of (model, mode, capacity, max_seq_len, latency cap) classes of
+engines (a handful) — engines of one class share a cap, so a heap ordered by
+(load, recency, id) answers "least loaded that fits" from its top.  Affinity
+look-ups are dict hits.  No O(Q²).  Building those heaps and indexes costs
+O(E log E + affinity keys) per call of ``schedule``; :class:`Scheduler`
+keeps them between rounds and is told which engines changed, so a round of
+a busy manager (few calls, a few changed engines, many engines) costs
+O(changed engines · log E) before its first decision.  It runs the same code
+and returns the same placements.
 """
 
 from __future__ import annotations
@@ -92,6 +104,12 @@ POLICIES: tuple[Policy, ...] = (
 Reason = Literal["task-group", "prefix-queued", "prefix-engine", "find-engine", "find-engine-mixed", "fifo"]
 _MODES = ("latency", "throughput", None)
 
+DEFAULT_LATENCY_CAP_TOKENS = 6144
+"""An engine's latency cap when it reports none: the paper's figure (LLaMA-13B, A100)."""
+
+_IN_ROUND = 1 << 62
+"""Recency of the first placement of a round: above every snapshot's ``last_assigned``."""
+
 
 @dataclass(frozen=True, slots=True)
 class EngineSnapshot:
@@ -100,7 +118,11 @@ class EngineSnapshot:
     ``mode`` is the kind of work it runs now: ``"latency"`` if any running
     call is latency-sensitive (its cap is then ``cap_L``), ``"throughput"`` if
     it runs only throughput work, None if idle.  ``token_load`` counts KV
-    tokens of work running or already assigned there.
+    tokens of work running or already assigned there.  ``latency_cap_tokens``
+    is the engine's own latency cap (measured by the engine; the paper's
+    6,144 for one that reports none).  ``last_assigned``: when the engine was
+    last given a call, on the caller's monotone clock (0: never; must stay
+    below 2**62); of two equally loaded engines the smaller value wins.
     """
 
     engine_id: str
@@ -112,6 +134,8 @@ class EngineSnapshot:
     task_groups: frozenset[str] = frozenset()
     prefixes: frozenset[object] = frozenset()
     alive: bool = True
+    latency_cap_tokens: int = DEFAULT_LATENCY_CAP_TOKENS
+    last_assigned: int = 0
 
     def __post_init__(self) -> None:
         if not self.engine_id:
@@ -122,6 +146,10 @@ class EngineSnapshot:
             raise ValueError(f"engine {self.engine_id}: token_load must be >= 0")
         if self.mode not in _MODES:
             raise ValueError(f"engine {self.engine_id}: mode must be one of {_MODES}, got {self.mode!r}")
+        if self.latency_cap_tokens <= 0:
+            raise ValueError(f"engine {self.engine_id}: latency_cap_tokens must be positive")
+        if not 0 <= self.last_assigned < _IN_ROUND:
+            raise ValueError(f"engine {self.engine_id}: last_assigned must lie in [0, 2**62)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,15 +178,19 @@ class QueuedCall:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
+    """``latency_cap_tokens``: the operator's latency cap for every engine (None: each
+    engine's own, ``EngineSnapshot.latency_cap_tokens``); ``throughput_cap``: the same
+    for throughput work (None: each engine's token capacity)."""
+
     policy: Policy = "parrot"
-    latency_cap_tokens: int = 6144
-    throughput_cap: int | None = None  # None: each engine's token_capacity
+    latency_cap_tokens: int | None = None
+    throughput_cap: int | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.latency_cap_tokens <= 0:
-            raise ValueError("latency_cap_tokens must be positive")
+        if self.latency_cap_tokens is not None and self.latency_cap_tokens <= 0:
+            raise ValueError("latency_cap_tokens must be positive (or None)")
         if self.throughput_cap is not None and self.throughput_cap <= 0:
             raise ValueError("throughput_cap must be positive (or None)")
 
@@ -174,7 +206,7 @@ class Placement:
 class _Eng:
     """Working copy of one live engine's snapshot: what a round has placed on it so far."""
 
-    __slots__ = ("blocked", "id", "load", "mode", "snap", "touched", "version")
+    __slots__ = ("blocked", "id", "load", "mode", "recency", "snap", "touched", "version")
 
     def __init__(self, snap: EngineSnapshot):
         self.snap = snap
@@ -186,11 +218,13 @@ class _Eng:
         self.touched = False  # changed by the running round (undone when it ends)
         self.load = snap.token_load
         self.mode: str | None = snap.mode if snap.token_load > 0 else None
+        self.recency = snap.last_assigned  # raised by placements of the running round
 
     def reset(self) -> None:
         snap = self.snap
         self.load = snap.token_load
         self.mode = snap.mode if snap.token_load > 0 else None
+        self.recency = snap.last_assigned
 
 
 def _matches(model: str | None, eng_model: str) -> bool:
@@ -275,16 +309,17 @@ class Scheduler:
         self.baseline = policy.startswith("baseline")
         self.affinity = policy in ("parrot", "no-deduction")
         self.deduction = policy in ("parrot", "no-affinity")
-        self.lat_cap = config.latency_cap_tokens
+        self.lat_cap = config.latency_cap_tokens  # None: each engine's own
         self.thr_cap = config.throughput_cap
         self.fixed_kind = {"baseline-latency": "latency", "baseline-throughput": "throughput"}.get(policy)
 
         self._snaps: dict[str, EngineSnapshot] = {}  # every engine it was told of, live or not
         self._engs: dict[str, _Eng] = {}  # live engines
         self._by_model: dict[str, dict[str, _Eng]] = {}  # live engines by model
-        # model -> {(token_capacity, max_seq_len): live engines of that shape}
-        self._shapes: dict[str, dict[tuple[int, int], int]] = {}
-        # heaps[cls] = [(load, engine_id, version, eng)]; cls = (model, mode, token_capacity, max_seq_len)
+        # model -> {(token_capacity, max_seq_len, latency cap): live engines of that shape}
+        self._shapes: dict[str, dict[tuple[int, int, int], int]] = {}
+        # heaps[cls] = [(load, recency, engine_id, version, eng)];
+        # cls = (model, mode, token_capacity, max_seq_len, latency cap)
         self._heaps: dict[tuple, list] = {}
         self._classes: dict[str | None, dict[str | None, list[tuple]]] = {}
         self._pushes = 0  # heap entries pushed since the heaps were last rebuilt
@@ -295,6 +330,7 @@ class Scheduler:
         self._round_groups: dict[object, dict[str, _Eng]] = {}
         self._round_prefixes: dict[object, dict[str, _Eng]] = {}
         self._touched: list[_Eng] = []
+        self._recency = _IN_ROUND  # the next placement's recency within the running round
 
     # -- what it knows of the engines
     @property
@@ -342,7 +378,7 @@ class Scheduler:
             e = self._add(snap)
         else:
             old = e.snap
-            if old.token_capacity != snap.token_capacity or old.max_seq_len != snap.max_seq_len:
+            if self._shape(old) != self._shape(snap):
                 self._add_shape(old, -1)
                 self._add_shape(snap, 1)
             if self.affinity:
@@ -396,11 +432,18 @@ class Scheduler:
                 _discard(self._prefixes, k, e.id)
         e.version = next(self._versions)  # its heap entries are stale for good
 
+    def _lat(self, snap: EngineSnapshot) -> int:
+        """The latency cap that applies to an engine: the operator's, else its own."""
+        return snap.latency_cap_tokens if self.lat_cap is None else self.lat_cap
+
+    def _shape(self, snap: EngineSnapshot) -> tuple[int, int, int]:
+        return (snap.token_capacity, snap.max_seq_len, self._lat(snap))
+
     def _add_shape(self, snap: EngineSnapshot, n: int) -> None:
         shapes = self._shapes.get(snap.model)
         if shapes is None:
             shapes = self._shapes[snap.model] = {}
-        shape = (snap.token_capacity, snap.max_seq_len)
+        shape = self._shape(snap)
         count = shapes.get(shape, 0) + n
         if count:
             shapes[shape] = count
@@ -418,17 +461,18 @@ class Scheduler:
 
     def unservable(self, queue: Sequence[QueuedCall]) -> list[tuple[str, str]]:
         """:func:`unservable` over the current snapshots."""
-        longest = {model: max(msl for _, msl in shapes) for model, shapes in self._shapes.items()}
+        longest = {model: max(shape[1] for shape in shapes) for model, shapes in self._shapes.items()}
         return _unservable(queue, longest)
 
     # -- caps and fit
-    def _cap(self, kind: str, mode: str | None, capacity: int) -> int:
+    def _cap(self, kind: str, mode: str | None, capacity: int, lat_cap: int) -> int:
+        """The cap for a call of ``kind`` on an engine in ``mode`` (``lat_cap``: its latency cap)."""
         if self.fixed_kind is not None:
             kind = self.fixed_kind
         elif mode == "latency":
             kind = "latency"
         if kind == "latency":
-            return min(self.lat_cap, capacity)
+            return min(lat_cap, capacity)
         return capacity if self.thr_cap is None else min(self.thr_cap, capacity)
 
     def _fits(self, e: _Eng, c: QueuedCall, kind: str) -> bool:
@@ -437,19 +481,19 @@ class Scheduler:
             not e.blocked
             and _matches(c.model, s.model)
             and c.tokens <= s.max_seq_len
-            and (e.load == 0 or e.load + c.tokens <= self._cap(kind, e.mode, s.token_capacity))
+            and (e.load == 0 or e.load + c.tokens <= self._cap(kind, e.mode, s.token_capacity, self._lat(s)))
         )
 
     # -- heap index
     def _push(self, e: _Eng) -> None:
         s = e.snap
         mode = None if self.baseline else e.mode  # baselines ignore modes: one tier
-        cls = (s.model, mode, s.token_capacity, s.max_seq_len)
+        cls = (s.model, mode, s.token_capacity, s.max_seq_len, self._lat(s))
         heap = self._heaps.get(cls)
         if heap is None:
             heap = self._heaps[cls] = []
             self._classes.setdefault(s.model, {}).setdefault(mode, []).append(cls)
-        heapq.heappush(heap, (e.load, e.id, e.version, e))
+        heapq.heappush(heap, (e.load, e.recency, e.id, e.version, e))
         self._pushes += 1
 
     def _rebuild_heaps(self) -> None:
@@ -460,12 +504,12 @@ class Scheduler:
         for e in self._engs.values():
             s = e.snap
             mode = None if baseline else e.mode
-            cls = (s.model, mode, s.token_capacity, s.max_seq_len)
+            cls = (s.model, mode, s.token_capacity, s.max_seq_len, self._lat(s))
             heap = heaps.get(cls)
             if heap is None:
                 heap = heaps[cls] = []
                 classes.setdefault(s.model, {}).setdefault(mode, []).append(cls)
-            heap.append((e.load, e.id, e.version, e))
+            heap.append((e.load, e.recency, e.id, e.version, e))
         for heap in heaps.values():
             heapq.heapify(heap)
         self._heaps, self._classes, self._pushes = heaps, classes, 0
@@ -474,14 +518,14 @@ class Scheduler:
         heap = self._heaps[cls]
         while heap:
             top = heap[0]
-            e = top[3]
-            if top[2] == e.version and not e.blocked:
+            e = top[4]
+            if top[3] == e.version and not e.blocked:
                 return top
             heapq.heappop(heap)
         return None
 
     def _least_loaded(self, c: QueuedCall, kind: str, modes: tuple) -> _Eng | None:
-        """Least-loaded engine (ties by id) in one of ``modes`` that ``c`` fits."""
+        """Least-loaded engine (ties by recency, then id) in one of ``modes`` that ``c`` fits."""
         best = None
         models = self._classes if c.model is None else (c.model,)
         for model in models:
@@ -496,20 +540,22 @@ class Scheduler:
                     if top is None:
                         continue
                     load = top[0]
-                    if load and load + c.tokens > self._cap(kind, mode, cls[2]):
+                    if load and load + c.tokens > self._cap(kind, mode, cls[2], cls[4]):
                         continue  # same cap in the class: nothing else here fits either
-                    if best is None or top[:2] < best[:2]:
+                    if best is None or top[:3] < best[:3]:
                         best = top
-        return None if best is None else best[3]
+        return None if best is None else best[4]
 
     def _pick(self, held: dict[str, _Eng] | None, placed: dict[str, _Eng] | None, c: QueuedCall, kind: str):
-        """Least-loaded engine (ties by id) among ``held`` and ``placed`` that ``c`` fits."""
+        """Least-loaded engine (ties by recency, then id) among ``held`` and ``placed`` that ``c`` fits."""
         best = None
         for group in (held, placed):
             if group is None:
                 continue
             for e in group.values():
-                if self._fits(e, c, kind) and (best is None or (e.load, e.id) < (best.load, best.id)):
+                if self._fits(e, c, kind) and (
+                    best is None or (e.load, e.recency, e.id) < (best.load, best.recency, best.id)
+                ):
                     best = e
         return best
 
@@ -554,6 +600,7 @@ class Scheduler:
             e.version = next(self._versions)
             self._push(e)
         self._touched.clear()
+        self._recency = _IN_ROUND
         self._round_groups.clear()
         self._round_prefixes.clear()
         if self._pushes > 4 * len(self._engs) + 64:
@@ -593,6 +640,8 @@ class Scheduler:
     def _place(self, e: _Eng, c: QueuedCall, kind: str, group: str | None) -> None:
         self._touch(e)
         e.load += c.tokens
+        e.recency = self._recency
+        self._recency += 1
         if kind == "latency":
             e.mode = "latency"
         elif e.mode is None:
@@ -621,8 +670,8 @@ class Scheduler:
             return
         # Drain reservation, only for a call over the cap of every engine that could run it.
         for m in models:
-            for capacity, max_seq_len in self._shapes.get(m, ()):
-                if c.tokens <= max_seq_len and c.tokens <= self._cap(kind, None, capacity):
+            for capacity, max_seq_len, lat_cap in self._shapes.get(m, ()):
+                if c.tokens <= max_seq_len and c.tokens <= self._cap(kind, None, capacity, lat_cap):
                     return  # it fits some engine's cap: it waits like any call
         usable = [
             e
@@ -631,4 +680,4 @@ class Scheduler:
             if not e.blocked and c.tokens <= e.snap.max_seq_len
         ]
         if usable:
-            self._block(min(usable, key=lambda e: (e.load, e.id)))
+            self._block(min(usable, key=lambda e: (e.load, e.recency, e.id)))

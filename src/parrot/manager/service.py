@@ -87,11 +87,11 @@ class ManagerConfig:
     # engine_wait_s for another engine of its model
     max_attempts: int = 3
     engine_wait_s: float = 30.0
-    # scheduling (the paper's Algorithm 1): policy, the token load under which an engine
-    # keeps per-token latency low, an engine's capacity when it does not report one,
-    # and how long a ready call may wait for an engine
+    # scheduling (the paper's Algorithm 1): policy, the token load under which every engine
+    # keeps per-token latency low (None: each engine's own measured cap), an engine's
+    # capacity when it does not report one, and how long a ready call may wait for an engine
     policy: str = "parrot"
-    latency_cap_tokens: int = 6144
+    latency_cap_tokens: int | None = None
     engine_token_capacity: int = 32768
     queue_timeout_s: float | None = 600.0
     # application-level FIFO: a queued call ranks by its session's first queued call (a
@@ -156,12 +156,12 @@ class Manager:
         except Exception as exc:
             log.warning("engine %s: stats poll failed: %r", handle.engine_id, exc)
             return handle.stats
-        capacity = handle.stats.token_capacity
+        caps = (handle.stats.token_capacity, handle.stats.latency_cap_tokens)
         try:
             self.pool.heartbeat(handle.engine_id, stats)
         except NotFound:
             return stats
-        if stats.token_capacity != capacity:
+        if (stats.token_capacity, stats.latency_cap_tokens) != caps:
             self.executor.kick()  # queued calls may fit now
         return stats
 

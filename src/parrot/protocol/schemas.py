@@ -192,7 +192,14 @@ class EngineStats(BaseModel):
     running work; ``token_capacity`` is the engine's batching knob.
     ``kv_blocks_cached`` are blocks no context holds that the prefix cache keeps
     (reclaimable; not in ``kv_blocks_used``); ``cached_tokens`` counts prompt
-    tokens whose KV came from the prefix cache instead of being computed."""
+    tokens whose KV came from the prefix cache instead of being computed.
+
+    ``latency_cap_tokens`` is the token load up to which the engine keeps a
+    decode step (each running request's time per output token) within
+    ``decode_ms_target``, from its fit ``decode_ms_base + decode_ms_per_1k_tokens
+    * load / 1000`` (see :mod:`parrot.engine.latency_probe`); 0 while unknown.
+    Invariant: ``latency_cap_tokens <= token_capacity``.
+    """
 
     num_contexts: int = 0
     num_running: int = 0
@@ -211,6 +218,18 @@ class EngineStats(BaseModel):
     generates: int = 0
     generated_tokens: int = 0
     cached_tokens: int = 0
+    latency_cap_tokens: int = Field(
+        default=0, ge=0, description="Token load under which latency-sensitive work may run here; 0: unknown."
+    )
+    latency_cap_source: Literal["none", "measured", "fixed"] = Field(
+        default="none", description="measured: from the decode-step fit; fixed: set by the operator."
+    )
+    decode_ms_base: float = Field(default=0.0, description="Fitted decode step time at no load (ms).")
+    decode_ms_per_1k_tokens: float = Field(
+        default=0.0, description="Fitted growth of the decode step time per 1,000 tokens of load (ms)."
+    )
+    decode_ms_target: float = Field(default=0.0, description="The step time the cap keeps to (ms).")
+    decode_steps_fitted: int = Field(default=0, description="Decode steps behind the fit.")
 
 
 class EngineDescription(_Strict):

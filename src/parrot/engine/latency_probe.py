@@ -1,0 +1,385 @@
+"""How an engine's decode step time grows with its token load, and the latency cap that follows.
+
+The manager keeps latency-sensitive work on an engine only while the engine's
+token load is under its *latency cap* (``cap_L`` in
+:mod:`parrot.manager.scheduler`).  The paper used one figure, 6,144 tokens for
+LLaMA-13B on an A100, which kept per-output-token latency within about
+20-25 % of its unloaded value.  What load does that depends on the model and
+the machine, so each engine measures its own cap:
+
+- *Model.*  A decode step makes one output token for every running sequence,
+  so its duration is the per-output-token latency of the running requests.
+  It grows with the token load (the KV tokens the step's attention reads,
+  and the sequences that come with them): ``step(load) ~= a + b * load``.
+- *Measurement.*  :class:`StepLatency` keeps the durations of pure decode
+  steps (one new token per sequence, no prompt chunk) by load, in
+  quarter-octave buckets (the last :data:`WINDOW` steps of each).  The fit
+  (:func:`fit_step_times`) takes each bucket's median load and lower-quartile
+  time (the minimum of up to four steps: other processes on the cores only
+  ever add time, so the low end is the engine's own), the Theil-Sen slope
+  over the buckets (the median of pairwise slopes, clamped at 0: step time
+  never falls as load grows) and the intercept as the median of
+  ``time - b * load``.  It needs buckets with at least
+  :data:`MIN_BUCKET_SAMPLES` steps each spanning an octave of load, and a
+  step time that grows measurably across them (:data:`MIN_GROWTH`).  Scaling every step's time alike
+  (a uniformly busier machine) scales ``a`` and ``b`` alike and leaves the
+  cap unchanged.
+- *Probe.*  :func:`probe` gives the first fit at start-up without prefilling
+  anything: it fabricates contexts whose KV blocks are allocated, zeroed (so
+  the memory the attention reads is real, not the kernel's shared zero page)
+  and marked computed, runs decode steps through the engine's own forward at
+  three loads (one, four and eight sequences of up to
+  :data:`PROBE_SEQ_TOKENS` tokens: the probe assumes calls of about that
+  size), three rounds or more while the machine is noisy, then frees them.
+  Real decode steps keep refining the fit (it is redone every
+  :data:`REFIT_EVERY` of them).
+- *Cap.*  The load at which the fitted step time reaches the target:
+  ``target = factor * a`` (default :data:`LATENCY_FACTOR` = 1.25, the
+  paper's "within 20-25 %") or an absolute ``target_ms``;
+  ``cap = (target - a) / b``, clamped to ``[min(MIN_LATENCY_CAP_TOKENS,
+  capacity), capacity]`` where capacity is the engine's token capacity (the
+  floor keeps room for one typical call: below it latency work could not
+  batch at all).  No growth measured (``b == 0``): the capacity.  An
+  operator's fixed cap replaces the fitted one (the fit is still reported).
+
+Threading: :meth:`StepLatency.record`, :meth:`StepLatency.refit` and
+:func:`probe` run on the engine's worker thread; other threads may call
+:meth:`StepLatency.cap` (it reads :attr:`StepLatency.fit`, a frozen object
+replaced whole).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from parrot.engine.runner import EngineRunner
+
+LATENCY_FACTOR = 1.25
+"""Default target: a decode step may take this many times its unloaded time (the paper's 6,144
+tokens kept LLaMA-13B's per-output-token latency within about 20-25 % of unloaded)."""
+
+MIN_LATENCY_CAP_TOKENS = 1024
+"""The measured cap is never below this (or the token capacity, if smaller): one typical call of
+the evaluation's workloads (a prompt of a few hundred tokens and its output) must fit."""
+
+MIN_GROWTH = 0.05
+"""A fit must show the step time growing by at least this fraction across the loads it saw, which
+must span an octave at least: otherwise the timings cannot place the cap (it would lie far beyond
+them) and nothing is fitted.  Flat timings also mean something else dominated every step: on a
+2-core machine shared with a busy process, every step of the tiny model took ~150 ms whatever its
+load."""
+
+WINDOW = 32
+"""Decode steps kept per load bucket (the most recent)."""
+
+MIN_BUCKET_SAMPLES = 3
+"""A load bucket enters the fit once it holds this many steps."""
+
+REFIT_EVERY = 64
+"""Real decode steps between two refits."""
+
+PROBE_SEQ_TOKENS = 512
+"""Tokens of each fabricated sequence of the start-up probe."""
+
+PROBE_SEQS = (1, 4, 8)
+"""Sequences stepped together at each of the probe's loads."""
+
+PROBE_STEPS = 3
+"""Decode steps at each probe load at least, the loads taken in turn (the lower quartile of three
+is their minimum, so the first step at a load, which pays one-time costs, does not count)."""
+
+PROBE_MAX_STEPS = 8
+"""Decode steps at each probe load at most: after ``PROBE_STEPS`` rounds the probe goes on while
+the two fastest steps of some load differ by more than ``PROBE_SETTLED`` (a busy machine)."""
+
+PROBE_SETTLED = 0.2
+"""See ``PROBE_MAX_STEPS``."""
+
+
+PROBE_BUDGET_S = 3.0
+"""The probe stops stepping once it has run this long (the engine's start waits for it): on a
+machine oversubscribed by other processes a step can take seconds.  What it measured is fitted."""
+
+_PROBE_CONTEXT_BASE = -1_000_000  # probe contexts get ids below this; clients use their own ids
+
+
+@dataclass(frozen=True, slots=True)
+class StepFit:
+    """``step_time(load) ~= base_s + per_token_s * load``.
+
+    Invariants: ``base_s > 0``, ``per_token_s >= 0``, ``buckets >= 2``.
+    """
+
+    base_s: float
+    per_token_s: float
+    buckets: int  # load buckets the fit used
+    steps: int  # decode steps in those buckets
+
+    def step_s(self, load: float) -> float:
+        return self.base_s + self.per_token_s * load
+
+
+def _bucket(load: int) -> int:
+    """Quarter-octave load bucket (load 0 has a bucket of its own)."""
+    return -1 if load <= 0 else int(4 * math.log2(load))
+
+
+def _lower_quartile(values: list[float]) -> float:
+    """The lower quartile (nearest rank below): the minimum of up to four values."""
+    return sorted(values)[(len(values) - 1) // 4]
+
+
+def fit_step_times(samples: Iterable[tuple[int, float]], min_samples: int = 1) -> StepFit | None:
+    """Fit ``a + b * load`` to ``(load, seconds)`` decode-step samples, robustly.
+
+    Samples are grouped by quarter-octave load bucket; a bucket with fewer
+    than ``min_samples`` samples is ignored; each remaining bucket gives one
+    point (median load, lower-quartile time).  The slope is the Theil-Sen estimate
+    over those points (median of the slopes of all pairs), clamped at 0 (a
+    step never gets faster with more load); the intercept is the median of
+    ``time - slope * load``, at least 1 microsecond.  Returns None when the
+    points do not span an octave of load (largest >= 2 x smallest) or the
+    fitted time grows by less than ``MIN_GROWTH`` across them: such timings
+    cannot place the cap.  Raises ValueError on a negative load or a time
+    that is not a positive finite number.
+    """
+    groups: dict[int, list[tuple[int, float]]] = {}
+    for load, seconds in samples:
+        if load < 0:
+            raise ValueError(f"load must be >= 0, got {load}")
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ValueError(f"step time must be a positive finite number of seconds, got {seconds!r}")
+        groups.setdefault(_bucket(load), []).append((load, seconds))
+    points = [
+        (statistics.median(load for load, _ in g), _lower_quartile([s for _, s in g]))
+        for g in groups.values()
+        if len(g) >= min_samples
+    ]
+    lo, hi = min(x for x, _ in points), max(x for x, _ in points)
+    if hi < 2 * max(lo, 1):
+        return None
+    slopes = [
+        (t2 - t1) / (x2 - x1) for i, (x1, t1) in enumerate(points) for x2, t2 in points[i + 1 :] if x2 != x1
+    ]
+    slope = max(0.0, statistics.median(slopes)) if slopes else 0.0
+    base = max(1e-6, statistics.median(t - slope * x for x, t in points))
+    if slope * (hi - lo) < MIN_GROWTH * (base + slope * lo):
+        return None
+    steps = sum(len(g) for g in groups.values() if len(g) >= min_samples)
+    return StepFit(base, slope, len(points), steps)
+
+
+def cap_from_fit(
+    fit: StepFit,
+    capacity: int,
+    *,
+    factor: float = LATENCY_FACTOR,
+    target_s: float | None = None,
+    floor: int = MIN_LATENCY_CAP_TOKENS,
+) -> int:
+    """The load at which ``fit`` reaches the target step time, within ``[min(floor, capacity), capacity]``.
+
+    The target is ``target_s`` if given, else ``factor * fit.base_s``.
+    Raises ValueError on a capacity below 1, a factor not above 1, or a
+    target that is not positive.
+    """
+    if capacity < 1:
+        raise ValueError(f"capacity must be >= 1, got {capacity}")
+    if not factor > 1:
+        raise ValueError(f"latency factor must be > 1, got {factor}")
+    if target_s is not None and not target_s > 0:
+        raise ValueError(f"latency target must be > 0, got {target_s}")
+    target = factor * fit.base_s if target_s is None else target_s
+    lo = min(floor, capacity)
+    if fit.per_token_s <= 0:
+        return capacity
+    raw = (target - fit.base_s) / fit.per_token_s  # the largest load whose step keeps to the target
+    return max(lo, min(capacity, math.floor(raw + 1e-6))) if raw > 0 else lo  # (+1e-6: rounding)
+
+
+class StepLatency:
+    """An engine's decode-step timings, their fit, and its latency cap (see the module docstring).
+
+    ``factor``: the target is ``factor`` times the fitted unloaded step time;
+    ``target_ms``: an absolute target instead; ``fixed_cap``: report this cap
+    whatever is measured (the fit is still kept and reported).
+    """
+
+    def __init__(
+        self,
+        *,
+        factor: float = LATENCY_FACTOR,
+        target_ms: float | None = None,
+        fixed_cap: int | None = None,
+        floor: int = MIN_LATENCY_CAP_TOKENS,
+    ) -> None:
+        if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 1):
+            raise ValueError(f"latency factor must be a finite number > 1, got {factor!r}")
+        if target_ms is not None and not (math.isfinite(target_ms) and target_ms > 0):
+            raise ValueError(f"latency target must be a positive number of milliseconds, got {target_ms!r}")
+        if fixed_cap is not None and (
+            isinstance(fixed_cap, bool) or not isinstance(fixed_cap, int) or fixed_cap < 1
+        ):
+            raise ValueError(f"latency cap must be a positive integer, got {fixed_cap!r}")
+        if floor < 1:
+            raise ValueError(f"floor must be >= 1, got {floor}")
+        self.factor = float(factor)
+        self.target_s = None if target_ms is None else target_ms / 1000
+        self.fixed_cap = fixed_cap
+        self.floor = floor
+        self.fit: StepFit | None = None
+        self.probe_s: float | None = None  # how long the start-up probe took
+        self.last: tuple[int, float] | None = None  # the last step recorded
+        self._buckets: dict[int, deque[tuple[int, float]]] = {}
+        self._since_refit = 0
+
+    def record(self, load: int, seconds: float) -> None:
+        """One pure decode step of ``seconds`` at token ``load`` (worker thread)."""
+        if not (seconds > 0 and math.isfinite(seconds)) or load < 0:
+            return
+        bucket = self._buckets.get(_bucket(load))
+        if bucket is None:
+            bucket = self._buckets[_bucket(load)] = deque(maxlen=WINDOW)
+        bucket.append((load, seconds))
+        self.last = (load, seconds)
+        self._since_refit += 1
+        if self._since_refit >= REFIT_EVERY:
+            self.refit()
+
+    def refit(self, min_samples: int = MIN_BUCKET_SAMPLES) -> StepFit | None:
+        """Fit the kept steps again (buckets of at least ``min_samples`` steps); keeps the
+        previous fit when there is too little to fit."""
+        self._since_refit = 0
+        fit = fit_step_times((s for b in self._buckets.values() for s in b), min_samples)
+        if fit is not None:
+            self.fit = fit
+        return self.fit
+
+    def cap(self, capacity: int) -> int:
+        """The latency cap for an engine of token ``capacity``: the fixed cap, else the
+        fitted one; 0 while nothing is fitted.  Never above ``capacity``."""
+        if self.fixed_cap is not None:
+            return min(self.fixed_cap, capacity)
+        fit = self.fit
+        if fit is None:
+            return 0
+        return cap_from_fit(fit, capacity, factor=self.factor, target_s=self.target_s, floor=self.floor)
+
+    def target_s_for(self, fit: StepFit) -> float:
+        return fit.base_s * self.factor if self.target_s is None else self.target_s
+
+    def report(self, capacity: int) -> dict[str, float | int | str]:
+        """The fields of :class:`~parrot.protocol.schemas.EngineStats` this describes."""
+        fit = self.fit
+        return {
+            "latency_cap_tokens": self.cap(capacity),
+            "latency_cap_source": "fixed" if self.fixed_cap is not None else ("measured" if fit else "none"),
+            "decode_ms_base": 0.0 if fit is None else round(fit.base_s * 1e3, 6),
+            "decode_ms_per_1k_tokens": 0.0 if fit is None else round(fit.per_token_s * 1e6, 6),
+            "decode_ms_target": 0.0 if fit is None else round(self.target_s_for(fit) * 1e3, 6),
+            "decode_steps_fitted": 0 if fit is None else fit.steps,
+        }
+
+
+def _settled(times: dict[int, list[float]]) -> bool:
+    """Whether the two fastest steps of every load agree within ``PROBE_SETTLED``."""
+    for ts in times.values():
+        if len(ts) < 2:
+            return False
+        first, second = sorted(ts)[:2]
+        if second > first * (1 + PROBE_SETTLED):
+            return False
+    return True
+
+
+def probe(runner: EngineRunner) -> StepFit | None:
+    """Measure decode steps at a few loads on fabricated contexts; fit them (worker thread, idle engine).
+
+    Nothing is prefilled: each fabricated context gets token ids, KV blocks
+    for all but its last token (zeroed, so they are committed memory) and is
+    marked computed up to there; each step then computes one pending token
+    per stepped context through :meth:`EngineRunner._forward` (timed and
+    recorded into ``runner.latency`` as any decode step), and appends the
+    next.  The loads are 1, 4 and 8 sequences of ``PROBE_SEQ_TOKENS`` tokens,
+    shrunk to fit half the free KV pool and the engine's context length,
+    stepped in turn: ``PROBE_STEPS`` rounds, then more (up to
+    ``PROBE_MAX_STEPS``) until the two fastest steps of every load agree
+    within ``PROBE_SETTLED``; never past ``PROBE_BUDGET_S``.  Then the steps
+    are fitted (buckets of one step count); timings that cannot place the cap
+    (see :func:`fit_step_times`) leave it unknown.  The probe is skipped when
+    the sequences would be under 16 tokens or the engine is busy.
+    Everything is freed afterwards; the runner's counters are left as they
+    were and its ``on_step`` hook does not see these steps.  Returns
+    ``runner.latency.fit``.
+    """
+    started = time.perf_counter()
+    latency = runner.latency
+    if runner._running or runner._waiting:
+        return latency.fit
+    most = max(PROBE_SEQS)
+    pool, contexts, cache = runner.pool, runner.contexts, runner.cache
+    bs = pool.block_size
+    grows = len(PROBE_SEQS) * PROBE_MAX_STEPS  # the most tokens one fabricated context gains
+    seq = min(PROBE_SEQ_TOKENS, runner.max_seq_len - grows - 1)
+    seq = min(seq, (pool.num_free * bs // 2) // most - grows - bs)
+    if seq < 16:
+        return latency.fit
+    counters = dict(runner.counters)
+    runner._probing = True  # its steps are not the engine's: no on_step for them
+    times: dict[int, list[float]] = {n: [] for n in PROBE_SEQS}
+    made: list[int] = []
+    vocab = runner.loaded.config.vocab_size
+    try:
+        import torch
+
+        from parrot.engine.runner import Job
+
+        for i in range(most):
+            cid = _PROBE_CONTEXT_BASE - i
+            ctx = contexts.open(cid, None)
+            made.append(cid)
+            contexts.append(ctx, [(7 * i + p) % vocab for p in range(seq)])
+            if contexts.reserve(ctx, seq - 1) is None:
+                return latency.fit
+            ctx.computed_len = seq - 1  # its KV (zeros) counts as computed; the last token is pending
+            blocks = torch.tensor(ctx.block_table, dtype=torch.long, device=cache.device)
+            cache.k.index_fill_(1, blocks, 0.0)
+            cache.v.index_fill_(1, blocks, 0.0)
+        # The loads in turn, so that anything else running on the machine meanwhile slows
+        # every load alike; more rounds while the fastest steps of a load disagree.
+        for step in range(len(PROBE_SEQS) * PROBE_MAX_STEPS):
+            n = PROBE_SEQS[step % len(PROBE_SEQS)]
+            if time.perf_counter() - started > PROBE_BUDGET_S:
+                break
+            if n == PROBE_SEQS[0] and step >= len(PROBE_SEQS) * PROBE_STEPS and _settled(times):
+                break
+            for i in range(n):
+                ctx = contexts.get(made[i])
+                if not ctx.num_pending:
+                    contexts.append(ctx, [(3 * i + ctx.length) % vocab])
+                ctx.busy = True
+                runner._running.append(Job(ctx.context_id, None, internal=True, ctx=ctx))
+            latency.last = None
+            runner._forward()
+            if latency.last is not None:
+                times[n].append(latency.last[1])
+            if runner._running:  # not expected: every fabricated job finishes in its step
+                for job in runner._running:
+                    job.ctx.busy = False  # type: ignore[union-attr]
+                runner._running = []
+                return latency.fit
+    finally:
+        for cid in made:
+            if cid in contexts:
+                contexts.free(cid)
+        runner.counters.update(counters)
+        runner._probing = False
+    latency.probe_s = time.perf_counter() - started
+    return latency.refit(min_samples=1)

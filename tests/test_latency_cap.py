@@ -1,0 +1,386 @@
+"""Each engine sizes its own latency cap from its decode step time against load
+(issue 13, defect 2): the fit, the cap's bounds, the start-up probe on the tiny
+model, real decode steps refining it, the stats that report it, the cap
+reaching the manager, and the scheduler honouring it."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import random
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+
+import httpx
+import pytest
+import torch
+
+from parrot.cli import _parser
+from parrot.engine import latency_probe as lp
+from parrot.engine.latency_probe import StepFit, StepLatency, cap_from_fit, fit_step_times
+from parrot.engine.loader import LoadedModel
+from parrot.engine.local import LocalEngine
+from parrot.engine.runner import EngineRunner
+from parrot.manager.scheduler import DEFAULT_LATENCY_CAP_TOKENS
+from parrot.manager.service import Manager, ManagerConfig
+from parrot.protocol.sampling import SamplingParams
+from parrot.protocol.schemas import EngineStats, GenerateChunk, PlaceholderBinding, SubmitCall
+from parrot.protocol.tokenizer import TextTokenizer
+from tests.conftest import start_server
+
+
+# ------------------------------------------------------------------ the fit
+def line(
+    a: float, b: float, loads: Sequence[int], per_load: int, rng: random.Random
+) -> list[tuple[int, float]]:
+    """Samples of ``a + b * load`` with small noise, one slow outlier in four (contention)."""
+    out = []
+    for load in loads:
+        for k in range(per_load):
+            t = (a + b * load) * rng.uniform(0.98, 1.02)
+            out.append((load, t * 3 if k % 4 == 3 else t))
+    return out
+
+
+def test_fit_recovers_the_line_despite_slow_outliers():
+    rng = random.Random(3)
+    samples = line(0.030, 5e-6, [300, 700, 1500, 3000, 6000, 12_000], 8, rng)
+    fit = fit_step_times(samples)
+    assert fit is not None and fit.buckets == 6 and fit.steps == len(samples)
+    assert fit.base_s == pytest.approx(0.030, rel=0.05)
+    assert fit.per_token_s == pytest.approx(5e-6, rel=0.05)
+    assert fit.step_s(1000) == pytest.approx(0.035, rel=0.05)
+
+
+def test_fit_needs_growth_over_an_octave_of_load():
+    assert fit_step_times([(500, 0.04)] * 5) is None  # one load: no slope
+    assert fit_step_times([(500, 0.04)] * 5 + [(4000, 0.05)] * 2, min_samples=3) is None
+    assert fit_step_times([(500, 0.040), (4000, 0.050)]) is not None
+    assert fit_step_times([(3000, 0.040), (4000, 0.050)]) is None  # under an octave: it cannot place a cap
+    # falling (clamped to flat) or flat within MIN_GROWTH: no fit, the cap stays unknown
+    assert fit_step_times([(500, 0.040), (500, 0.041), (4000, 0.030), (4000, 0.031)]) is None
+    assert fit_step_times([(500, 0.0400), (4000, 0.0415)]) is None  # +3.75 %
+    assert fit_step_times([(500, 0.0400), (4000, 0.0425)]) is not None  # +6.25 %
+    steep = fit_step_times([(1000, 0.001), (2000, 0.011)])  # the line would cross 0 before load 0
+    assert steep is not None and steep.base_s == pytest.approx(1e-6)
+    with pytest.raises(ValueError, match="load"):
+        fit_step_times([(-1, 0.01), (100, 0.02)])
+    with pytest.raises(ValueError, match="step time"):
+        fit_step_times([(10, 0.0), (100, 0.02)])
+
+
+def test_cap_is_where_the_step_time_reaches_its_target_within_floor_and_capacity():
+    fit = StepFit(0.030, 5e-6, 3, 9)
+    # 1.25 x 30 ms = 37.5 ms is reached at 7.5 ms / 5 us = 1,500 tokens
+    assert cap_from_fit(fit, 46_592) == 1500
+    assert cap_from_fit(fit, 46_592, factor=1.5) == 3000
+    assert cap_from_fit(fit, 46_592, target_s=0.040) == 2000
+    assert cap_from_fit(fit, 1200) == 1200  # never above the capacity
+    steep = StepFit(0.030, 1e-4, 3, 9)  # 75 tokens: the floor
+    assert cap_from_fit(steep, 46_592) == lp.MIN_LATENCY_CAP_TOKENS
+    assert cap_from_fit(steep, 500) == 500  # the floor never exceeds the capacity
+    assert cap_from_fit(fit, 46_592, target_s=0.020) == lp.MIN_LATENCY_CAP_TOKENS  # below a: floor
+    assert cap_from_fit(StepFit(0.030, 0.0, 2, 6), 46_592) == 46_592  # no growth: the capacity
+    with pytest.raises(ValueError, match="factor"):
+        cap_from_fit(fit, 1000, factor=1.0)
+    with pytest.raises(ValueError, match="capacity"):
+        cap_from_fit(fit, 0)
+
+
+def test_step_latency_refits_from_recorded_steps_and_reports():
+    tracker = StepLatency()
+    assert tracker.cap(50_000) == 0 and tracker.report(50_000)["latency_cap_source"] == "none"
+    rng = random.Random(5)
+    for load, t in line(0.030, 5e-6, [600, 2400], lp.REFIT_EVERY // 2, rng):
+        tracker.record(load, t)
+    assert tracker.fit is not None  # refitted after REFIT_EVERY steps
+    assert tracker.cap(50_000) == pytest.approx(1500, rel=0.1)
+    report = tracker.report(50_000)
+    assert report["latency_cap_source"] == "measured" and report["decode_steps_fitted"] == lp.REFIT_EVERY
+    assert report["decode_ms_base"] == pytest.approx(30, rel=0.1)
+    assert report["decode_ms_per_1k_tokens"] == pytest.approx(5, rel=0.1)
+    assert report["decode_ms_target"] == pytest.approx(37.5, rel=0.1)
+    EngineStats(**report)  # the stats schema takes every field
+    tracker.record(100, float("nan"))  # ignored
+    tracker.record(-1, 0.01)
+    assert sum(len(b) for b in tracker._buckets.values()) == lp.REFIT_EVERY
+    fixed = StepLatency(fixed_cap=3000)
+    assert fixed.cap(50_000) == 3000 and fixed.cap(2000) == 2000
+    assert fixed.report(50_000)["latency_cap_source"] == "fixed"
+    for bad in ({"factor": 1.0}, {"target_ms": 0.0}, {"fixed_cap": 0}, {"fixed_cap": True}):
+        with pytest.raises(ValueError):
+            StepLatency(**bad)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ the probe on the tiny model
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Torch on one thread: two OpenMP threads on a 2-core machine that another process keeps
+    busy stall at every barrier (every tiny-model step then takes ~150 ms, whatever its load),
+    which is what the probe would measure."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_probe_on_the_tiny_model_gives_a_positive_cap_quickly_without_prefilling(
+    tiny_model: LoadedModel, one_thread
+):
+    engine = LocalEngine(tiny_model, max_step_tokens=256)  # the probe runs before it returns
+    try:
+        stats = asyncio.run(engine.stats())
+        runner = engine.runner
+        assert runner.latency.fit is not None
+        assert stats.latency_cap_source == "measured"
+        assert min(lp.MIN_LATENCY_CAP_TOKENS, stats.token_capacity) <= stats.latency_cap_tokens
+        assert stats.latency_cap_tokens <= stats.token_capacity
+        assert engine.latency_cap_tokens == stats.latency_cap_tokens
+        assert stats.decode_ms_base > 0 and stats.decode_ms_per_1k_tokens >= 0
+        assert stats.decode_ms_target == pytest.approx(1.25 * stats.decode_ms_base, rel=0.01)
+        # 3 loads x 3 steps or more (a noisy machine), fewer if one made it hit its time budget
+        assert 2 <= stats.decode_steps_fitted <= len(lp.PROBE_SEQS) * lp.PROBE_MAX_STEPS
+        probe_s = runner.latency.probe_s
+        assert probe_s is not None and probe_s < lp.PROBE_BUDGET_S + 2, probe_s  # ms on an idle machine
+        # nothing prefilled, nothing left behind, no step counted as the engine's
+        assert stats.fills == stats.filled_tokens == stats.generates == 0
+        assert stats.num_contexts == 0 and stats.kv_blocks_used == 0 and runner.counters["steps"] == 0
+    finally:
+        engine.close()
+
+
+def test_probe_stops_at_its_time_budget_and_leaves_nothing_behind(tiny_model: LoadedModel, monkeypatch):
+    monkeypatch.setattr(lp, "PROBE_BUDGET_S", 0.0)  # as if every step took seconds
+    engine = LocalEngine(tiny_model)
+    try:
+        stats = asyncio.run(engine.stats())
+        assert (stats.latency_cap_tokens, stats.latency_cap_source) == (0, "none")  # unknown for now
+        assert stats.num_contexts == 0 and stats.kv_blocks_used == 0 and engine.runner.counters["steps"] == 0
+        assert engine.runner.latency.probe_s is not None and engine.runner.latency.probe_s < 2.0
+    finally:
+        engine.close()
+
+
+def test_engine_with_a_fixed_cap_skips_the_probe(tiny_model: LoadedModel):
+    engine = LocalEngine(tiny_model, latency_cap=3000)
+    try:
+        stats = asyncio.run(engine.stats())
+        assert (stats.latency_cap_tokens, stats.latency_cap_source) == (3000, "fixed")
+        assert engine.runner.latency.probe_s is None and stats.decode_steps_fitted == 0
+    finally:
+        engine.close()
+
+
+def test_real_decode_steps_are_timed_and_refine_the_fit(tiny_model: LoadedModel, one_thread):
+    engine = LocalEngine(tiny_model)
+    try:
+        probed = asyncio.run(engine.stats()).decode_steps_fitted
+        assert probed > 0
+
+        async def run() -> None:
+            await engine.fill(list(range(3, 200)), 1)
+            sp = SamplingParams(max_tokens=lp.REFIT_EVERY + 8, temperature=0.0, ignore_eos=True)
+            async for _ in engine.generate(sp, 1):
+                pass
+            await engine.free_context(1)
+
+        tracker = engine.runner.latency
+        loads: list[int] = []
+        record = tracker.record
+        tracker.record = lambda load, seconds: (loads.append(load), record(load, seconds))  # type: ignore[method-assign]
+        asyncio.run(run())
+        # every decode step (the first token comes from the prefill's logits), not the prefill
+        assert loads == list(range(198, 198 + lp.REFIT_EVERY + 7))
+        stats = asyncio.run(engine.stats())
+        # refitted after REFIT_EVERY of them: the probe's loads and the real ones
+        assert stats.latency_cap_source == "measured" and stats.decode_steps_fitted > probed
+    finally:
+        engine.close()
+
+
+def test_without_a_probe_the_cap_is_unknown(tiny_model: LoadedModel):
+    engine = LocalEngine(tiny_model, latency_probe=False)
+    try:
+        stats = asyncio.run(engine.stats())
+        assert (stats.latency_cap_tokens, stats.latency_cap_source) == (0, "none")
+        assert engine.runner.latency.probe_s is None
+    finally:
+        engine.close()
+
+
+def _slowed(runner: EngineRunner, monkeypatch, delay: Callable[[int], float]) -> None:
+    """Make the ``k``-th forward step of ``runner`` take ``delay(k)`` seconds longer (inside
+    the span the runner times: its logits)."""
+    logits, count = runner.model.compute_logits, itertools.count()
+
+    def slow(hidden):
+        time.sleep(delay(next(count)))
+        return logits(hidden)
+
+    monkeypatch.setattr(runner.model, "compute_logits", slow)
+
+
+def test_probe_leaves_the_cap_unknown_when_steps_do_not_grow_with_load(
+    tiny_model: LoadedModel, one_thread, monkeypatch
+):
+    # every step dominated by something else (a busy machine): flat in load
+    runner = EngineRunner(tiny_model, kv_cache_tokens=16_384)
+    _slowed(runner, monkeypatch, lambda k: 0.15)
+    runner.probe_latency()
+    assert runner.latency.fit is None and runner.latency.cap(runner.token_capacity) == 0
+    assert runner.contexts.all_ids() == [] and runner.pool.num_used == 0
+    monkeypatch.undo()
+    torch.set_num_threads(1)  # (undone too)
+    # the same engine undisturbed
+    runner = EngineRunner(tiny_model, kv_cache_tokens=16_384)
+    runner.probe_latency()
+    assert runner.latency.fit is not None
+    assert runner.latency.cap(runner.token_capacity) >= lp.MIN_LATENCY_CAP_TOKENS
+
+
+def test_engines_endpoint_shows_the_cap(tiny_model: LoadedModel):
+    engine = LocalEngine(tiny_model, latency_cap=2500)  # fixed: not at the mercy of a busy machine
+    manager = Manager(ManagerConfig())
+    manager.pool.register(engine, name="fixed")
+    server = start_server(manager)
+    try:
+        [info] = httpx.get(f"{server.url}/v1/engines", timeout=10).json()
+        stats = info["stats"]
+        assert (stats["latency_cap_tokens"], stats["latency_cap_source"]) == (2500, "fixed")
+        for field in ("decode_ms_base", "decode_ms_per_1k_tokens", "decode_ms_target", "decode_steps_fitted"):
+            assert field in stats
+        [snap] = manager.executor.snapshots()
+        assert snap.latency_cap_tokens == 2500
+    finally:
+        server.stop()
+        engine.close()
+
+
+def test_cli_latency_options():
+    parser = _parser()
+    serve = parser.parse_args(["serve"])
+    assert serve.latency_cap is None and serve.latency_factor == lp.LATENCY_FACTOR
+    assert serve.latency_target_ms is None
+    engine = parser.parse_args(["engine", "--manager", "http://m", "--latency-cap", "2000"])
+    assert engine.latency_cap == 2000
+    engine = parser.parse_args(["engine", "--manager", "http://m", "--latency-target-ms", "45"])
+    assert engine.latency_cap is None and engine.latency_target_ms == 45.0
+    [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    help_text = " ".join(sub.choices["serve"].format_help().split())
+    assert "--latency-cap" in help_text and "each engine's own cap" in help_text
+    assert "--latency-target-ms" in help_text and "--latency-factor" in help_text
+
+
+# ------------------------------------------------------------------ the manager
+class HeldEngine:
+    """A fake engine whose generations hold their KV until released; reports a latency cap."""
+
+    model_name = "fake"
+    max_seq_len = 4096
+
+    def __init__(self, tokenizer: TextTokenizer, latency_cap_tokens: int | None):
+        self._tokenizer = tokenizer
+        self.latency_cap_tokens = latency_cap_tokens or 0
+        self.release = asyncio.Event()
+        self.running = 0
+
+    @property
+    def tokenizer(self) -> TextTokenizer:
+        return self._tokenizer
+
+    async def fill(
+        self, tokens: Sequence[int], context_id: int, parent_context_id: int | None = None
+    ) -> None:
+        await asyncio.sleep(0)
+
+    async def generate(
+        self, sampling: SamplingParams, context_id: int, parent_context_id: int | None = None
+    ) -> AsyncIterator[GenerateChunk]:
+        self.running += 1
+        await self.release.wait()
+        yield GenerateChunk(token_ids=[65], text="A", done=True, finish_reason="length")
+
+    async def free_context(self, context_id: int) -> None:
+        return None
+
+    async def stats(self) -> EngineStats:
+        return EngineStats(token_capacity=32768, latency_cap_tokens=self.latency_cap_tokens)
+
+
+def latency_call(manager: Manager, session, i: int):
+    # ~40 prompt tokens + 160 new: about 200 tokens each; a LATENCY output
+    binding = PlaceholderBinding(name="y", sampling={"max_tokens": 160}, criteria="LATENCY")
+    body = SubmitCall(
+        template=f"Question {i}: say something short please. {{{{output:y}}}}", placeholders=[binding]
+    )
+    return manager.submit_call(session, body)
+
+
+def test_the_scheduler_keeps_each_engine_under_its_own_reported_cap():
+    """Engine a measured a cap of 300 tokens, b one of 5,000: with ~200-token latency calls,
+    a takes one and b the rest (under one manager-wide cap of 6,144, a would take every other)."""
+
+    async def main() -> None:
+        manager = Manager(ManagerConfig())
+        tokenizer = TextTokenizer.byte_level_tiny()
+        a = HeldEngine(tokenizer, 300)
+        b = HeldEngine(tokenizer, 5000)
+        ha, hb = manager.pool.register(a), manager.pool.register(b)
+        await manager.poll_engine_stats()  # what the manager's app does on the heartbeat interval
+        session = manager.create_session()[0]
+        calls = [latency_call(manager, session, i) for i in range(4)]
+        for _ in range(200):
+            if a.running + b.running == 4:
+                break
+            await asyncio.sleep(0.005)
+        assert [c.engine_id for c in calls].count(ha.engine_id) == 1, [c.engine_id for c in calls]
+        assert (a.running, b.running) == (1, 3)
+        snaps = {s.engine_id: s for s in manager.executor.snapshots()}
+        assert snaps[ha.engine_id].latency_cap_tokens == 300
+        assert snaps[hb.engine_id].latency_cap_tokens == 5000
+        a.release.set()
+        b.release.set()
+        await manager.executor.drain()
+
+    asyncio.run(main())
+
+
+def test_the_operator_cap_overrides_every_engine_and_heartbeats_carry_remote_caps():
+    async def main() -> None:
+        manager = Manager(ManagerConfig(latency_cap_tokens=6000))
+        tokenizer = TextTokenizer.byte_level_tiny()
+        a, b = HeldEngine(tokenizer, 300), HeldEngine(tokenizer, 5000)
+        ha, _ = manager.pool.register(a), manager.pool.register(b)
+        remote = manager.pool.register(HeldEngine(tokenizer, None), url="http://fake")
+        snaps = {s.engine_id: s for s in manager.executor.snapshots()}
+        assert snaps[remote.engine_id].latency_cap_tokens == DEFAULT_LATENCY_CAP_TOKENS
+        manager.pool.heartbeat(remote.engine_id, EngineStats(token_capacity=20_000, latency_cap_tokens=777))
+        snaps = {s.engine_id: s for s in manager.executor.snapshots()}
+        assert snaps[remote.engine_id].latency_cap_tokens == 777
+        manager.pool.suspect(remote.engine_id)  # no calls for it: they go to a and b
+        session = manager.create_session()[0]
+        calls = [latency_call(manager, session, i) for i in range(4)]
+        for _ in range(200):
+            if a.running + b.running == 4:
+                break
+            await asyncio.sleep(0.005)
+        # 6,000 for both: the calls spread by load; a's own 300 would have let it take only one
+        assert [c.engine_id for c in calls].count(ha.engine_id) == 2, [c.engine_id for c in calls]
+        assert (a.running, b.running) == (2, 2)
+        a.release.set()
+        b.release.set()
+        await manager.executor.drain()
+
+    asyncio.run(main())
+
+
+def test_an_engine_reporting_no_cap_gets_the_papers():
+    async def main() -> None:
+        manager = Manager(ManagerConfig())
+        h = manager.pool.register(HeldEngine(TextTokenizer.byte_level_tiny(), None))
+        [snap] = manager.executor.snapshots()
+        assert snap.engine_id == h.engine_id and snap.latency_cap_tokens == DEFAULT_LATENCY_CAP_TOKENS == 6144
+        await manager.executor.drain()
+
+    asyncio.run(main())
