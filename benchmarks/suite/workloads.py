@@ -483,17 +483,17 @@ def _summary_sweep(
     make_app: Callable[[str, list[str], int], AppSpec],
 ) -> list[Workload]:
     """One workload per :data:`_SUMMARY_POINTS` point: ``make_app(app_id, chunks, out)`` on
-    the chunks of one seeded ``doc_tokens``-token document (``params[count_key]``: calls).
+    the chunks of a seeded ``doc_tokens``-token document of the point's own
+    (``params[count_key]``: calls), so no point reuses another's prompts from a cache.
 
     ``params["sweep"]``/``["x"]`` name the point's first sweep; a point on both
     sweeps also has ``params["also"] = {"chunk": chunk}``."""
-    doc = textgen.filler(_rng(seed, figure, "doc"), doc_tokens)
     workloads = []
     for out, chunk in _SUMMARY_POINTS:
         on_outputs, on_chunks = chunk == _OUTPUTS_AT, out == _CHUNKS_AT
         sweep, x = ("output", out) if on_outputs else ("chunk", chunk)
         name = _name(figure, out=out, chunk=chunk)
-        chunks = _chunks(doc, chunk)
+        chunks = _chunks(textgen.filler(_rng(seed, name, "doc"), doc_tokens), chunk)
         params: dict[str, Any] = {
             "sweep": sweep,
             "x": x,
@@ -525,12 +525,13 @@ CHAT_RATES = (0.0, 0.5, 1.0, 2.0)
 
 def fig12a(scale: float = 1.0, seed: int = 0) -> list[Workload]:
     """A 10-call chain (chunk 160, output 50) arriving at 3 s amid Poisson background chat."""
-    chunks = _chunks(textgen.filler(_rng(seed, "fig12a", "doc"), _count(1600, scale)), 160)
+    doc_tokens = _count(1600, scale)
     window = 40.0 * scale
     workloads = []
     for rate in CHAT_RATES:
         name = _name("fig12a", chat_rate=rate)
         rng = _rng(seed, name)
+        chunks = _chunks(textgen.filler(_rng(seed, name, "doc"), doc_tokens), 160)  # a document per point
         apps = [chain_app(f"{name}/chain0", chunks, 50, arrival_s=3.0)]
         for i, t in enumerate(poisson_arrivals(_rng(seed, "fig12a", "arrivals"), rate, window)):
             apps.append(chat_app(f"{name}/chat{i:04d}", rng, arrival_s=t))
@@ -571,15 +572,16 @@ SHARED_OUTPUTS = (64,)
 
 
 def fig15_16(scale: float = 1.0, seed: int = 0) -> list[Workload]:
-    """Batches of 8/16/32 requests sharing one 1,000-token system prompt (output 64), all at once."""
-    system = _system_prompt(
-        _rng(seed, "fig15_16", "system"), SHARED_SYSTEM_TOKENS, "a helpful search assistant"
-    )
+    """Batches of 8/16/32 requests sharing one 1,000-token system prompt (output 64), all at once;
+    each point has a system prompt of its own, so none finds another's in a cache."""
     workloads = []
     for batch in sorted({_count(b, scale) for b in (8, 16, 32)}):
         for out in SHARED_OUTPUTS:
             name = _name("fig15_16", batch=batch, out=out)
             rng = _rng(seed, name)
+            system = _system_prompt(
+                _rng(seed, name, "system"), SHARED_SYSTEM_TOKENS, "a helpful search assistant"
+            )
             queries = [textgen.filler(rng, rng.randint(50, 100)) for _ in range(batch)]
             apps = [shared_prompt_app(f"{name}/req{i:03d}", system, q, out) for i, q in enumerate(queries)]
             params = {"sweep": "batch", "x": batch, "output_tokens": out}
@@ -602,7 +604,10 @@ GPTS_MIN_REQUESTS = 10  # the window is long enough for this many requests at th
 
 def fig17(scale: float = 1.0, seed: int = 0) -> list[Workload]:
     """Four GPTs-like apps with their own system prompts; Poisson requests at each rate, 2 engines."""
-    systems = [_system_prompt(_rng(seed, "fig17", g), n, role) for g, role, n in _GPTS]
+    systems_of = {
+        rate: [_system_prompt(_rng(seed, "fig17", rate, g), n, role) for g, role, n in _GPTS]
+        for rate in GPTS_RATES
+    }
     workloads = []
     for rate in GPTS_RATES:
         window = max(20.0, GPTS_MIN_REQUESTS / rate) * scale
@@ -614,7 +619,9 @@ def fig17(scale: float = 1.0, seed: int = 0) -> list[Workload]:
             g = rng.randrange(len(_GPTS))
             query = textgen.filler(rng, rng.randint(30, 80))
             app_id = f"{name}/{_GPTS[g][0]}{i:04d}"
-            apps.append(shared_prompt_app(app_id, systems[g], query, rng.randint(24, 48), arrival_s=t))
+            apps.append(
+                shared_prompt_app(app_id, systems_of[rate][g], query, rng.randint(24, 48), arrival_s=t)
+            )
         params = {"sweep": "rate", "x": rate, "window_s": window, "requests": len(apps), "gpts": len(_GPTS)}
         params["app_output_tokens"] = _output_tokens(apps)
         workloads.append(_finish("fig17", name, params, apps, engines=2))
@@ -622,13 +629,14 @@ def fig17(scale: float = 1.0, seed: int = 0) -> list[Workload]:
 
 
 def fig18(scale: float = 1.0, seed: int = 0) -> list[Workload]:
-    """Multi-agent programming (:func:`agents_app`) with 4/8/16 files, three review rounds."""
-    rng = _rng(seed, "fig18", "system")
-    system = _system_prompt(rng, 300, "one member of a software team: architect, coder or reviewer")
-    task = textgen.filler(rng, 60)
+    """Multi-agent programming (:func:`agents_app`) with 4/8/16 files, three review rounds
+    (each point with a system prompt and task of its own)."""
     workloads = []
     for files in sorted({_count(f, scale) for f in (4, 8, 16)}):
         name = _name("fig18", files=files)
+        rng = _rng(seed, name, "system")
+        system = _system_prompt(rng, 300, "one member of a software team: architect, coder or reviewer")
+        task = textgen.filler(rng, 60)
         app = agents_app(f"{name}/agents0", system, task, files)
         params = {"sweep": "files", "x": files, "files": files, "rounds": 3, "calls": len(app.calls)}
         workloads.append(_finish("fig18", name, params, [app]))
