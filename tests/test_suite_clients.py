@@ -238,8 +238,10 @@ def test_baseline_map_reduce_sends_maps_concurrently_then_the_reduce(fake: FakeO
     assert reduce.start >= max(s.end for s in maps.values())
     parts = "\n".join(completion_of(f"Part: c{i}\nSummary:") for i in range(4))
     assert reduce.body["prompt"] == f"Summaries:\n{parts}\nFinal:"
-    # about two answer times (maps together, then the reduce), less than five in sequence
-    assert record.latency_s < 5 * ANSWER_S
+    # the maps ran together: every map was sent before any map had answered (a sequential
+    # client would start each only after the previous ended); no wall-clock bound, which a
+    # loaded machine can break
+    assert max(s.start for s in maps.values()) < min(s.end for s in maps.values())
 
 
 def test_baseline_pays_one_delay_per_request(fake: FakeOpenAI) -> None:
@@ -623,9 +625,7 @@ def test_systems_switch_off_one_mechanism_each_and_baselines_have_no_prefix_cach
         "parrot-no-affinity",
         "parrot-no-prefix-cache",
     }
-    changes = {
-        name: (spec.policy, spec.serve_flags, spec.engine_flags) for name, spec in ablations.items()
-    }
+    changes = {name: (spec.policy, spec.serve_flags, spec.engine_flags) for name, spec in ablations.items()}
     assert changes == {
         "parrot-no-app-fifo": ("parrot", ("--no-app-fifo",), ()),
         "parrot-no-deduction": ("no-deduction", (), ()),
