@@ -208,9 +208,14 @@ class CachedTablesMachine(TablesMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.table = ContextTable(10_000, pool=BlockPool(24, block_size=BS), prefix_cache=True)
+        # a cache budget below the pool, so releases also evict over budget
+        self.table = ContextTable(10_000, pool=BlockPool(24, block_size=BS, max_cached=8), prefix_cache=True)
         self.memory = MemoryManager(self.table)
         self.hits = 0
+
+    @invariant()
+    def the_cache_keeps_to_its_budget(self) -> None:
+        assert self.table.pool.num_cached <= self.table.pool.max_cached
 
     @rule(d=st.integers(0, 2), n=st.integers(1, 40), tail=st.integers(0, 5))
     def new_repeating_root(self, d: int, n: int, tail: int) -> None:

@@ -65,6 +65,37 @@ def test_incref_makes_a_cached_block_used_again_and_unretain_frees_it():
     assert pool.allocate(1) == [b]
 
 
+def test_the_cache_stays_within_its_budget_evicting_the_oldest_to_be_reused_first():
+    pool = BlockPool(6, block_size=2, max_cached=2)
+    evicted: list[int] = []
+    pool.on_evict = evicted.append
+    blocks = pool.allocate(4)
+    for b in blocks:
+        pool.retain(b)
+    pool.decref(blocks[:2])  # 0 and 1 cached: at the budget, nothing evicted
+    assert pool.num_cached == 2 and evicted == []
+    pool.decref(blocks[2:])  # two more: the two least recently cached (1, then 0) go now
+    assert pool.num_cached == 2 and sorted(evicted) == [0, 1]
+    assert pool.is_cached(2) and pool.is_cached(3) and not pool.is_cached(0)
+    assert pool.num_free == 6 and pool.num_used == 0
+    # the evicted blocks (memory already written) come back before never-used 4 and 5
+    assert sorted(pool.allocate(2)) == [0, 1]
+    assert pool.allocate(2) == [4, 5]
+
+
+def test_a_zero_cache_budget_frees_at_once_and_a_bad_budget_is_refused():
+    pool = BlockPool(2, block_size=2, max_cached=0)
+    evicted: list[int] = []
+    pool.on_evict = evicted.append
+    (b,) = pool.allocate(1)
+    pool.retain(b)
+    pool.decref([b])
+    assert pool.num_cached == 0 and evicted == [b] and pool.num_free == 2
+    for bad in (-1, True):
+        with pytest.raises(ValueError, match="max_cached"):
+            BlockPool(2, max_cached=bad)
+
+
 def test_pool_misuse_with_cached_blocks_raises():
     pool = BlockPool(2, block_size=2)
     with pytest.raises(ValueError, match="retain of unused"):
@@ -232,4 +263,6 @@ def test_under_memory_pressure_cached_blocks_are_evicted_and_outputs_stay_right(
         assert asyncio.run(complete(eng, p)) == asyncio.run(complete(plain, p))
         stats = asyncio.run(eng.stats())
         assert stats.kv_blocks_used + stats.kv_blocks_cached <= stats.kv_blocks_total
-    assert cached_tokens(eng) >= 96  # prompts[0] twice in a row: the second reuses 6 blocks
+    # prompts[0] twice in a row: the second reuses the head of its 6 blocks that the cache
+    # budget (a quarter of the pool: 3 blocks) kept
+    assert cached_tokens(eng) >= 48

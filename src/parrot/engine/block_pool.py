@@ -17,6 +17,13 @@ Invariants:
   ``on_evict`` so their owner forgets them; :meth:`incref` of a cached block
   makes it used again;
 - ``num_free + num_used == num_blocks`` (``num_free`` counting cached blocks);
+- at most ``max_cached`` blocks are cached: a release beyond it evicts the least
+  recently cached blocks to the free list at once.  Memory is committed by the
+  OS when a block is first written, and the free list is a stack whose never
+  used blocks lie at the bottom, so the budget keeps the cache from sweeping
+  through fresh memory (each first write of a block costs page faults, and with
+  huge pages possibly a compaction stall): once the blocks in use plus the
+  cache have been touched, allocations reuse touched memory;
 - allocation and release are O(1) per block; the free list is a stack, so the
   most recently freed blocks (whose memory is warm) are reused first.
 
@@ -33,7 +40,9 @@ DEFAULT_BLOCK_SIZE = 16
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE):
+    def __init__(
+        self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE, *, max_cached: int | None = None
+    ):
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
@@ -42,6 +51,9 @@ class BlockPool:
         self.block_size = block_size
         self._refs = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ... first
+        if max_cached is not None and (isinstance(max_cached, bool) or max_cached < 0):
+            raise ValueError(f"max_cached must be a non-negative integer, got {max_cached!r}")
+        self.max_cached = num_blocks if max_cached is None else max_cached
         self._retained: set[int] = set()
         self._cached: OrderedDict[int, None] = OrderedDict()  # least recently cached first
         self.on_evict: Callable[[int], None] | None = None
@@ -77,14 +89,10 @@ class BlockPool:
             raise ValueError(f"cannot allocate {n} blocks")
         if n > self.num_free:
             return None
-        free, refs, cached = self._free, self._refs, self._cached
+        free, refs = self._free, self._refs
         out = [free.pop() for _ in range(min(n, len(free)))]
         while len(out) < n:
-            b, _ = cached.popitem(last=False)
-            self._retained.discard(b)
-            if self.on_evict is not None:
-                self.on_evict(b)
-            out.append(b)
+            out.append(self._evict_oldest())
         for b in out:
             refs[b] = 1
         return out
@@ -135,4 +143,14 @@ class BlockPool:
                 cached[b] = None
         # the first freed is reused first
         self._free.extend(b for b in reversed(released) if b not in retained)
+        while len(cached) > self.max_cached:  # over budget: the least recently cached go now
+            self._free.append(self._evict_oldest())
         return released
+
+    def _evict_oldest(self) -> int:
+        """Take the least recently cached block out of the cache (its owner is told)."""
+        b, _ = self._cached.popitem(last=False)
+        self._retained.discard(b)
+        if self.on_evict is not None:
+            self.on_evict(b)
+        return b

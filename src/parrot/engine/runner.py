@@ -170,7 +170,8 @@ class EngineRunner:
         num_blocks = kv_cache_blocks(
             cfg, block_size, kv_cache_tokens=kv_cache_tokens, kv_cache_bytes=kv_cache_bytes, dtype=kv_dtype
         )
-        self.pool = BlockPool(num_blocks, block_size)
+        # the prefix cache may keep a quarter of the pool in released blocks (see BlockPool)
+        self.pool = BlockPool(num_blocks, block_size, max_cached=num_blocks // 4)
         self.cache = PagedKVCache(
             cfg.num_layers,
             num_blocks,
