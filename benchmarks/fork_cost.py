@@ -91,8 +91,10 @@ async def run(args: argparse.Namespace) -> None:
                 )
         await cached_engine.free_context(parent)
     base = [statistics.median(x[i] for x in results["scratch"]) for i in range(3)]
-    print(f"\nmedians over {args.repeats} repeats ({args.prompt_tokens}-token prompt, "
-          f"{args.shared_tokens} shared, {args.max_tokens} output tokens):")
+    print(
+        f"\nmedians over {args.repeats} repeats ({args.prompt_tokens}-token prompt, "
+        f"{args.shared_tokens} shared, {args.max_tokens} output tokens):"
+    )
     for way, rows in results.items():
         med = [statistics.median(x[i] for x in rows) for i in range(3)]
         ratios = " / ".join(f"{m / b:.2f}x" for m, b in zip(med, base, strict=True))

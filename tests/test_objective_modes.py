@@ -73,9 +73,7 @@ def specs(draw) -> Spec:
     )
     consumed = {p for ps in producers for p in ps}
     declared = tuple(draw(st.none() | CRITERIA) if draw(st.integers(0, 3)) == 0 else None for _ in producers)
-    read = tuple(
-        draw(st.none() | CRITERIA) if i in consumed else draw(CRITERIA) for i in range(size)
-    )
+    read = tuple(draw(st.none() | CRITERIA) if i in consumed else draw(CRITERIA) for i in range(size))
     # a random topological order: repeatedly submit one of the calls whose producers are in
     order: list[int] = []
     while len(order) < size:

@@ -679,4 +679,3 @@ class Executor:
             if opened and handle.alive:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(api.free_context(context_id))
-
