@@ -450,7 +450,7 @@ def _prometheus_sums(text: str, names: tuple[str, ...]) -> dict[str, float]:
 
 
 _PARROT_COUNTERS = ("fills", "filled_tokens", "generates", "generated_tokens", "preemptions")
-_PARROT_GAUGES = ("kv_tokens_used", "kv_blocks_used", "token_load")
+_PARROT_GAUGES = ("kv_tokens_used", "kv_blocks_used", "token_load", "latency_cap_tokens")
 _VLLM_COUNTERS = (
     "vllm:prompt_tokens_total",
     "vllm:generation_tokens_total",
