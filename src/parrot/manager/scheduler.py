@@ -28,9 +28,9 @@ producers first, then arrival).  For each call ``c``:
 1. *task group* — if ``c`` is in a task group and engines run (or were given
    this round) members of it: the least-loaded of them that ``c`` fits;
 2. *prefix* — for each of ``c``'s prefix hashes, longest first: the engines
-   that hold that prefix (a context on the engine, ``prefix-engine``, or a
-   call placed there this round, ``prefix-queued``); the least-loaded that
-   ``c`` fits;
+   that hold that prefix (earlier calls with it ran there, so its KV is likely
+   in the engine's prefix cache, ``prefix-engine``; or a call with it was placed
+   there this round, ``prefix-queued``); the least-loaded that ``c`` fits;
 3. *FindEngine* — latency-sensitive ``c``: the least-loaded fitting engine in
    latency mode or idle (mode None); only if none fits, a fitting engine in
    throughput mode (``find-engine-mixed``; its cap drops to ``cap_L``).
