@@ -10,7 +10,7 @@ import asyncio
 import itertools
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import httpx
 import pytest
@@ -25,9 +25,10 @@ from parrot.engine.runner import EngineRunner
 from parrot.manager.scheduler import DEFAULT_LATENCY_CAP_TOKENS
 from parrot.manager.service import Manager, ManagerConfig
 from parrot.protocol.sampling import SamplingParams
-from parrot.protocol.schemas import EngineStats, GenerateChunk, PlaceholderBinding, SubmitCall
+from parrot.protocol.schemas import EngineStats, PlaceholderBinding, SubmitCall
 from parrot.protocol.tokenizer import TextTokenizer
 from tests.conftest import start_server
+from tests.fake_engine import GatedEngine
 
 
 # ------------------------------------------------------------------ the fit
@@ -273,39 +274,35 @@ def test_cli_latency_options():
 
 
 # ------------------------------------------------------------------ the manager
-class HeldEngine:
-    """A fake engine whose generations hold their KV until released; reports a latency cap."""
-
-    model_name = "fake"
-    max_seq_len = 4096
+class HeldEngine(GatedEngine):
+    """A :class:`GatedEngine` whose gate starts closed, so generations hold their KV until
+    released; reports a latency cap in its stats."""
 
     def __init__(self, tokenizer: TextTokenizer, latency_cap_tokens: int | None):
-        self._tokenizer = tokenizer
+        super().__init__(tokenizer)
+        self.gate.clear()
         self.latency_cap_tokens = latency_cap_tokens or 0
-        self.release = asyncio.Event()
-        self.running = 0
 
     @property
-    def tokenizer(self) -> TextTokenizer:
-        return self._tokenizer
-
-    async def fill(
-        self, tokens: Sequence[int], context_id: int, parent_context_id: int | None = None
-    ) -> None:
-        await asyncio.sleep(0)
-
-    async def generate(
-        self, sampling: SamplingParams, context_id: int, parent_context_id: int | None = None
-    ) -> AsyncIterator[GenerateChunk]:
-        self.running += 1
-        await self.release.wait()
-        yield GenerateChunk(token_ids=[65], text="A", done=True, finish_reason="length")
-
-    async def free_context(self, context_id: int) -> None:
-        return None
+    def running(self) -> int:
+        return len(self.generated)
 
     async def stats(self) -> EngineStats:
         return EngineStats(token_capacity=32768, latency_cap_tokens=self.latency_cap_tokens)
+
+
+async def until_running(engines: Sequence[HeldEngine], n: int) -> None:
+    """Wait (up to a second) until ``n`` generations have begun over ``engines``."""
+    for _ in range(200):
+        if sum(e.running for e in engines) == n:
+            return
+        await asyncio.sleep(0.005)
+
+
+async def release_and_drain(manager: Manager, engines: Sequence[HeldEngine]) -> None:
+    for e in engines:
+        e.gate.set()
+    await manager.executor.drain()
 
 
 def latency_call(manager: Manager, session, i: int):
@@ -330,18 +327,13 @@ def test_the_scheduler_keeps_each_engine_under_its_own_reported_cap():
         await manager.poll_engine_stats()  # what the manager's app does on the heartbeat interval
         session = manager.create_session()[0]
         calls = [latency_call(manager, session, i) for i in range(4)]
-        for _ in range(200):
-            if a.running + b.running == 4:
-                break
-            await asyncio.sleep(0.005)
+        await until_running([a, b], 4)
         assert [c.engine_id for c in calls].count(ha.engine_id) == 1, [c.engine_id for c in calls]
         assert (a.running, b.running) == (1, 3)
         snaps = {s.engine_id: s for s in manager.executor.snapshots()}
         assert snaps[ha.engine_id].latency_cap_tokens == 300
         assert snaps[hb.engine_id].latency_cap_tokens == 5000
-        a.release.set()
-        b.release.set()
-        await manager.executor.drain()
+        await release_and_drain(manager, [a, b])
 
     asyncio.run(main())
 
@@ -361,16 +353,11 @@ def test_the_operator_cap_overrides_every_engine_and_heartbeats_carry_remote_cap
         manager.pool.suspect(remote.engine_id)  # no calls for it: they go to a and b
         session = manager.create_session()[0]
         calls = [latency_call(manager, session, i) for i in range(4)]
-        for _ in range(200):
-            if a.running + b.running == 4:
-                break
-            await asyncio.sleep(0.005)
+        await until_running([a, b], 4)
         # 6,000 for both: the calls spread by load; a's own 300 would have let it take only one
         assert [c.engine_id for c in calls].count(ha.engine_id) == 2, [c.engine_id for c in calls]
         assert (a.running, b.running) == (2, 2)
-        a.release.set()
-        b.release.set()
-        await manager.executor.drain()
+        await release_and_drain(manager, [a, b])
 
     asyncio.run(main())
 
