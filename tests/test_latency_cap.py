@@ -315,11 +315,12 @@ def latency_call(manager: Manager, session, i: int):
 
 
 def test_the_scheduler_keeps_each_engine_under_its_own_reported_cap():
-    """Engine a measured a cap of 300 tokens, b one of 5,000: with ~200-token latency calls,
-    a takes one and b the rest (under one manager-wide cap of 6,144, a would take every other)."""
+    """Engine a measured a cap of 300 tokens, b one of 5,000: with ~200-token latency calls
+    under the paper's rule (the cap bounds all work of an engine running latency work), a
+    takes one and b the rest (under one manager-wide cap of 6,144, a would take every other)."""
 
     async def main() -> None:
-        manager = Manager(ManagerConfig())
+        manager = Manager(ManagerConfig(latency_cap_scope="all"))
         tokenizer = TextTokenizer.byte_level_tiny()
         a = HeldEngine(tokenizer, 300)
         b = HeldEngine(tokenizer, 5000)

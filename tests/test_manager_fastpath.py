@@ -80,7 +80,12 @@ def histories(draw):
     value) (one field of the current snapshot changed: its latency cap, stamp or load),
     ("remove", id), or ("sync", snapshots) (the whole engine set)."""
     policy = draw(st.sampled_from(POLICIES))
-    config = SchedulerConfig(policy, latency_cap_tokens=draw(st.sampled_from([None, None, 1024, 6144])))
+    config = SchedulerConfig(
+        policy,
+        latency_cap_tokens=draw(st.sampled_from([None, None, 1024, 6144])),
+        latency_cap_scope=draw(st.sampled_from(["mixed", "all"])),
+        group_spill=draw(st.booleans()),
+    )
     rounds = []
     for _ in range(draw(st.integers(1, 8))):
         ops = []

@@ -50,6 +50,16 @@ def q(cid, kind="latency", group=None, tokens=100, rank=0, prefixes=(), model="m
 
 
 def run(queue, engines, policy="parrot", **kw):
+    """One round under the paper's Algorithm 1 (latency cap on every engine running latency
+    work, task groups kept together) unless ``kw`` says otherwise; the defaults' two
+    departures from it are tested under "latency batching" and "group spill" below."""
+    kw.setdefault("latency_cap_scope", "all")
+    kw.setdefault("group_spill", False)
+    return schedule(queue, engines, SchedulerConfig(policy, **kw))
+
+
+def run_default(queue, engines, policy="parrot", **kw):
+    """One round under the default configuration."""
     return schedule(queue, engines, SchedulerConfig(policy, **kw))
 
 
@@ -223,6 +233,86 @@ def test_drain_reservation_uses_each_engines_cap():
     # over every engine's cap: it reserves the least-loaded engine, e1
     out = run([q("big", tokens=5000), q("s", tokens=10, rank=1)], engines)
     assert where(out) == {"s": "e2"}
+
+
+# ------------------------------------------------------------------ latency batching (default)
+def test_latency_calls_batch_with_each_other_beyond_the_latency_cap():
+    engines = [eng("e1", load=6000, mode="latency")]
+    assert run_default([q("a", tokens=1000)], engines) == [Placement("a", "e1", "find-engine")]
+    assert run([q("a", tokens=1000)], engines) == []  # the paper's rule: it waits
+    # still bounded by the engine's token capacity
+    assert run_default([q("a", tokens=1000)], [eng("e1", load=63_500, mode="latency")]) == []
+
+
+def test_the_latency_cap_still_binds_where_latency_and_throughput_work_meet():
+    # latency work joins throughput work only while that work is within the latency cap
+    assert run_default([q("a", tokens=100)], [eng("e1", load=2001, mode="throughput", lat=2000)]) == []
+    engines = [eng("e1", load=900, mode="throughput", lat=2000)]
+    # a joins (2,400 in all); e1 now runs latency work, so t (2,400 + 100 > 2,000) waits, but a
+    # second latency call b batches with a up to the capacity
+    queue = [q("a", tokens=1500), q("t", kind="throughput", tokens=100, rank=1), q("b", tokens=5000, rank=2)]
+    out = run_default(queue, engines)
+    assert out == [Placement("a", "e1", "find-engine-mixed"), Placement("b", "e1", "find-engine")]
+    # throughput work next to latency work: under the cap
+    engines = [eng("e1", load=1500, mode="latency", lat=2000)]
+    assert run_default([q("t", kind="throughput", tokens=600)], engines) == []
+    assert where(run_default([q("t", kind="throughput", tokens=500)], engines)) == {"t": "e1"}
+
+
+def test_no_deduction_under_the_default_scope_batches_everything_as_latency_work():
+    engines = [eng("e1", load=6000, mode="latency")]
+    out = run_default([q("m", group="tg:r", tokens=3000)], engines, "no-deduction")
+    assert out == [Placement("m", "e1", "find-engine")]
+
+
+def test_an_unknown_cap_scope_is_rejected():
+    with pytest.raises(ValueError, match="latency_cap_scope"):
+        SchedulerConfig(latency_cap_scope="some")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ group spill (default)
+def test_a_group_spills_to_a_less_loaded_engine():
+    engines = [eng("e1", load=5000, mode="throughput", groups={"tg:r"}), eng("e2")]
+    out = run_default([q("m", group="tg:r", tokens=1000)], engines)
+    assert out == [Placement("m", "e2", "task-group-spill")]
+    assert run([q("m", group="tg:r", tokens=1000)], engines) == [Placement("m", "e1", "task-group")]
+
+
+def test_a_group_spreads_over_idle_engines_within_a_round():
+    engines = [eng("e1", lat=10_000), eng("e2", lat=10_000)]
+    out = run_default([q(f"m{i}", group="tg:r", tokens=1000, rank=i) for i in range(4)], engines)
+    assert where(out) == {"m0": "e1", "m1": "e2", "m2": "e1", "m3": "e2"}
+    assert why(out) == {"m0": "find-engine", "m1": "task-group-spill", "m2": "task-group", "m3": "task-group"}
+
+
+def test_a_group_does_not_spill_to_an_engine_that_would_end_up_more_loaded():
+    engines = [
+        eng("e1", load=1000, mode="throughput", groups={"tg:r"}),
+        eng("e2", load=500, mode="throughput"),
+    ]
+    assert where(run_default([q("m", group="tg:r", tokens=600)], engines)) == {"m": "e1"}
+    assert where(run_default([q("m", group="tg:r", tokens=500)], engines)) == {"m": "e2"}
+
+
+def test_spilled_group_work_stays_within_the_latency_cap_of_its_engine():
+    # e2 takes members up to its latency cap (2,000), so latency calls can still join it
+    engines = [eng("e1", load=5000, mode="throughput", groups={"tg:r"}), eng("e2", lat=2000)]
+    out = run_default([q(f"m{i}", group="tg:r", tokens=600, rank=i) for i in range(5)], engines)
+    assert [p.engine_id for p in out] == ["e2", "e2", "e2", "e1", "e1"]
+    assert run_default([q("m", group="tg:r", tokens=600)], [engines[0], eng("e2", load=1500, lat=2000)]) == [
+        Placement("m", "e1", "task-group")
+    ]
+
+
+def test_a_group_spills_into_latency_work_only_under_the_latency_cap():
+    engines = [
+        eng("e1", load=5000, mode="throughput", groups={"tg:r"}),
+        eng("e2", load=1500, mode="latency", lat=2000),
+    ]
+    assert run_default([q("m", group="tg:r", tokens=400)], engines) == [
+        Placement("m", "e2", "task-group-spill")
+    ]
+    assert run_default([q("m", group="tg:r", tokens=600)], engines) == [Placement("m", "e1", "task-group")]
 
 
 # ------------------------------------------------------------------ ties
@@ -443,7 +533,9 @@ def rounds(draw):
         )
     policy = draw(st.sampled_from(POLICIES))
     lat_cap = draw(st.sampled_from([None, None, 1024, 6144]))
-    return queue, engines, SchedulerConfig(policy, latency_cap_tokens=lat_cap)
+    scope = draw(st.sampled_from(["mixed", "all"]))
+    spill = draw(st.booleans())
+    return queue, engines, SchedulerConfig(policy, lat_cap, None, scope, spill)
 
 
 @settings(max_examples=400, deadline=None)
@@ -470,8 +562,24 @@ def test_property_caps_models_liveness(case):
             return "throughput"
         return c.objective.kind
 
+    mixed = config.latency_cap_scope == "mixed" and not config.policy.startswith("baseline")
     for eid, cs in placed.items():
         e = by_id[eid]
+        cap_l = min(config.latency_cap_tokens or e.latency_cap_tokens, e.token_capacity)
+        if mixed:
+            # Each placement, in order: the latency cap binds where the two kinds meet.
+            load, mode = e.token_load, (e.mode if e.token_load else None)
+            for c in cs:
+                k = kind(c)
+                if k == "latency" and mode == "throughput":  # joins throughput work within the cap
+                    ok = load <= cap_l and load + c.tokens <= e.token_capacity
+                else:
+                    cap = cap_l if k == "throughput" and mode == "latency" else e.token_capacity
+                    ok = load + c.tokens <= cap
+                assert ok or load == 0, (eid, load, c, mode)
+                load += c.tokens
+                mode = "latency" if k == "latency" else (mode or "throughput")
+            continue
         final = e.token_load + sum(c.tokens for c in cs)
         runs_latency = any(kind(c) == "latency" for c in cs) or (e.mode == "latency" and e.token_load > 0)
         if config.policy == "baseline-throughput" or not (
@@ -479,7 +587,7 @@ def test_property_caps_models_liveness(case):
         ):
             cap = e.token_capacity
         else:
-            cap = min(config.latency_cap_tokens or e.latency_cap_tokens, e.token_capacity)
+            cap = cap_l
         # Never over the cap, except one big call alone on an engine that was idle.
         assert final <= cap or (e.token_load == 0 and len(cs) == 1), (eid, final, cap, cs)
 

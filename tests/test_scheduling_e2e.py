@@ -63,7 +63,8 @@ def test_baseline_policy_runs_request_by_request_fifo(live):
 def test_a_call_waiting_past_the_queue_deadline_fails_with_timeout(live):
     executor = live.manager.executor
     executor.queue_timeout_s = 0.5
-    executor.scheduler = SchedulerConfig(latency_cap_tokens=1)  # a busy engine takes nothing more
+    # a busy engine takes nothing more
+    executor.scheduler = SchedulerConfig(latency_cap_tokens=1, latency_cap_scope="all")
     long = P.template_function("go {{input:a}} {{output:b}}", b=P.Output(max_tokens=1500, ignore_eos=True))
     short = P.template_function("hi {{input:a}} {{output:b}}", b=P.Output(max_tokens=2))
     with P.connect(live.url):
@@ -76,7 +77,7 @@ def test_a_call_waiting_past_the_queue_deadline_fails_with_timeout(live):
 SYSTEM = "You answer questions about lighthouses. " * 8  # 320 bytes: 320 tokens of the tiny model
 
 
-@pytest.mark.parametrize("manager_config", [ManagerConfig(latency_cap_tokens=420)])
+@pytest.mark.parametrize("manager_config", [ManagerConfig(latency_cap_tokens=420, latency_cap_scope="all")])
 def test_a_shared_system_prompt_counts_once_against_the_latency_cap(live):
     """Four latency calls share a 320-token system prompt and have ~20 tokens of their own:
     320 + 4 x 20 fits a 420-token cap, so one round places all four on the engine at once.

@@ -624,6 +624,8 @@ def test_systems_switch_off_one_mechanism_each_and_baselines_have_no_prefix_cach
         "parrot-no-deduction",
         "parrot-no-affinity",
         "parrot-no-prefix-cache",
+        "parrot-no-latency-batching",
+        "parrot-no-group-spill",
     }
     changes = {name: (spec.policy, spec.serve_flags, spec.engine_flags) for name, spec in ablations.items()}
     assert changes == {
@@ -631,6 +633,8 @@ def test_systems_switch_off_one_mechanism_each_and_baselines_have_no_prefix_cach
         "parrot-no-deduction": ("no-deduction", (), ()),
         "parrot-no-affinity": ("no-affinity", (), ()),
         "parrot-no-prefix-cache": ("parrot", (), ("--no-prefix-cache",)),
+        "parrot-no-latency-batching": ("parrot", ("--latency-cap-scope", "all"), ()),
+        "parrot-no-group-spill": ("parrot", ("--no-group-spill",), ()),
     }
     for name in ("parrot-baseline-latency", "parrot-baseline-throughput"):
         spec = SYSTEMS[name]
@@ -647,8 +651,8 @@ def test_every_flag_of_the_systems_exists_in_the_cli() -> None:
     for spec in SYSTEMS.values():
         if spec.backend != "parrot":
             continue
-        for flag in spec.serve_flags:
-            assert _parser().parse_args(["serve", flag]) is not None
+        if spec.serve_flags:
+            assert _parser().parse_args(["serve", *spec.serve_flags]) is not None
         for flag in spec.engine_flags:
             for sub in (["serve"], ["engine", "--manager", "http://127.0.0.1:1"]):
                 assert _parser().parse_args([*sub, flag]) is not None

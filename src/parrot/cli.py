@@ -123,6 +123,20 @@ def _parser() -> argparse.ArgumentParser:
         "GET /v1/engines; this overrides it for all, the embedded engine included)",
     )
     serve.add_argument(
+        "--latency-cap-scope",
+        choices=["mixed", "all"],
+        default="mixed",
+        help="what the latency cap bounds: mixed (default: latency and throughput work meeting on "
+        "an engine; latency calls batch with each other up to the engine's token capacity) or all "
+        "(every engine running latency work, the paper's rule)",
+    )
+    serve.add_argument(
+        "--no-group-spill",
+        action="store_true",
+        help="keep a task group on the engines already running it even when another engine is "
+        "less loaded (for ablations)",
+    )
+    serve.add_argument(
         "--no-app-fifo",
         action="store_true",
         help="rank queued calls by their own arrival instead of their application's (for ablations; "
@@ -207,6 +221,8 @@ def manager_config(args: argparse.Namespace) -> ManagerConfig:
         policy=args.policy,
         latency_cap_tokens=args.latency_cap,
         app_fifo=not args.no_app_fifo,
+        latency_cap_scope=args.latency_cap_scope,
+        group_spill=not args.no_group_spill,
     )
 
 

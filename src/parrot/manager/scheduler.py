@@ -5,19 +5,35 @@ queued calls go to which engine.  It reads plain snapshots and returns
 placements; calls it does not place stay queued.  No I/O, no asyncio, no
 engine imports, so a simulator can reuse it unchanged.
 
-Caps.  ``cap_L(e) = min(L(e), e.token_capacity)`` bounds an engine that runs
-latency-sensitive work.  ``L(e)`` is the engine's own latency cap,
+Caps.  ``cap_L(e) = min(L(e), e.token_capacity)`` bounds latency and
+throughput work sharing an engine.  ``L(e)`` is the engine's own latency cap,
 ``e.latency_cap_tokens``: the token load at which its measured per-token
 latency reaches its target (:mod:`parrot.engine.latency_probe`), so it
 differs from engine to engine; an operator's ``config.latency_cap_tokens``
 replaces it for every engine.  ``cap_T(e) = e.token_capacity`` (or
 ``min(throughput_cap, e.token_capacity)``) bounds one that runs only
 throughput work.  Under ``parrot`` the cap that applies when placing call
-``c`` on ``e`` is ``cap_L`` if ``c`` is latency-sensitive *or* ``e`` already
-runs latency work (mode ``"latency"``), else ``cap_T``; the baselines apply
-one cap to everything.  A call *fits* ``e`` when ``e`` is alive, serves the
-call's model, ``c.tokens <= e.max_seq_len``, and either
-``e.load + c.tokens <= cap`` or ``e`` is idle (load 0).  The idle clause is
+``c`` on ``e`` depends on whether the two kinds of work would meet there
+(``config.latency_cap_scope``):
+
+* ``"mixed"`` (the default): the latency cap bounds throughput work that
+  meets latency work.  A throughput call joins an engine running latency work
+  (mode ``"latency"``) while ``e.load + c.tokens <= cap_L``; a
+  latency-sensitive call joins one running only throughput work (mode
+  ``"throughput"``) while that work is within the cap, ``e.load <= cap_L``
+  (and ``e.load + c.tokens <= e.token_capacity``).  Otherwise a latency call is
+  bounded by ``e.token_capacity``, as a continuous-batching server admits
+  requests, and a throughput call by ``cap_T``.  Latency calls batch with
+  each other: holding one back to keep the running ones' per-token latency
+  under target costs it more (its whole wait) than it costs them (a decode
+  step grows slowly with load: ``docs/engine.md``, "Prefill and decode
+  against batch size");
+* ``"all"`` (the paper's rule): ``cap_L`` if ``c`` is latency-sensitive *or*
+  ``e`` runs latency work, else ``cap_T``.
+
+The baselines apply one cap to everything.  A call *fits* ``e`` when ``e``
+is alive, serves the call's model, ``c.tokens <= e.max_seq_len``, and either
+the rule above admits it or ``e`` is idle (load 0).  The idle clause is
 the *big-call rule*: a call larger than the cap runs alone on an idle engine
 (nothing else fits next to it, because the engine is then over its cap) —
 never starve a big call.
@@ -26,7 +42,16 @@ Algorithm (policy ``parrot``).  Sort the queue by ``topo_rank`` (stable:
 producers first, then arrival).  For each call ``c``:
 
 1. *task group* — if ``c`` is in a task group and engines run (or were given
-   this round) members of it: the least-loaded of them that ``c`` fits;
+   this round) members of it: the least-loaded of them that ``c`` fits.  With
+   ``config.group_spill`` (the default) instead: ``g``, the *most* loaded of
+   them that ``c`` fits (the group's home), unless the least-loaded engine
+   ``f`` that ``c`` fits, in any mode, has ``f.load + c.tokens <= min(g.load,
+   L(f))``: then ``f`` (``task-group-spill`` if it ran no member yet).  The
+   bound ``L(f)`` keeps work spread off the home within ``f``'s latency cap,
+   so latency calls can still join ``f``.  A group fills its home and spreads
+   only where that finishes it sooner, so where compute, not batch size,
+   limits a step (CPU engines) a big group is not left to one engine while
+   another has time;
 2. *prefix* — for each of ``c``'s prefix hashes, longest first: the engines
    that hold that prefix (earlier calls with it ran there, so its KV is likely
    in the engine's prefix cache, ``prefix-engine``; or a call with it was placed
@@ -101,7 +126,17 @@ POLICIES: tuple[Policy, ...] = (
     "baseline-latency",
     "baseline-throughput",
 )
-Reason = Literal["task-group", "prefix-queued", "prefix-engine", "find-engine", "find-engine-mixed", "fifo"]
+Reason = Literal[
+    "task-group",
+    "task-group-spill",
+    "prefix-queued",
+    "prefix-engine",
+    "find-engine",
+    "find-engine-mixed",
+    "fifo",
+]
+CapScope = Literal["mixed", "all"]
+CAP_SCOPES: tuple[CapScope, ...] = ("mixed", "all")
 _MODES = ("latency", "throughput", None)
 
 DEFAULT_LATENCY_CAP_TOKENS = 6144
@@ -180,15 +215,23 @@ class QueuedCall:
 class SchedulerConfig:
     """``latency_cap_tokens``: the operator's latency cap for every engine (None: each
     engine's own, ``EngineSnapshot.latency_cap_tokens``); ``throughput_cap``: the same
-    for throughput work (None: each engine's token capacity)."""
+    for throughput work (None: each engine's token capacity).  ``latency_cap_scope``:
+    what the latency cap bounds under the non-baseline policies, ``"mixed"`` (only
+    latency and throughput work meeting on an engine) or ``"all"`` (every engine running
+    latency work: the paper's rule).  ``group_spill``: a task group may spread to an
+    engine outside it that is less loaded (step 1 of the module docstring)."""
 
     policy: Policy = "parrot"
     latency_cap_tokens: int | None = None
     throughput_cap: int | None = None
+    latency_cap_scope: CapScope = "mixed"
+    group_spill: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.latency_cap_scope not in CAP_SCOPES:
+            raise ValueError(f"latency_cap_scope must be one of {CAP_SCOPES}, got {self.latency_cap_scope!r}")
         if self.latency_cap_tokens is not None and self.latency_cap_tokens <= 0:
             raise ValueError("latency_cap_tokens must be positive (or None)")
         if self.throughput_cap is not None and self.throughput_cap <= 0:
@@ -312,6 +355,8 @@ class Scheduler:
         self.lat_cap = config.latency_cap_tokens  # None: each engine's own
         self.thr_cap = config.throughput_cap
         self.fixed_kind = {"baseline-latency": "latency", "baseline-throughput": "throughput"}.get(policy)
+        self.cap_mixed_only = config.latency_cap_scope == "mixed"
+        self.group_spill = config.group_spill
 
         self._snaps: dict[str, EngineSnapshot] = {}  # every engine it was told of, live or not
         self._engs: dict[str, _Eng] = {}  # live engines
@@ -469,11 +514,23 @@ class Scheduler:
         """The cap for a call of ``kind`` on an engine in ``mode`` (``lat_cap``: its latency cap)."""
         if self.fixed_kind is not None:
             kind = self.fixed_kind
+        elif self.cap_mixed_only:
+            if kind == "latency":
+                return capacity  # latency work batches like any server's (see _room for mode "throughput")
+            if mode == "latency":
+                kind = "latency"  # throughput work next to latency work
         elif mode == "latency":
             kind = "latency"
         if kind == "latency":
             return min(lat_cap, capacity)
         return capacity if self.thr_cap is None else min(self.thr_cap, capacity)
+
+    def _room(self, kind: str, mode: str | None, load: int, tokens: int, capacity: int, lat_cap: int) -> bool:
+        """Whether ``tokens`` of work of ``kind`` fit an engine in ``mode`` carrying ``load``."""
+        if kind == "latency" and mode == "throughput" and self.cap_mixed_only and self.fixed_kind is None:
+            # Latency work joins throughput work that is within the latency cap.
+            return load <= min(lat_cap, capacity) and load + tokens <= capacity
+        return load + tokens <= self._cap(kind, mode, capacity, lat_cap)
 
     def _fits(self, e: _Eng, c: QueuedCall, kind: str) -> bool:
         s = e.snap
@@ -481,7 +538,7 @@ class Scheduler:
             not e.blocked
             and _matches(c.model, s.model)
             and c.tokens <= s.max_seq_len
-            and (e.load == 0 or e.load + c.tokens <= self._cap(kind, e.mode, s.token_capacity, self._lat(s)))
+            and (e.load == 0 or self._room(kind, e.mode, e.load, c.tokens, s.token_capacity, self._lat(s)))
         )
 
     # -- heap index
@@ -540,23 +597,31 @@ class Scheduler:
                     if top is None:
                         continue
                     load = top[0]
-                    if load and load + c.tokens > self._cap(kind, mode, cls[2], cls[4]):
-                        continue  # same cap in the class: nothing else here fits either
+                    if load and not self._room(kind, mode, load, c.tokens, cls[2], cls[4]):
+                        continue  # the same rule in the class: nothing else here fits either
                     if best is None or top[:3] < best[:3]:
                         best = top
         return None if best is None else best[4]
 
-    def _pick(self, held: dict[str, _Eng] | None, placed: dict[str, _Eng] | None, c: QueuedCall, kind: str):
-        """Least-loaded engine (ties by recency, then id) among ``held`` and ``placed`` that ``c`` fits."""
+    def _pick(
+        self,
+        held: dict[str, _Eng] | None,
+        placed: dict[str, _Eng] | None,
+        c: QueuedCall,
+        kind: str,
+        busiest: bool = False,
+    ) -> _Eng | None:
+        """Least-loaded (``busiest``: most loaded) engine among ``held`` and ``placed`` that ``c``
+        fits; ties by recency, then id."""
         best = None
+        best_key: tuple | None = None
         for group in (held, placed):
             if group is None:
                 continue
             for e in group.values():
-                if self._fits(e, c, kind) and (
-                    best is None or (e.load, e.recency, e.id) < (best.load, best.recency, best.id)
-                ):
-                    best = e
+                key = (-e.load if busiest else e.load, e.recency, e.id)
+                if self._fits(e, c, kind) and (best_key is None or key < best_key):
+                    best, best_key = e, key
         return best
 
     # -- the round
@@ -611,8 +676,18 @@ class Scheduler:
             return self._least_loaded(c, kind, (None,)), "fifo"
         if self.affinity:
             if group is not None:
-                eng = self._pick(self._groups.get(group), self._round_groups.get(group), c, kind)
+                members = self._groups.get(group), self._round_groups.get(group)
+                eng = self._pick(*members, c, kind, busiest=self.group_spill)
                 if eng is not None:
+                    if self.group_spill:
+                        other = self._least_loaded(c, kind, _MODES)
+                        if (
+                            other is not None
+                            and other is not eng
+                            and other.load + c.tokens <= min(eng.load, self._lat(other.snap))
+                        ):
+                            member = any(m is not None and other.id in m for m in members)
+                            return other, ("task-group" if member else "task-group-spill")
                     return eng, "task-group"
             for h in reversed(c.prefix_hashes):
                 on_engine = self._prefixes.get(h)
@@ -623,6 +698,10 @@ class Scheduler:
                 if eng is not None:
                     held = on_engine is not None and eng.id in on_engine
                     return eng, ("prefix-engine" if held else "prefix-queued")
+        return self._find_engine(c, kind)
+
+    def _find_engine(self, c: QueuedCall, kind: str) -> tuple[_Eng | None, Reason]:
+        """Step 3: the least-loaded fitting engine of ``c``'s kind or idle, else of the other kind."""
         if kind == "latency":
             preferred, other = ("latency", None), ("throughput",)
         else:

@@ -92,6 +92,11 @@ class ManagerConfig:
     # capacity when it does not report one, and how long a ready call may wait for an engine
     policy: str = "parrot"
     latency_cap_tokens: int | None = None
+    # what the latency cap bounds ("mixed": latency and throughput work meeting on an engine;
+    # "all": every engine running latency work, the paper's rule) and whether a task group
+    # may spread to a less loaded engine (scheduler.SchedulerConfig)
+    latency_cap_scope: str = "mixed"
+    group_spill: bool = True
     engine_token_capacity: int = 32768
     queue_timeout_s: float | None = 600.0
     # application-level FIFO: a queued call ranks by its session's first queued call (a
@@ -118,7 +123,12 @@ class Manager:
             self.pool,
             PrefixIndex(self.config.affinity_keys_per_engine),
             calls_of_session=self._unfinished_calls,
-            scheduler=SchedulerConfig(self.config.policy, latency_cap_tokens=self.config.latency_cap_tokens),
+            scheduler=SchedulerConfig(
+                self.config.policy,
+                latency_cap_tokens=self.config.latency_cap_tokens,
+                latency_cap_scope=self.config.latency_cap_scope,
+                group_spill=self.config.group_spill,
+            ),
             engine_token_capacity=self.config.engine_token_capacity,
             queue_timeout_s=self.config.queue_timeout_s,
             min_prefix_tokens=self.config.min_prefix_tokens,
