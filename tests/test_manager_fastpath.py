@@ -84,7 +84,7 @@ def histories(draw):
         policy,
         latency_cap_tokens=draw(st.sampled_from([None, None, 1024, 6144])),
         latency_cap_scope=draw(st.sampled_from(["mixed", "all"])),
-        group_spill=draw(st.booleans()),
+        affinity_spill=draw(st.booleans()),
     )
     rounds = []
     for _ in range(draw(st.integers(1, 8))):

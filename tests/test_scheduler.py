@@ -54,7 +54,7 @@ def run(queue, engines, policy="parrot", **kw):
     work, task groups kept together) unless ``kw`` says otherwise; the defaults' two
     departures from it are tested under "latency batching" and "group spill" below."""
     kw.setdefault("latency_cap_scope", "all")
-    kw.setdefault("group_spill", False)
+    kw.setdefault("affinity_spill", False)
     return schedule(queue, engines, SchedulerConfig(policy, **kw))
 
 
@@ -271,7 +271,7 @@ def test_an_unknown_cap_scope_is_rejected():
 
 
 # ------------------------------------------------------------------ group spill (default)
-def test_a_group_spills_to_a_less_loaded_engine():
+def test_a_affinity_spills_to_a_less_loaded_engine():
     engines = [eng("e1", load=5000, mode="throughput", groups={"tg:r"}), eng("e2")]
     out = run_default([q("m", group="tg:r", tokens=1000)], engines)
     assert out == [Placement("m", "e2", "task-group-spill")]
@@ -304,7 +304,7 @@ def test_spilled_group_work_stays_within_the_latency_cap_of_its_engine():
     ]
 
 
-def test_a_group_spills_into_latency_work_only_under_the_latency_cap():
+def test_a_affinity_spills_into_latency_work_only_under_the_latency_cap():
     engines = [
         eng("e1", load=5000, mode="throughput", groups={"tg:r"}),
         eng("e2", load=1500, mode="latency", lat=2000),
@@ -313,6 +313,31 @@ def test_a_group_spills_into_latency_work_only_under_the_latency_cap():
         Placement("m", "e2", "task-group-spill")
     ]
     assert run_default([q("m", group="tg:r", tokens=600)], engines) == [Placement("m", "e1", "task-group")]
+
+
+def test_prefix_sharers_spill_to_a_less_loaded_engine_within_its_latency_cap():
+    engines = [eng("e1", load=5000, mode="throughput", prefixes={"sys"}), eng("e2", lat=2000)]
+    queue = [q(f"t{i}", kind="throughput", tokens=600, rank=i, prefixes=("sys",)) for i in range(5)]
+    out = run_default(queue, engines)
+    # t0 computes the prefix on e2; t1 and t2 join it there (it holds it now); then e2 is at its cap
+    assert [(p.engine_id, p.reason) for p in out] == [
+        ("e2", "prefix-spill"),
+        ("e2", "prefix-queued"),
+        ("e2", "prefix-queued"),
+        ("e1", "prefix-engine"),
+        ("e1", "prefix-engine"),
+    ]
+    assert where(run(queue, engines)) == dict.fromkeys(["t0", "t1", "t2", "t3", "t4"], "e1")
+
+
+def test_prefix_sharers_stay_on_their_engine_while_it_is_the_lighter():
+    engines = [eng("e1", load=300, mode="latency", prefixes={"sys"}), eng("e2", load=200, mode="latency")]
+    assert run_default([q("a", tokens=200, prefixes=("sys",))], engines) == [
+        Placement("a", "e1", "prefix-engine")
+    ]
+    assert run_default([q("a", tokens=100, prefixes=("sys",))], engines) == [
+        Placement("a", "e2", "prefix-spill")
+    ]
 
 
 # ------------------------------------------------------------------ ties

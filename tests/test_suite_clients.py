@@ -625,7 +625,7 @@ def test_systems_switch_off_one_mechanism_each_and_baselines_have_no_prefix_cach
         "parrot-no-affinity",
         "parrot-no-prefix-cache",
         "parrot-no-latency-batching",
-        "parrot-no-group-spill",
+        "parrot-no-affinity-spill",
     }
     changes = {name: (spec.policy, spec.serve_flags, spec.engine_flags) for name, spec in ablations.items()}
     assert changes == {
@@ -634,7 +634,7 @@ def test_systems_switch_off_one_mechanism_each_and_baselines_have_no_prefix_cach
         "parrot-no-affinity": ("no-affinity", (), ()),
         "parrot-no-prefix-cache": ("parrot", (), ("--no-prefix-cache",)),
         "parrot-no-latency-batching": ("parrot", ("--latency-cap-scope", "all"), ()),
-        "parrot-no-group-spill": ("parrot", ("--no-group-spill",), ()),
+        "parrot-no-affinity-spill": ("parrot", ("--no-affinity-spill",), ()),
     }
     for name in ("parrot-baseline-latency", "parrot-baseline-throughput"):
         spec = SYSTEMS[name]

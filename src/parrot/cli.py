@@ -131,7 +131,7 @@ def _parser() -> argparse.ArgumentParser:
         "(every engine running latency work, the paper's rule)",
     )
     serve.add_argument(
-        "--no-group-spill",
+        "--no-affinity-spill",
         action="store_true",
         help="keep a task group on the engines already running it even when another engine is "
         "less loaded (for ablations)",
@@ -222,7 +222,7 @@ def manager_config(args: argparse.Namespace) -> ManagerConfig:
         latency_cap_tokens=args.latency_cap,
         app_fifo=not args.no_app_fifo,
         latency_cap_scope=args.latency_cap_scope,
-        group_spill=not args.no_group_spill,
+        affinity_spill=not args.no_affinity_spill,
     )
 
 

@@ -43,7 +43,7 @@ producers first, then arrival).  For each call ``c``:
 
 1. *task group* — if ``c`` is in a task group and engines run (or were given
    this round) members of it: the least-loaded of them that ``c`` fits.  With
-   ``config.group_spill`` (the default) instead: ``g``, the *most* loaded of
+   ``config.affinity_spill`` (the default) instead: ``g``, the *most* loaded of
    them that ``c`` fits (the group's home), unless the least-loaded engine
    ``f`` that ``c`` fits, in any mode, has ``f.load + c.tokens <= min(g.load,
    L(f))``: then ``f`` (``task-group-spill`` if it ran no member yet).  The
@@ -55,7 +55,10 @@ producers first, then arrival).  For each call ``c``:
 2. *prefix* — for each of ``c``'s prefix hashes, longest first: the engines
    that hold that prefix (earlier calls with it ran there, so its KV is likely
    in the engine's prefix cache, ``prefix-engine``; or a call with it was placed
-   there this round, ``prefix-queued``); the least-loaded that ``c`` fits;
+   there this round, ``prefix-queued``); the least-loaded that ``c`` fits
+   (with ``affinity_spill``: the most loaded, ``g``, spilling to ``f`` as in
+   step 1; ``prefix-spill`` if ``f`` does not hold the prefix, which it then
+   computes once);
 3. *FindEngine* — latency-sensitive ``c``: the least-loaded fitting engine in
    latency mode or idle (mode None); only if none fits, a fitting engine in
    throughput mode (``find-engine-mixed``; its cap drops to ``cap_L``).
@@ -129,6 +132,7 @@ POLICIES: tuple[Policy, ...] = (
 Reason = Literal[
     "task-group",
     "task-group-spill",
+    "prefix-spill",
     "prefix-queued",
     "prefix-engine",
     "find-engine",
@@ -218,14 +222,14 @@ class SchedulerConfig:
     for throughput work (None: each engine's token capacity).  ``latency_cap_scope``:
     what the latency cap bounds under the non-baseline policies, ``"mixed"`` (only
     latency and throughput work meeting on an engine) or ``"all"`` (every engine running
-    latency work: the paper's rule).  ``group_spill``: a task group may spread to an
-    engine outside it that is less loaded (step 1 of the module docstring)."""
+    latency work: the paper's rule).  ``affinity_spill``: a task group or the sharers
+    of a prefix may spread to a less loaded engine (steps 1 and 2 of the module docstring)."""
 
     policy: Policy = "parrot"
     latency_cap_tokens: int | None = None
     throughput_cap: int | None = None
     latency_cap_scope: CapScope = "mixed"
-    group_spill: bool = True
+    affinity_spill: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -356,7 +360,7 @@ class Scheduler:
         self.thr_cap = config.throughput_cap
         self.fixed_kind = {"baseline-latency": "latency", "baseline-throughput": "throughput"}.get(policy)
         self.cap_mixed_only = config.latency_cap_scope == "mixed"
-        self.group_spill = config.group_spill
+        self.affinity_spill = config.affinity_spill
 
         self._snaps: dict[str, EngineSnapshot] = {}  # every engine it was told of, live or not
         self._engs: dict[str, _Eng] = {}  # live engines
@@ -677,28 +681,41 @@ class Scheduler:
         if self.affinity:
             if group is not None:
                 members = self._groups.get(group), self._round_groups.get(group)
-                eng = self._pick(*members, c, kind, busiest=self.group_spill)
+                eng = self._pick(*members, c, kind, busiest=self.affinity_spill)
                 if eng is not None:
-                    if self.group_spill:
-                        other = self._least_loaded(c, kind, _MODES)
-                        if (
-                            other is not None
-                            and other is not eng
-                            and other.load + c.tokens <= min(eng.load, self._lat(other.snap))
-                        ):
-                            member = any(m is not None and other.id in m for m in members)
-                            return other, ("task-group" if member else "task-group-spill")
+                    other = self._spill(c, kind, eng)
+                    if other is not None:
+                        member = any(m is not None and other.id in m for m in members)
+                        return other, ("task-group" if member else "task-group-spill")
                     return eng, "task-group"
             for h in reversed(c.prefix_hashes):
                 on_engine = self._prefixes.get(h)
                 this_round = self._round_prefixes.get(h)
                 if on_engine is None and this_round is None:
                     continue
-                eng = self._pick(on_engine, this_round, c, kind)
+                eng = self._pick(on_engine, this_round, c, kind, busiest=self.affinity_spill)
                 if eng is not None:
+                    other = self._spill(c, kind, eng)
+                    if other is not None:
+                        if (on_engine is not None and other.id in on_engine) or (
+                            this_round is not None and other.id in this_round
+                        ):
+                            eng = other  # another holder of the prefix, less loaded
+                        else:
+                            return other, "prefix-spill"
                     held = on_engine is not None and eng.id in on_engine
                     return eng, ("prefix-engine" if held else "prefix-queued")
         return self._find_engine(c, kind)
+
+    def _spill(self, c: QueuedCall, kind: str, home: _Eng) -> _Eng | None:
+        """Under ``affinity_spill``: the least-loaded engine ``f`` that ``c`` fits, if it is not
+        ``home`` and ``f.load + c.tokens <= min(home.load, L(f))``; else None."""
+        if not self.affinity_spill:
+            return None
+        other = self._least_loaded(c, kind, _MODES)
+        if other is None or other is home or other.load + c.tokens > min(home.load, self._lat(other.snap)):
+            return None
+        return other
 
     def _find_engine(self, c: QueuedCall, kind: str) -> tuple[_Eng | None, Reason]:
         """Step 3: the least-loaded fitting engine of ``c``'s kind or idle, else of the other kind."""

@@ -96,7 +96,7 @@ class ManagerConfig:
     # "all": every engine running latency work, the paper's rule) and whether a task group
     # may spread to a less loaded engine (scheduler.SchedulerConfig)
     latency_cap_scope: str = "mixed"
-    group_spill: bool = True
+    affinity_spill: bool = True
     engine_token_capacity: int = 32768
     queue_timeout_s: float | None = 600.0
     # application-level FIFO: a queued call ranks by its session's first queued call (a
@@ -127,7 +127,7 @@ class Manager:
                 self.config.policy,
                 latency_cap_tokens=self.config.latency_cap_tokens,
                 latency_cap_scope=self.config.latency_cap_scope,
-                group_spill=self.config.group_spill,
+                affinity_spill=self.config.affinity_spill,
             ),
             engine_token_capacity=self.config.engine_token_capacity,
             queue_timeout_s=self.config.queue_timeout_s,
