@@ -340,6 +340,14 @@ def test_prefix_sharers_stay_on_their_engine_while_it_is_the_lighter():
     ]
 
 
+def test_latency_sharers_of_a_prefix_go_to_the_lighter_holder_past_the_latency_cap():
+    engines = [
+        eng("e1", load=5000, mode="latency", prefixes={"sys"}, lat=1800),
+        eng("e2", load=3000, mode="latency", prefixes={"sys"}, lat=1800),
+    ]
+    assert where(run_default([q("a", tokens=200, prefixes=("sys",))], engines)) == {"a": "e2"}
+
+
 # ------------------------------------------------------------------ ties
 def test_equal_loads_go_to_the_engine_given_work_least_recently():
     engines = [eng("e1", last=7), eng("e2", last=3), eng("e3", last=5)]

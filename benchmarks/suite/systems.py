@@ -8,7 +8,7 @@ name                            client      server
 ``parrot-no-deduction``         Parrot      ... ``--policy no-deduction`` (objective deduction off)
 ``parrot-no-affinity``          Parrot      ... ``--policy no-affinity`` (prefix/task-group affinity off)
 ``parrot-no-latency-batching``  Parrot      ... ``--latency-cap-scope all`` (the paper's latency cap)
-``parrot-no-affinity-spill``       Parrot      ... ``--no-affinity-spill`` (task groups kept on their engines)
+``parrot-no-affinity-spill``    Parrot      ... ``--no-affinity-spill`` (groups and prefix sharers stay put)
 ``parrot-no-prefix-cache``      Parrot      ... engines ``--no-prefix-cache`` (automatic prefix cache off)
 ``parrot-baseline-latency``     baseline    ``--policy baseline-latency``, engines ``--no-prefix-cache``,
                                             via Parrot's ``/v1/completions``
@@ -125,7 +125,7 @@ SYSTEMS: dict[str, SystemSpec] = {
         "parrot",
         "parrot",
         "parrot",
-        "Parrot with task groups kept on their engines",
+        "Parrot with task groups and prefix sharers kept on their engines",
         serve_flags=("--no-affinity-spill",),
     ),
     "parrot-no-prefix-cache": SystemSpec(

@@ -133,8 +133,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--no-affinity-spill",
         action="store_true",
-        help="keep a task group on the engines already running it even when another engine is "
-        "less loaded (for ablations)",
+        help="keep a task group, and the calls sharing a prefix, on the engines already running "
+        "them even when another engine is less loaded (for ablations)",
     )
     serve.add_argument(
         "--no-app-fifo",

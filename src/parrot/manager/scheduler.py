@@ -45,10 +45,11 @@ producers first, then arrival).  For each call ``c``:
    this round) members of it: the least-loaded of them that ``c`` fits.  With
    ``config.affinity_spill`` (the default) instead: ``g``, the *most* loaded of
    them that ``c`` fits (the group's home), unless the least-loaded engine
-   ``f`` that ``c`` fits, in any mode, has ``f.load + c.tokens <= min(g.load,
-   L(f))``: then ``f`` (``task-group-spill`` if it ran no member yet).  The
-   bound ``L(f)`` keeps work spread off the home within ``f``'s latency cap,
-   so latency calls can still join ``f``.  A group fills its home and spreads
+   ``f`` that ``c`` fits, in any mode, has ``f.load + c.tokens <= g.load``
+   and, for throughput ``c``, ``<= L(f)``: then ``f`` (``task-group-spill``
+   if it ran no member yet).  The bound ``L(f)`` keeps throughput work spread
+   off the home within ``f``'s latency cap, so latency calls can still join
+   ``f``; latency calls need no such bound, as they batch with each other.  A group fills its home and spreads
    only where that finishes it sooner, so where compute, not batch size,
    limits a step (CPU engines) a big group is not left to one engine while
    another has time;
@@ -709,13 +710,15 @@ class Scheduler:
 
     def _spill(self, c: QueuedCall, kind: str, home: _Eng) -> _Eng | None:
         """Under ``affinity_spill``: the least-loaded engine ``f`` that ``c`` fits, if it is not
-        ``home`` and ``f.load + c.tokens <= min(home.load, L(f))``; else None."""
+        ``home`` and ``f.load + c.tokens <= home.load`` (throughput ``c``: and ``<= L(f)``);
+        else None."""
         if not self.affinity_spill:
             return None
         other = self._least_loaded(c, kind, _MODES)
-        if other is None or other is home or other.load + c.tokens > min(home.load, self._lat(other.snap)):
+        if other is None or other is home:
             return None
-        return other
+        bound = home.load if kind == "latency" else min(home.load, self._lat(other.snap))
+        return other if other.load + c.tokens <= bound else None
 
     def _find_engine(self, c: QueuedCall, kind: str) -> tuple[_Eng | None, Reason]:
         """Step 3: the least-loaded fitting engine of ``c``'s kind or idle, else of the other kind."""

@@ -93,8 +93,8 @@ class ManagerConfig:
     policy: str = "parrot"
     latency_cap_tokens: int | None = None
     # what the latency cap bounds ("mixed": latency and throughput work meeting on an engine;
-    # "all": every engine running latency work, the paper's rule) and whether a task group
-    # may spread to a less loaded engine (scheduler.SchedulerConfig)
+    # "all": every engine running latency work, the paper's rule) and whether a task group or
+    # the sharers of a prefix may spread to a less loaded engine (scheduler.SchedulerConfig)
     latency_cap_scope: str = "mixed"
     affinity_spill: bool = True
     engine_token_capacity: int = 32768
