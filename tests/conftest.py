@@ -75,12 +75,18 @@ class LiveServer:
 def start_server(manager: Manager, *, record: bool = True) -> LiveServer:
     app = create_app(manager)
     live = LiveServer(url="", manager=manager)
-    asgi = RequestLog(app, live.requests) if record else app
+    return serve_asgi(RequestLog(app, live.requests) if record else app, live)
+
+
+def serve_asgi(asgi, live: LiveServer, **tls: str) -> LiveServer:
+    """Serve ``asgi`` with uvicorn on a free loopback port, on a thread of its own (HTTPS
+    with ``ssl_certfile`` and ``ssl_keyfile`` in ``tls``); fills in and returns ``live``
+    (its ``url``, server, thread and loop)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    live.url = f"http://127.0.0.1:{port}"
-    server = uvicorn.Server(uvicorn.Config(asgi, log_level="warning", lifespan="on"))
+    live.url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
+    server = uvicorn.Server(uvicorn.Config(asgi, log_level="warning", lifespan="on", **tls))
     live.server = server
 
     def run() -> None:

@@ -20,7 +20,13 @@ from typing import TypeVar
 
 import httpx
 
+from parrot.protocol.cluster import CLUSTER_SECRET_ENV, CLUSTER_SECRET_HEADER
+
 T = TypeVar("T")
+TEST_CLUSTER_SECRET = "test-cluster-secret-0123456789"
+"""The cluster secret every process started here gets (managers and engines)."""
+OPERATOR = {CLUSTER_SECRET_HEADER: TEST_CLUSTER_SECRET}
+"""Headers of the operator's requests to those managers."""
 
 
 def free_port() -> int:
@@ -41,7 +47,7 @@ class Proc:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in kill()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", CLUSTER_SECRET_ENV: TEST_CLUSTER_SECRET}
         self.popen = subprocess.Popen(
             [*parrot_command(), "--log-level", "info", *args],
             stdout=self._log,
@@ -181,7 +187,7 @@ def wait_until(check: Callable[[], T], timeout: float, message: Callable[[], str
 
 
 def engines(manager: Proc) -> list[dict]:
-    resp = httpx.get(f"{manager.url}/v1/engines", timeout=10)
+    resp = httpx.get(f"{manager.url}/v1/engines", timeout=10, headers=OPERATOR)
     resp.raise_for_status()
     return resp.json()
 

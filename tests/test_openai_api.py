@@ -270,6 +270,28 @@ def test_stream_disconnect_closes_the_session_and_frees_the_context(
     assert complete(client, prompt="after", max_tokens=2, ignore_eos=True)["usage"]["completion_tokens"] == 2
 
 
+def test_a_non_streaming_completion_is_cancelled_when_its_client_goes_away(
+    oa: conftest.LiveServer, tiny_engine: LocalEngine
+) -> None:
+    before = engine_contexts(oa, tiny_engine)
+    generated_before = oa.run_on_loop(tiny_engine.stats()).generated_tokens
+    body = {"model": "tiny", "prompt": "Go on", "max_tokens": 1900, "ignore_eos": True}
+    with httpx.Client(base_url=oa.url, timeout=httpx.Timeout(10.0, read=0.5)) as impatient:
+        with pytest.raises(httpx.ReadTimeout):
+            impatient.post("/v1/completions", json=body)  # gives up and hangs up mid-generation
+    no_sessions_soon(oa)
+    deadline = time.monotonic() + WAIT
+    while engine_contexts(oa, tiny_engine) > before:
+        assert time.monotonic() < deadline, "the engine context of the abandoned call was not freed"
+        time.sleep(0.05)
+    generated = oa.run_on_loop(tiny_engine.stats()).generated_tokens
+    time.sleep(0.5)
+    assert oa.run_on_loop(tiny_engine.stats()).generated_tokens == generated  # it stopped ...
+    assert generated - generated_before < 1900  # ... before its end
+    with httpx.Client(base_url=oa.url, timeout=WAIT) as client:  # the server still works
+        assert complete(client, prompt="after", max_tokens=2, ignore_eos=True)["usage"]["completion_tokens"] == 2
+
+
 def test_completion_frees_its_engine_context(
     oa: conftest.LiveServer, client: httpx.Client, tiny_engine: LocalEngine
 ) -> None:

@@ -25,7 +25,7 @@ from parrot.engine.local import LocalEngine
 from parrot.manager.engines import EngineHandle
 from parrot.manager.remote_engine import RemoteEngine
 from parrot.protocol.tokenizer import TextTokenizer
-from tests.procs import Proc, Procs, engine_by_url, engines, wait_until
+from tests.procs import OPERATOR, TEST_CLUSTER_SECRET, Proc, Procs, engine_by_url, engines, wait_until
 
 # Short heartbeats for the failure tests: an engine is dropped ~2.5 s after it goes silent.
 HB_INTERVAL, HB_TIMEOUT = 0.3, 2.5
@@ -230,7 +230,7 @@ def test_frozen_engine_is_dropped_then_reregisters_when_it_resumes(procs: Procs)
     # The resumed engine stops the orphaned generation (its manager hung up) and
     # frees the context the manager gave up on when it dropped the engine.
     def engine_stats() -> dict:
-        return httpx.get(f"{eng.url}/stats", timeout=10).json()
+        return httpx.get(f"{eng.url}/stats", timeout=10, headers=OPERATOR).json()
 
     stats = wait_until(
         lambda: (st := engine_stats())["num_running"] == 0 and st["num_contexts"] == 0 and st,
@@ -248,7 +248,7 @@ def test_frozen_engine_is_dropped_then_reregisters_when_it_resumes(procs: Procs)
 
 # ------------------------------------------------------- engine HTTP API
 def _post(eng: Proc, path: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{eng.url}{path}", json=body, timeout=30)
+    return httpx.post(f"{eng.url}{path}", json=body, timeout=30, headers=OPERATOR)
 
 
 def _generate(eng: Proc, body: dict) -> tuple[httpx.Response, list[dict]]:
@@ -288,7 +288,7 @@ def test_engine_http_api(procs: Procs, tiny_model: LoadedModel, tiny_engine: Loc
 
     health = httpx.get(f"{eng.url}/healthz", timeout=10).json()
     assert health == {"ok": True, "model": tiny_model.name}
-    tok = httpx.get(f"{eng.url}/tokenizer", timeout=10).json()
+    tok = httpx.get(f"{eng.url}/tokenizer", timeout=10, headers=OPERATOR).json()
     assert tok["model"] == tiny_model.name and tok["max_seq_len"] == tiny_model.config.max_seq_len
     tokenizer = TextTokenizer.from_dict(tok["tokenizer"])
     assert tokenizer.encode("Hello, parrot!") == tiny_model.tokenizer.encode("Hello, parrot!")
@@ -314,7 +314,7 @@ def test_engine_http_api(procs: Procs, tiny_model: LoadedModel, tiny_engine: Loc
     assert from_a == local_a and len(from_a) == 6
     assert from_b == local_b
 
-    stats = httpx.get(f"{eng.url}/stats", timeout=10).json()
+    stats = httpx.get(f"{eng.url}/stats", timeout=10, headers=OPERATOR).json()
     assert stats["num_contexts"] == 2 and stats["num_running"] == 0
     assert stats["fills"] == 2 and stats["filled_tokens"] == len(prompt) + len(extra)
     assert stats["generates"] == 2 and stats["generated_tokens"] == 12
@@ -338,7 +338,7 @@ def test_engine_http_api(procs: Procs, tiny_model: LoadedModel, tiny_engine: Loc
     assert code == "context_not_found"
     resp = _post(eng, "/free_context", {"context_id": 99_999})
     assert resp.status_code == 404 and resp.json()["error"]["code"] == "context_not_found", resp.text
-    after = httpx.get(f"{eng.url}/stats", timeout=10).json()
+    after = httpx.get(f"{eng.url}/stats", timeout=10, headers=OPERATOR).json()
     assert after["fills"] == stats["fills"] and after["filled_tokens"] == stats["filled_tokens"]
 
     for bad in ({"token_capacity": "many"}, {"token_capacity": 1.5}, {}, {"token_capacity": 8, "x": 1}):
@@ -359,7 +359,7 @@ def test_engine_http_api(procs: Procs, tiny_model: LoadedModel, tiny_engine: Loc
 
     # ---- the manager's client for this API rebuilds the engine's errors
     async def through_remote_engine() -> None:
-        remote = await RemoteEngine.connect(str(eng.url))
+        remote = await RemoteEngine.connect(str(eng.url), cluster_secret=TEST_CLUSTER_SECRET)
         try:
             assert remote.model_name == tiny_model.name
             with pytest.raises(P.NotFound) as info:
@@ -389,7 +389,7 @@ def test_engine_http_api(procs: Procs, tiny_model: LoadedModel, tiny_engine: Loc
 def test_engine_cli_sets_capacity_and_kv_pool(procs: Procs):
     mgr = procs.manager()
     eng = procs.engine(mgr, "--token-capacity", "1234", "--kv-cache-tokens", "4096")
-    stats = httpx.get(f"{eng.url}/stats", timeout=10).json()
+    stats = httpx.get(f"{eng.url}/stats", timeout=10, headers=OPERATOR).json()
     assert stats["token_capacity"] == 1234
     assert stats["kv_tokens_total"] == 4096 and stats["kv_blocks_total"] == 4096 // stats["kv_block_size"]
 
@@ -399,9 +399,9 @@ def test_engine_reports_its_latency_cap_and_the_manager_learns_it_at_once(procs:
     fixed = procs.engine(mgr, "--latency-cap", "2222")
     # one thread: two OpenMP threads on 2 busy cores stall at every barrier, flat in load
     measured = procs.engine(mgr, "--latency-factor", "1.5", "--threads", "1")
-    stats = httpx.get(f"{fixed.url}/stats", timeout=10).json()
+    stats = httpx.get(f"{fixed.url}/stats", timeout=10, headers=OPERATOR).json()
     assert (stats["latency_cap_tokens"], stats["latency_cap_source"]) == (2222, "fixed")
-    stats = httpx.get(f"{measured.url}/stats", timeout=10).json()  # answered after its probe
+    stats = httpx.get(f"{measured.url}/stats", timeout=10, headers=OPERATOR).json()  # answered after its probe
     assert stats["latency_cap_source"] == "measured" and stats["latency_cap_tokens"] > 0
     assert stats["decode_ms_target"] == pytest.approx(1.5 * stats["decode_ms_base"], rel=1e-3)
     # the first heartbeat follows registration at once: the manager knows both caps now

@@ -89,3 +89,19 @@ def test_render_refuses_what_one_request_cannot_do():
     not_last = P.template_function("{{input:x}} {{output:y}} tail", chat=True)
     with pytest.raises(InvalidTemplate, match="last element"):
         not_last.render({"x": "1"}, ChatFormat.chatml())
+
+
+def test_the_constant_prefix_cache_keeps_digests_not_texts() -> None:
+    """Long templates do not pile up in memory: the cache of leading-text token counts holds
+    a 16-byte digest per entry and at most its entry count."""
+    from parrot.manager import render as R
+    from parrot.protocol.tokenizer import TextTokenizer
+
+    tok = TextTokenizer.byte_level_tiny()
+    texts = [f"{i:04d}" + "x" * 20_000 for i in range(R._CONSTANT_TOKENS_ENTRIES + 40)]
+    assert [R._constant_tokens(tok, t) for t in texts[:3]] == [len(tok.encode(t)) for t in texts[:3]]
+    for t in texts:
+        R._constant_tokens(tok, t)
+    assert len(R._CONSTANT_TOKENS) == R._CONSTANT_TOKENS_ENTRIES
+    assert all(len(digest) == 16 for _, digest in R._CONSTANT_TOKENS)
+    assert R._constant_tokens(tok, texts[-1]) == len(tok.encode(texts[-1]))  # a hit gives the same count

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -272,3 +273,31 @@ def test_apply_never_raises_anything_but_transform_failed(text):
         except TransformFailed:
             continue
         assert isinstance(out, str)
+
+
+def test_a_backtracking_pattern_fails_within_its_budget_and_lets_other_threads_run():
+    chain = T.regex(r"(a+)+$")
+    text = "a" * 40 + "!"  # 2**40 ways to split the a's before the '!' fails
+    ticks = 0
+    done = threading.Event()
+
+    def count() -> None:
+        nonlocal ticks
+        while not done.is_set():
+            ticks += 1
+            time.sleep(0.001)
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(TransformFailed, match="budget") as info:
+            chain.apply(text)
+    finally:
+        done.set()
+        counter.join()
+    elapsed = time.monotonic() - start
+    assert T.MAX_REGEX_SECONDS <= elapsed < T.MAX_REGEX_SECONDS + 1.0
+    assert info.value.detail["pattern"] == r"(a+)+$"
+    assert ticks > 50  # the other thread kept running while the pattern searched
+    assert T.regex(r"(a+)+$").apply("a" * 40) == "a" * 40  # a matching value is quick

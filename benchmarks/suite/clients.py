@@ -465,7 +465,7 @@ async def _snapshot(client: httpx.AsyncClient, system: SystemHandle) -> dict[str
     """Counters and gauges of the system's engines now (summed over engines); None if unknown."""
     try:
         if system.backend == "parrot":
-            response = await client.get(f"{system.base_url}/v1/engines")
+            response = await client.get(f"{system.base_url}/v1/engines", headers=system.operator_headers)
             response.raise_for_status()
             out: dict[str, float] = {}
             for engine in response.json():

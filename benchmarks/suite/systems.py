@@ -64,6 +64,8 @@ from typing import Any, Literal
 import httpx
 from benchmarks import peers
 
+from parrot.protocol.cluster import CLUSTER_SECRET_ENV, cluster_headers, generate_secret
+
 __all__ = [
     "DTYPES",
     "SYSTEMS",
@@ -181,6 +183,8 @@ class SystemHandle:
     base_urls: list[str] = field(default_factory=list)  # every server the baseline client may use
     pgids: list[int] = field(default_factory=list)  # process groups of its processes
     dtype: str = "float32"
+    # what shows the operator's view of the engines (Parrot: the cluster secret); not described
+    operator_headers: dict[str, str] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if not self.base_urls:
@@ -393,7 +397,8 @@ def _parrot_system(
         engine_flags=spec.engine_flags,
     )
     threads = cores if engines <= 1 else max(1, cores // engines)
-    env = {"OMP_NUM_THREADS": str(threads)}
+    secret = generate_secret()  # the manager's and its engines' (never written to the results)
+    env = {"OMP_NUM_THREADS": str(threads), CLUSTER_SECRET_ENV: secret}
     procs: list[_Process] = []
     try:
         procs.append(_Process("manager", serve_cmd, log_dir / "manager.log", env))
@@ -414,6 +419,7 @@ def _parrot_system(
             log_dir=log_dir,
             pgids=[p.popen.pid for p in procs],
             dtype=dtype,
+            operator_headers=cluster_headers(secret),
         )
         yield handle
     finally:

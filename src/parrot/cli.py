@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from parrot.manager.service import ManagerConfig
 
 from parrot.engine.latency_probe import LATENCY_FACTOR  # torch-free
+from parrot.protocol.cluster import CLUSTER_SECRET_ENV, client_tls, generate_secret, resolve_secret
 
 DEFAULT_MODEL = "smollm2"
 
@@ -85,6 +86,34 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_tls_args(p: argparse.ArgumentParser, peer: str) -> None:
+    p.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate (PEM)")
+    p.add_argument("--ssl-keyfile", default=None, help="... and this private key (PEM)")
+    p.add_argument(
+        "--ssl-ca-file",
+        default=None,
+        help=f"CA bundle (PEM) that verifies the {peer}'s HTTPS certificate (default: the system's)",
+    )
+
+
+def _tls(args: argparse.Namespace, prog: str) -> dict[str, str]:
+    """uvicorn's TLS options from ``--ssl-certfile``/``--ssl-keyfile`` (both or neither)."""
+    if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
+        raise SystemExit(f"{prog}: --ssl-certfile and --ssl-keyfile go together")
+    if args.ssl_certfile is None:
+        return {}
+    return {"ssl_certfile": args.ssl_certfile, "ssl_keyfile": args.ssl_keyfile}
+
+
+def _check_ca_file(path: str | None, prog: str) -> None:
+    if path is None:
+        return
+    try:
+        client_tls(path)
+    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        raise SystemExit(f"{prog}: --ssl-ca-file {path}: {exc}") from None
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="parrot", description=__doc__)
     parser.add_argument("--log-level", default="info")
@@ -94,6 +123,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=9000)
     serve.add_argument("--no-engine", action="store_true", help="manager only; engines register over HTTP")
+    serve.add_argument(
+        "--cluster-secret",
+        default=None,
+        help=f"the secret engines present to register and heartbeat, and operators to see engine "
+        f"URLs and counters (default: ${CLUSTER_SECRET_ENV}; else one is generated, and printed "
+        "once with --no-engine)",
+    )
     serve.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
     serve.add_argument(
         "--heartbeat-interval",
@@ -143,11 +179,19 @@ def _parser() -> argparse.ArgumentParser:
         "the baseline policies always do)",
     )
     serve.add_argument(
+        "--session-ttl",
+        type=float,
+        default=3600.0,
+        help="close a session after this many seconds without a request and with no call queued "
+        "or running, freeing its variables and engine contexts (0: never)",
+    )
+    serve.add_argument(
         "--engine-wait",
         type=float,
         default=30.0,
         help="seconds a call whose engine was lost waits for another engine before failing",
     )
+    _add_tls_args(serve, "engines")
     _add_engine_args(serve)
 
     engine = sub.add_parser("engine", help="run an engine that registers with a manager")
@@ -156,12 +200,19 @@ def _parser() -> argparse.ArgumentParser:
     engine.add_argument("--port", type=int, default=0, help="0 picks a free port")
     engine.add_argument("--name", default=None)
     engine.add_argument(
+        "--cluster-secret",
+        default=None,
+        help=f"the manager's cluster secret (default: ${CLUSTER_SECRET_ENV}); required: the engine "
+        "presents it to the manager and answers only requests that carry it",
+    )
+    engine.add_argument(
         "--latency-cap",
         type=int,
         default=None,
         help="report this latency cap (tokens) instead of measuring one; a manager started with "
         "--latency-cap overrides it",
     )
+    _add_tls_args(engine, "manager")
     _add_engine_args(engine)
     return parser
 
@@ -213,7 +264,22 @@ def manager_config(args: argparse.Namespace) -> ManagerConfig:
         raise SystemExit("parrot serve: need 0 < --heartbeat-interval < --heartbeat-timeout")
     if args.latency_cap is not None and args.latency_cap < 1:
         raise SystemExit("parrot serve: --latency-cap must be a positive number of tokens")
+    if args.session_ttl < 0:
+        raise SystemExit("parrot serve: --session-ttl must be >= 0 (0: sessions never expire)")
+    _tls(args, "parrot serve")
+    _check_ca_file(args.ssl_ca_file, "parrot serve")
+    try:
+        secret = resolve_secret(args.cluster_secret)
+    except ValueError as exc:
+        raise SystemExit(f"parrot serve: {exc}") from None
+    if secret is None:  # last: nothing below can fail after it is printed
+        secret = generate_secret()
+        if args.no_engine:  # engines must join: the operator needs to know it
+            print(f"parrot: cluster secret for the engines: {CLUSTER_SECRET_ENV}={secret}", file=sys.stderr)
     return ManagerConfig(
+        tls_ca_file=args.ssl_ca_file,
+        session_ttl_s=args.session_ttl or None,
+        cluster_secret=secret,
         max_body_bytes=args.max_body_bytes,
         heartbeat_interval_s=args.heartbeat_interval,
         heartbeat_timeout_s=args.heartbeat_timeout,
@@ -240,11 +306,12 @@ def serve(args: argparse.Namespace) -> None:
         manager.pool.register(engine, name="embedded")
     app = create_app(manager)
     sock = _bind(args.host, args.port)
-    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
+    tls = _tls(args, "parrot serve")
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5, **tls)
     server = uvicorn.Server(config)
     host, port = sock.getsockname()[:2]
     print(
-        f"parrot: manager ready at http://{host}:{port} in {time.perf_counter() - started:.2f}s "
+        f"parrot: manager ready at {'https' if tls else 'http'}://{host}:{port} in {time.perf_counter() - started:.2f}s "
         f"({'model ' + engine.model_name if engine else 'no embedded engine'})",
         flush=True,
     )
@@ -260,16 +327,38 @@ def run_engine(args: argparse.Namespace) -> None:
 
     from parrot.engine.http_app import create_engine_app, register_and_heartbeat
 
+    try:
+        secret = resolve_secret(args.cluster_secret)
+    except ValueError as exc:
+        raise SystemExit(f"parrot engine: {exc}") from None
+    if secret is None:
+        raise SystemExit(
+            f"parrot engine: needs its manager's cluster secret (--cluster-secret or ${CLUSTER_SECRET_ENV}); "
+            "parrot serve --no-engine prints the one it generated"
+        )
+    tls = _tls(args, "parrot engine")
+    _check_ca_file(args.ssl_ca_file, "parrot engine")
     engine = _load_engine(args)
-    app = create_engine_app(engine)
+    app = create_engine_app(engine, cluster_secret=secret)
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
-    own_url = f"http://{host}:{port}"
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
+    own_url = f"{'https' if tls else 'http'}://{host}:{port}"
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5, **tls)
+    server = uvicorn.Server(config)
 
     async def main() -> None:
         stop = asyncio.Event()
-        beat = asyncio.create_task(register_and_heartbeat(engine, args.manager, own_url, args.name, stop))
+        beat = asyncio.create_task(
+            register_and_heartbeat(
+                engine,
+                args.manager,
+                own_url,
+                args.name,
+                stop,
+                cluster_secret=secret,
+                verify=client_tls(args.ssl_ca_file),
+            )
+        )
         print(
             f"parrot: engine {engine.model_name} serving at {own_url}, registering with {args.manager}",
             flush=True,

@@ -1,20 +1,28 @@
 """HTTP face of an engine process (``parrot engine``): the engine API as
-endpoints, plus registration with a manager and heartbeats."""
+endpoints, plus registration with a manager and heartbeats.
+
+Every endpoint but ``/healthz`` needs the cluster secret
+(:mod:`parrot.protocol.cluster`); without it the answer is 401 and nothing
+changes.  The engine presents the same secret to its manager."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import ssl
 from collections.abc import AsyncIterator
 
+from typing import Annotated
+
 import httpx
-from fastapi import FastAPI
+from fastapi import APIRouter, Depends, FastAPI, Header
 from fastapi.responses import StreamingResponse
 
 from parrot.engine.local import LocalEngine
 from parrot.protocol.asgi import BodyLimitMiddleware, install_error_handlers, ndjson_line
-from parrot.protocol.errors import ParrotError
+from parrot.protocol.cluster import CLUSTER_SECRET_HEADER, cluster_headers, secret_matches
+from parrot.protocol.errors import ParrotError, Unauthorized
 from parrot.protocol.sampling import SamplingParams
 from parrot.protocol.schemas import (
     EngineStats,
@@ -29,8 +37,20 @@ from parrot.protocol.schemas import (
 log = logging.getLogger(__name__)
 
 
-def create_engine_app(engine: LocalEngine, *, max_body_bytes: int = 64 * 1024 * 1024) -> FastAPI:
+def create_engine_app(
+    engine: LocalEngine, *, cluster_secret: str | None, max_body_bytes: int = 64 * 1024 * 1024
+) -> FastAPI:
+    """The engine's app.  ``cluster_secret`` None leaves the engine API open: only for an
+    engine that nothing but its own process can reach (``parrot engine`` always has one)."""
+
+    async def require_secret(
+        presented: Annotated[str | None, Header(alias=CLUSTER_SECRET_HEADER)] = None,
+    ) -> None:
+        if cluster_secret is not None and not secret_matches(cluster_secret, presented):
+            raise Unauthorized(f"this engine answers only its manager: {CLUSTER_SECRET_HEADER} missing or wrong")
+
     app = FastAPI(title="Parrot engine", version="0.1.0")
+    protected = APIRouter(dependencies=[Depends(require_secret)])
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
 
@@ -38,7 +58,7 @@ def create_engine_app(engine: LocalEngine, *, max_body_bytes: int = 64 * 1024 * 
     async def healthz() -> dict:
         return {"ok": True, "model": engine.model_name}
 
-    @app.get("/tokenizer")
+    @protected.get("/tokenizer")
     async def tokenizer() -> dict:
         return {
             "model": engine.model_name,
@@ -46,12 +66,12 @@ def create_engine_app(engine: LocalEngine, *, max_body_bytes: int = 64 * 1024 * 
             "tokenizer": engine.tokenizer.to_dict(),
         }
 
-    @app.post("/fill")
+    @protected.post("/fill")
     async def fill(body: FillRequest) -> dict:
         await engine.fill(body.tokens, body.context_id, body.parent_context_id)
         return {"ok": True}
 
-    @app.post("/generate", response_class=StreamingResponse)
+    @protected.post("/generate", response_class=StreamingResponse)
     async def generate(body: GenerateRequest) -> StreamingResponse:
         sampling = SamplingParams.from_dict(body.sampling)
         stream = engine.generate(sampling, body.context_id, body.parent_context_id)
@@ -68,26 +88,33 @@ def create_engine_app(engine: LocalEngine, *, max_body_bytes: int = 64 * 1024 * 
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
-    @app.post("/free_context")
+    @protected.post("/free_context")
     async def free_context(body: FreeContextRequest) -> dict:
         await engine.free_context(body.context_id)
         return {"ok": True}
 
-    @app.post("/token_capacity", response_model=EngineStats)
+    @protected.post("/token_capacity", response_model=EngineStats)
     async def token_capacity(body: TokenCapacityRequest) -> EngineStats:
         """Switch the engine's token capacity at run time; answers with the new stats."""
         await engine.set_token_capacity(body.token_capacity)
         return await engine.stats()
 
-    @app.get("/stats", response_model=EngineStats)
+    @protected.get("/stats", response_model=EngineStats)
     async def stats() -> EngineStats:
         return await engine.stats()
 
+    app.include_router(protected)
     return app
 
 
 async def register_and_heartbeat(
-    engine: LocalEngine, manager_url: str, own_url: str, name: str | None, stop: asyncio.Event
+    engine: LocalEngine,
+    manager_url: str,
+    own_url: str,
+    name: str | None,
+    stop: asyncio.Event,
+    cluster_secret: str | None = None,
+    verify: ssl.SSLContext | bool = True,
 ) -> None:
     """Register with the manager, then heartbeat (the first one at once: the stats carry
     the engine's latency cap) until ``stop`` is set.
@@ -95,7 +122,9 @@ async def register_and_heartbeat(
     after missed heartbeats).  A manager that forgot us has given up on every
     call it had here, so the contexts left from before are freed once the new
     registration succeeds (otherwise their KV would be held forever)."""
-    async with httpx.AsyncClient(base_url=manager_url.rstrip("/"), timeout=30) as client:
+    headers = cluster_headers(cluster_secret)
+    client = httpx.AsyncClient(base_url=manager_url.rstrip("/"), timeout=30, headers=headers, verify=verify)
+    async with client:
         engine_id: str | None = None
         interval = 2.0
         while not stop.is_set():

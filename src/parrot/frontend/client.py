@@ -23,7 +23,10 @@ Endpoints used (all JSON; every request after the first carries
 when the variable leaves ``pending`` or when ``wait`` has passed.  The stream
 is lines ``{"text": delta}`` ended by ``{"done": true, "state": "ready" |
 "failed", "error": {...} | null}`` (blank lines are ignored; an optional
-``"value"`` in the final line is cached as the variable's value).
+``"value"`` in the final line is cached as the variable's value).  A line
+``{"restart": true}`` says the producing call is re-running on another engine
+and its text starts over (``_StreamedText`` keeps what ``stream()`` yields
+consistent).
 
 Invariants: one HTTP request per semantic-function call, sent in program order
 (the async session sends from one background task, in queue order), except
@@ -44,7 +47,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextvars import ContextVar, Token
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -343,10 +346,10 @@ class _Base:
             raise error
         return False
 
-    def _stream_event(self, var: SemanticVariable, line: str) -> tuple[str, bool]:
-        """One NDJSON line -> (text delta, done); raises on a failed end."""
+    def _stream_event(self, var: SemanticVariable, line: str) -> _Event:
+        """One NDJSON line -> its event; raises on a failed end."""
         if not line.strip():
-            return "", False
+            return _Event()
         try:
             event = json.loads(line)
         except ValueError:
@@ -360,11 +363,15 @@ class _Base:
             var._fail(error)
             raise error
         if event.get("done"):
-            if isinstance(event.get("value"), str):
-                var._resolve(event["value"])
-            return "", True
+            value = event.get("value")
+            if isinstance(value, str):
+                var._resolve(value)
+                return _Event(done=True, value=value)
+            return _Event(done=True)
+        if event.get("restart"):
+            return _Event(restart=True)
         text = event.get("text", "")
-        return (text if isinstance(text, str) else ""), False
+        return _Event(text=text if isinstance(text, str) else "")
 
     def _cached(self, var: SemanticVariable) -> bool:
         if var._error is not None:
@@ -573,12 +580,14 @@ class Session(_Base):
                 if not response.is_success:
                     response.read()
                     _raise_for_status(response)
+                streamed = _StreamedText(var)
                 for line in response.iter_lines():
-                    text, done = self._stream_event(var, line)
-                    if done:
-                        return
+                    event = self._stream_event(var, line)
+                    text = streamed.take(event)
                     if text:
                         yield text
+                    if event.done:
+                        return
         except httpx.HTTPError as exc:
             raise self._transport_error("GET", path, exc) from exc
         raise ParrotError(
@@ -983,16 +992,81 @@ class AsyncSession(_Base):
                 if not response.is_success:
                     await response.aread()
                     _raise_for_status(response)
+                streamed = _StreamedText(var)
                 async for line in response.aiter_lines():
-                    text, done = self._stream_event(var, line)
-                    if done:
-                        return
+                    event = self._stream_event(var, line)
+                    text = streamed.take(event)
                     if text:
                         yield text
+                    if event.done:
+                        return
         except httpx.HTTPError as exc:
             raise self._transport_error("GET", path, exc) from exc
         raise ParrotError(
             f"stream of variable {var.id} ended without its final line", code="stream_truncated"
+        )
+
+
+class _Event(NamedTuple):
+    """One line of a variable's stream: a text delta, a restart, or the end (with the value)."""
+
+    text: str = ""
+    restart: bool = False
+    done: bool = False
+    value: str | None = None
+
+
+class _StreamedText:
+    """What ``stream()`` has yielded of a variable, kept a prefix of the text the producer
+    is generating.
+
+    When the producing call is re-run on another engine the server sends
+    ``{"restart": true}`` and streams the new run's text from its start.  What the
+    new run repeats of the text already yielded is not yielded again; the rest
+    is.  So the pieces ``stream()`` yields always join to the text of the run that
+    made the value (the value itself, unless the output has a transform), or, if
+    the new run wrote something else where the old one had been yielded, the
+    stream raises (``stream_restarted``) instead of yielding text the value will
+    not have (``get()`` then reads the value)."""
+
+    def __init__(self, var: SemanticVariable) -> None:
+        self.var = var
+        self.yielded = ""  # joined pieces given to the caller
+        self.current: list[str] = []  # deltas of the run being streamed, since its start
+        self.restarted = False
+
+    def take(self, event: _Event) -> str:
+        """The text to yield for ``event`` (possibly empty)."""
+        if event.restart:
+            self.current, self.restarted = [], True
+            return ""
+        if event.done:  # after a restart the new run may not have reached what was yielded yet
+            return self._advance("".join(self.current)) if self.restarted else ""
+        if not event.text:
+            return ""
+        self.current.append(event.text)
+        if not self.restarted:  # one run: every delta extends what was yielded
+            self.yielded += event.text
+            return event.text
+        return self._advance("".join(self.current))
+
+    def _advance(self, text: str) -> str:
+        known = self.yielded
+        if len(text) <= len(known):
+            if not known.startswith(text):
+                raise self._diverged()
+            return ""
+        if not text.startswith(known):
+            raise self._diverged()
+        self.yielded = text
+        return text[len(known) :]
+
+    def _diverged(self) -> ParrotError:
+        label = self.var.name or self.var.id
+        return ParrotError(
+            f"stream of variable {label}: its call was re-run on another engine and wrote other text "
+            f"than the {len(self.yielded)} characters already streamed; get() returns its value",
+            code="stream_restarted",
         )
 
 

@@ -1,5 +1,11 @@
 """The manager's HTTP API (FastAPI).  Thin: parse, authorize, delegate to
-:class:`Manager`, serialise.  OpenAPI schema at ``/openapi.json``."""
+:class:`Manager`, serialise.  OpenAPI schema at ``/openapi.json``.
+
+Engine traffic needs the cluster secret (``ManagerConfig.cluster_secret``, in
+the ``X-Parrot-Cluster-Secret`` header): registering an engine and its
+heartbeats answer 401 without it, and a manager without a secret takes no
+remote engines.  ``GET /v1/engines`` answers anyone, but engine URLs and
+activity counters only to a caller presenting the secret (the operator)."""
 
 from __future__ import annotations
 
@@ -18,7 +24,8 @@ from parrot.manager.openai_api import openai_router
 from parrot.manager.remote_engine import RemoteEngine
 from parrot.manager.service import Manager, error_info
 from parrot.protocol.asgi import BodyLimitMiddleware, install_error_handlers, ndjson_line
-from parrot.protocol.errors import BadRequest, NotFound
+from parrot.protocol.cluster import CLUSTER_SECRET_HEADER, client_tls, secret_matches
+from parrot.protocol.errors import BadRequest, NotFound, ParrotError, Unauthorized
 from parrot.protocol.schemas import (
     BatchRequest,
     BatchResult,
@@ -30,6 +37,7 @@ from parrot.protocol.schemas import (
     EngineDescription,
     EngineInfo,
     EngineRegistered,
+    EngineStats,
     Heartbeat,
     SessionCreated,
     SetVariable,
@@ -40,6 +48,27 @@ from parrot.protocol.schemas import (
 log = logging.getLogger(__name__)
 
 Auth = Annotated[str | None, Header(alias="Authorization", description="Bearer <session token>")]
+ClusterSecret = Annotated[
+    str | None, Header(alias=CLUSTER_SECRET_HEADER, description="the cluster secret (engines, operators)")
+]
+REGISTER_TIMEOUT_S = 10.0
+"""How long registering an engine waits for its description."""
+
+
+def _public_stats(stats: EngineStats) -> EngineStats:
+    """An engine's stats without what its activity would tell about other tenants' work:
+    its size and latency fit only."""
+    return EngineStats(
+        token_capacity=stats.token_capacity,
+        kv_tokens_total=stats.kv_tokens_total,
+        kv_blocks_total=stats.kv_blocks_total,
+        kv_block_size=stats.kv_block_size,
+        latency_cap_tokens=stats.latency_cap_tokens,
+        latency_cap_source=stats.latency_cap_source,
+        decode_ms_base=stats.decode_ms_base,
+        decode_ms_per_1k_tokens=stats.decode_ms_per_1k_tokens,
+        decode_ms_target=stats.decode_ms_target,
+    )
 
 
 def _token(authorization: str | None) -> str | None:
@@ -54,11 +83,13 @@ def create_app(manager: Manager) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         monitor = asyncio.create_task(_watch_heartbeats(manager))
         poller = asyncio.create_task(_poll_engine_stats(manager))
+        expirer = asyncio.create_task(_expire_sessions(manager))
         try:
             yield
         finally:
             monitor.cancel()
             poller.cancel()
+            expirer.cancel()
             await manager.executor.drain()
 
     app = FastAPI(
@@ -201,11 +232,34 @@ def create_app(manager: Manager) -> FastAPI:
         }
 
     # ------------------------------------------------------------- engines
+    engine_tls = client_tls(manager.config.tls_ca_file)  # a bad CA file fails here, at start-up
+
+    def is_operator(presented: str | None) -> bool:
+        secret = manager.config.cluster_secret
+        return secret is not None and secret_matches(secret, presented)
+
+    def require_cluster(presented: str | None) -> None:
+        if manager.config.cluster_secret is None:
+            raise Unauthorized("this manager takes no remote engines: start it with a cluster secret")
+        if not is_operator(presented):
+            raise Unauthorized(f"engine traffic needs the cluster secret ({CLUSTER_SECRET_HEADER})")
+
     @app.post("/v1/engines", status_code=201, response_model=EngineRegistered)
-    async def register_engine(body: EngineDescription) -> EngineRegistered:
+    async def register_engine(body: EngineDescription, secret: ClusterSecret = None) -> EngineRegistered:
+        require_cluster(secret)
         if not body.url.startswith(("http://", "https://")):
             raise BadRequest("engine url must start with http:// or https://")
-        remote = await RemoteEngine.connect(body.url)
+        try:
+            remote = await RemoteEngine.connect(
+                body.url,
+                cluster_secret=manager.config.cluster_secret,
+                timeout_s=REGISTER_TIMEOUT_S,
+                verify=engine_tls,
+            )
+        except ParrotError as exc:
+            raise BadRequest(
+                f"could not register the engine at {body.url}: {exc.message}", code="engine_unreachable"
+            ) from exc
         if remote.model_name != body.model:
             await remote.close()
             raise BadRequest(f"engine at {body.url} serves {remote.model_name!r}, not {body.model!r}")
@@ -217,16 +271,21 @@ def create_app(manager: Manager) -> FastAPI:
         )
 
     @app.post("/v1/engines/{engine_id}/heartbeat")
-    async def heartbeat(engine_id: str, body: Heartbeat) -> dict:
+    async def heartbeat(engine_id: str, body: Heartbeat, secret: ClusterSecret = None) -> dict:
+        require_cluster(secret)
+        if manager.pool.get(engine_id).url is None:
+            raise BadRequest(f"engine {engine_id} is in-process: the manager reads its stats itself")
         manager.pool.heartbeat(engine_id, body.stats)
         manager.executor.kick()
         return {"ok": True}
 
     @app.get("/v1/engines", response_model=list[EngineInfo])
-    async def list_engines() -> list[EngineInfo]:
+    async def list_engines(secret: ClusterSecret = None) -> list[EngineInfo]:
         """The pool; an in-process engine's stats are asked for now (a remote one's
         are those of its last heartbeat).  The scheduler does not depend on this:
-        stats reach it on the heartbeat interval."""
+        stats reach it on the heartbeat interval.  Without the cluster secret: no
+        URLs, and only each engine's size and latency fit."""
+        operator = is_operator(secret)
         out = []
         for h in manager.pool:
             stats = await manager.refresh_stats(h)
@@ -236,16 +295,16 @@ def create_app(manager: Manager) -> FastAPI:
                     name=h.name,
                     model=h.model,
                     max_seq_len=h.max_seq_len,
-                    url=h.url,
+                    url=h.url if operator else None,
                     alive=h.alive,
-                    stats=stats,
+                    stats=stats if operator else _public_stats(stats),
                 )
             )
         return out
 
     @app.get("/v1/engines/{engine_id}", response_model=EngineInfo)
-    async def get_engine(engine_id: str) -> EngineInfo:
-        for info in await list_engines():
+    async def get_engine(engine_id: str, secret: ClusterSecret = None) -> EngineInfo:
+        for info in await list_engines(secret):
             if info.engine_id == engine_id:
                 return info
         raise NotFound(f"engine {engine_id} is not registered", code="engine_not_found")
@@ -267,6 +326,17 @@ async def _poll_engine_stats(manager: Manager) -> None:
         except Exception:
             log.exception("polling the in-process engines' stats failed")
         await asyncio.sleep(manager.config.heartbeat_interval_s)
+
+
+async def _expire_sessions(manager: Manager) -> None:
+    """Close idle sessions (``ManagerConfig.session_ttl_s``), checking a few times per TTL."""
+    ttl = manager.config.session_ttl_s
+    if ttl is None:
+        return
+    while True:
+        await asyncio.sleep(min(max(ttl / 4, 0.05), 30.0))
+        for session_id in manager.expire_idle_sessions():
+            log.info("session %s expired: idle for over %.0f s", session_id, ttl)
 
 
 async def _watch_heartbeats(manager: Manager) -> None:

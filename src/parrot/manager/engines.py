@@ -13,6 +13,7 @@ re-run the calls it had there).
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,9 +23,10 @@ from parrot.protocol.errors import NotFound
 from parrot.protocol.schemas import EngineStats
 
 _engine_ids = itertools.count(1)
-# Context ids are unique process-wide, so an engine shared by two managers (as
-# in tests) or re-registered after a manager restart never sees a reused id.
-_context_ids = itertools.count(1)
+_CONTEXT_ID_BITS = 62
+"""Context ids are random 62-bit integers: nobody can guess another call's context on an
+engine, and ids do not repeat (across managers sharing an engine, as in tests, or after a
+manager restart) but with probability ~n²/2**63 for n ids."""
 
 
 @dataclass(eq=False)
@@ -47,7 +49,7 @@ class EngineHandle:
 
     @staticmethod
     def new_context_id() -> int:
-        return next(_context_ids)
+        return secrets.randbits(_CONTEXT_ID_BITS)
 
 
 class EnginePool:

@@ -663,6 +663,12 @@ class Executor:
                 out = step.output
                 text: list[str] = []
                 async for chunk in api.generate(out.sampling, context_id):
+                    if chunk.finish_reason == "cancelled":  # the manager never cancels this way
+                        raise CallFailed(
+                            f"call {call.call_id}: the engine stopped its generation after "
+                            f"{call.generated_tokens} tokens because its context was freed or "
+                            "cancelled from outside the manager"
+                        )
                     if chunk.token_ids and call.first_token_at is None:
                         call.first_token_at = time.time()
                     if chunk.text:
@@ -671,8 +677,8 @@ class Executor:
                         out.var.notify()
                     call.generated_tokens += len(chunk.token_ids)
                 value = "".join(text)
-                if out.transform is not None:
-                    value = out.transform.apply(value)  # type: ignore[attr-defined]
+                if out.transform is not None:  # off the loop: a regex may take its whole budget
+                    value = await asyncio.to_thread(out.transform.apply, value)
                 for ready in materialise(out.var, value):
                     self.dispatch(ready)
         finally:

@@ -167,6 +167,8 @@ class Session:
     calls: dict[str, Call] = field(default_factory=dict)
     created_at: float = field(default_factory=time.time)
     closed: bool = False
+    # time.monotonic() of the last request that presented its token (idle sessions expire)
+    last_active: float = field(default_factory=time.monotonic)
 
 
 def _upstream_of(calls: list[Call]) -> set[Call]:

@@ -44,18 +44,18 @@ import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from parrot.manager.graph import Call, Session, Variable
 from parrot.manager.service import Manager, error_info
 from parrot.protocol.errors import BadRequest, CallFailed, EngineError, NoEngine, ParrotError
 from parrot.protocol.sampling import SamplingParams
-from parrot.protocol.schemas import PlaceholderBinding, SubmitCall
+from parrot.protocol.schemas import PlaceholderBinding, SubmitCall, reject_invalid_unicode
 
 COMPLETION_TEMPLATE = "{{input:prompt}}{{output:text}}"
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -66,7 +66,12 @@ class CompletionRequest(BaseModel):
     """The body of ``POST /v1/completions`` (OpenAI's fields plus vLLM's ``top_k``,
     ``ignore_eos`` and ``stop_token_ids``).  Unknown fields are rejected."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        return reject_invalid_unicode(data)
 
     model: str | None = Field(default=None, description="Model to run on; any live engine's if omitted.")
     prompt: str | list[Any]
@@ -280,7 +285,7 @@ def openai_router(manager: Manager) -> APIRouter:
         "/v1/completions",
         responses={200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream"}},
     )
-    async def completions(req: CompletionRequest) -> Any:
+    async def completions(req: CompletionRequest, request: Request) -> Any:
         _check_supported(req)
         comp = _Completion(manager, req)
         if req.stream:
@@ -291,7 +296,8 @@ def openai_router(manager: Manager) -> APIRouter:
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         try:
-            await comp.wait_value()
+            if not await _unless_disconnected(request, comp.wait_value()):
+                return Response(status_code=499)  # nobody reads it; closing the session cancels the call
             await comp.wait_call()
             if comp.var.state != "ready":
                 raise comp.error()
@@ -302,6 +308,28 @@ def openai_router(manager: Manager) -> APIRouter:
             comp.close()
 
     return router
+
+
+DISCONNECT_POLL_S = 0.25
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[None]) -> bool:
+    """Await ``work`` unless the client goes away first (checked every
+    :data:`DISCONNECT_POLL_S`); False if it did (``work`` is then cancelled)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                task.result()
+                return True
+            if await request.is_disconnected():
+                return False
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 async def _stream(comp: _Completion, include_usage: bool) -> AsyncIterator[bytes]:

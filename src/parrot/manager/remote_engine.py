@@ -7,11 +7,13 @@ returns are rebuilt into the errors it raised.
 from __future__ import annotations
 
 import json
+import ssl
 from collections.abc import AsyncIterator, Sequence
 
 import httpx
 
-from parrot.protocol.errors import EngineError, ParrotError, error_from_body
+from parrot.protocol.cluster import cluster_headers
+from parrot.protocol.errors import BadRequest, EngineError, ParrotError, error_from_body
 from parrot.protocol.sampling import SamplingParams
 from parrot.protocol.schemas import EngineStats, GenerateChunk
 from parrot.protocol.tokenizer import TextTokenizer
@@ -28,17 +30,40 @@ class RemoteEngine:
         self._client = client
 
     @classmethod
-    async def connect(cls, url: str, *, timeout_s: float = 30.0) -> RemoteEngine:
-        """Fetch the engine's tokenizer and description, then return a client for it."""
-        client = httpx.AsyncClient(base_url=url.rstrip("/"), timeout=httpx.Timeout(timeout_s))
+    async def connect(
+        cls,
+        url: str,
+        *,
+        cluster_secret: str | None = None,
+        timeout_s: float = 30.0,
+        verify: ssl.SSLContext | bool = True,
+    ) -> RemoteEngine:
+        """Fetch the engine's tokenizer and description, then return a client for it (every
+        request presenting ``cluster_secret``; an ``https`` engine's certificate checked
+        with ``verify``, see :func:`parrot.protocol.cluster.client_tls`).
+
+        Raises :class:`EngineError` when the engine cannot be reached or answers with an
+        error, and :class:`BadRequest` when its answer is not an engine's description."""
+        client = httpx.AsyncClient(
+            base_url=url.rstrip("/"),
+            timeout=httpx.Timeout(timeout_s),
+            headers=cluster_headers(cluster_secret),
+            verify=verify,
+        )
         try:
             info = await _request(client, "GET", "/tokenizer")
+            try:
+                described = (
+                    str(info["model"]),
+                    int(info["max_seq_len"]),
+                    TextTokenizer.from_dict(info["tokenizer"]),
+                )
+            except (KeyError, TypeError, ValueError) as exc:
+                raise BadRequest(f"{url} did not answer GET /tokenizer as a Parrot engine does: {exc!r}") from exc
         except BaseException:
             await client.aclose()
             raise
-        return cls(
-            url, info["model"], int(info["max_seq_len"]), TextTokenizer.from_dict(info["tokenizer"]), client
-        )
+        return cls(url, *described, client)
 
     @property
     def model_name(self) -> str:
@@ -122,7 +147,15 @@ async def _request(
         raise EngineError(f"engine at {client.base_url} unreachable on {path}: {exc!r}") from exc
     if resp.status_code >= 400:
         raise _error(resp)
-    return resp.json() if resp.content else {}
+    if not resp.content:
+        return {}
+    try:
+        body = resp.json()
+    except ValueError as exc:
+        raise EngineError(f"engine at {client.base_url} answered {path} with invalid JSON") from exc
+    if not isinstance(body, dict):
+        raise EngineError(f"engine at {client.base_url} answered {path} with a JSON {type(body).__name__}")
+    return body
 
 
 def _error(resp: httpx.Response) -> ParrotError:

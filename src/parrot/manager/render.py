@@ -21,7 +21,8 @@ edges of the user's text is dropped.
 
 from __future__ import annotations
 
-import functools
+import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from parrot.manager.graph import Call, OutputSpec, Variable
@@ -92,11 +93,27 @@ class Rendered:
         return sum(len(s.tokens) for s in self.steps if isinstance(s, FillStep))
 
 
-@functools.lru_cache(maxsize=256)
+_CONSTANT_TOKENS: OrderedDict[tuple[TextTokenizer, bytes], int] = OrderedDict()
+_CONSTANT_TOKENS_ENTRIES = 256
+
+
 def _constant_tokens(tokenizer: TextTokenizer, text: str) -> int:
     """How many tokens a template's leading constant text has (calls of one template
-    repeat it: a long system prompt is tokenized once per tokenizer, not per call)."""
-    return len(tokenizer.encode(text))
+    repeat it: a long system prompt is tokenized once per tokenizer, not per call).
+
+    The cache keeps a 16-byte digest of the text, not the text, so its memory is bounded
+    in bytes (a few hundred bytes per entry, :data:`_CONSTANT_TOKENS_ENTRIES` entries)
+    however long the templates are; least recently used entries go first."""
+    key = (tokenizer, hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest())
+    count = _CONSTANT_TOKENS.get(key)
+    if count is None:
+        count = len(tokenizer.encode(text))
+        _CONSTANT_TOKENS[key] = count
+        if len(_CONSTANT_TOKENS) > _CONSTANT_TOKENS_ENTRIES:
+            _CONSTANT_TOKENS.popitem(last=False)
+    else:
+        _CONSTANT_TOKENS.move_to_end(key)
+    return count
 
 
 def render(call: Call, tokenizer: TextTokenizer, max_seq_len: int) -> Rendered:

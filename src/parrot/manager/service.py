@@ -96,9 +96,17 @@ class ManagerConfig:
     # "all": every engine running latency work, the paper's rule) and whether a task group or
     # the sharers of a prefix may spread to a less loaded engine (scheduler.SchedulerConfig)
     latency_cap_scope: str = "mixed"
+    # the secret engines and operators present (parrot.protocol.cluster); None: no remote
+    # engines can register, and GET /v1/engines shows everyone the public view only
+    cluster_secret: str | None = None
+    # a CA bundle that verifies https engines' certificates (None: the system's trust store)
+    tls_ca_file: str | None = None
     affinity_spill: bool = True
     engine_token_capacity: int = 32768
     queue_timeout_s: float | None = 600.0
+    # a session nobody used for this long (seconds) with no call queued or running is
+    # closed, its variables dropped and its engine contexts freed; None: never
+    session_ttl_s: float | None = 3600.0
     # application-level FIFO: a queued call ranks by its session's first queued call (a
     # chain's next step keeps its application's place); False ranks each call by its own
     # arrival, as the request-level baseline policies always do
@@ -203,7 +211,26 @@ class Manager:
             raise Unauthorized("missing session token: send 'Authorization: Bearer <token>'")
         if not hmac.compare_digest(session.token_hash, _hash_token(token)):
             raise Forbidden(f"the token does not open session {session_id}")
+        session.last_active = time.monotonic()
         return session
+
+    def expire_idle_sessions(self, now: float | None = None) -> list[str]:
+        """Close every session idle for longer than ``config.session_ttl_s``: no request
+        presented its token for that long and none of its calls is queued or running
+        (calls waiting for an input the client never set do not keep it).  Returns the
+        ids closed.  O(sessions), plus the calls of the sessions past the TTL."""
+        ttl = self.config.session_ttl_s
+        if ttl is None:
+            return []
+        now = time.monotonic() if now is None else now
+        expired = [
+            s
+            for s in self.sessions.values()
+            if now - s.last_active > ttl and not any(c.state in ("ready", "running") for c in s.calls.values())
+        ]
+        for session in expired:
+            self.close_session(session)
+        return [s.session_id for s in expired]
 
     def close_session(self, session: Session) -> None:
         """Cancel the session's running calls, free their contexts, drop its state."""

@@ -11,6 +11,7 @@ from parrot.protocol.errors import InvalidSampling
 MAX_STOP_STRINGS = 16
 MIN_TEMPERATURE = 1e-5
 MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64  # each is checked on every decode step of the request
 MAX_TOP_K = (1 << 31) - 1  # anything >= the vocabulary means "no limit"; must fit the engine's int64 tensors
 
 
@@ -78,6 +79,8 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS:
                 raise bad(f"stop strings must be non-empty strings of at most {MAX_STOP_STRING_CHARS} chars")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise bad(f"stop_token_ids must be non-negative integers, got {t!r}")

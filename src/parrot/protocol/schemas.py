@@ -9,17 +9,48 @@ in-process path gets exactly the same checks.
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Criteria = Literal["LATENCY", "THROUGHPUT"]
 VarState = Literal["pending", "ready", "failed"]
 CallState = Literal["waiting", "ready", "running", "done", "failed"]
 
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def reject_invalid_unicode(data: Any) -> Any:
+    """``data`` unchanged; raises ValueError if a string in it (keys included, at any
+    depth) holds a lone surrogate, which JSON's ``\\ud800`` escapes can carry but no
+    UTF-8 text can: such a string would fail later, inside the tokenizer or a response."""
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if _LONE_SURROGATE.search(item):
+                raise ValueError("invalid Unicode: a lone surrogate (U+D800-U+DFFF) is not text")
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+    return data
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A request body: unknown fields are rejected, values are not coerced (``"yes"`` is
+    not a boolean, ``"3"`` not a number), and strings must be valid Unicode."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        return reject_invalid_unicode(data)
 
 
 class ErrorInfo(BaseModel):
@@ -230,6 +261,18 @@ class EngineStats(BaseModel):
     )
     decode_ms_target: float = Field(default=0.0, description="The step time the cap keeps to (ms).")
     decode_steps_fitted: int = Field(default=0, description="Decode steps behind the fit.")
+
+    @model_validator(mode="after")
+    def _non_negative(self) -> EngineStats:
+        """Counts and times are never negative, times are finite: a heartbeat that says
+        otherwise is refused (400) before the scheduler sees it."""
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            if value < 0 or (isinstance(value, float) and not math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        return self
 
 
 class EngineDescription(_Strict):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 from parrot.protocol.errors import InvalidTemplate
@@ -47,20 +48,28 @@ class Template:
     source: str
     pieces: tuple[Piece, ...]
 
-    @property
+    @cached_property
     def placeholders(self) -> tuple[Placeholder, ...]:
         return tuple(p for p in self.pieces if isinstance(p, Placeholder))
 
     @property
     def names(self) -> list[str]:
         """Placeholder names in order of first appearance."""
-        return list(dict.fromkeys(p.name for p in self.placeholders))
+        return list(self._directions)
+
+    @cached_property
+    def _directions(self) -> dict[str, Direction | None]:
+        """Each name (in order of first appearance) with its first explicit direction
+        (None if every occurrence is bare): one pass, so that looking up every name of a
+        template with many placeholders stays linear."""
+        out: dict[str, Direction | None] = {}
+        for p in self.placeholders:
+            if out.get(p.name) is None:
+                out[p.name] = p.direction
+        return out
 
     def direction_of(self, name: str) -> Direction | None:
-        for p in self.placeholders:
-            if p.name == name and p.direction is not None:
-                return p.direction
-        return None
+        return self._directions.get(name)
 
     def with_directions(self, directions: dict[str, Direction]) -> Template:
         """Resolve bare placeholders; explicit ones must agree with ``directions``."""

@@ -20,7 +20,11 @@ untrusted input and rejects anything malformed with :class:`InvalidTransform`
 canonical list form, and ``parse_transforms(chain.to_spec())`` equals
 ``chain``; :meth:`TransformChain.apply` either returns a string or raises
 :class:`TransformFailed`, never anything else, and refuses inputs over
-:data:`MAX_INPUT_BYTES` so that no regex runs over unbounded text.
+:data:`MAX_INPUT_BYTES` so that no regex runs over unbounded text.  Patterns
+run on the ``regex`` package (``re``'s syntax, VERSION0) with a time budget of
+:data:`MAX_REGEX_SECONDS` per match and the GIL released while matching, so a
+pattern that backtracks catastrophically fails its call instead of stalling
+the manager (which applies chains on a worker thread).
 
 The helpers :func:`strip`, :func:`regex`, :func:`json_path`,
 :func:`first_line` and :func:`first_item` build one-step chains for the Python
@@ -35,6 +39,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import regex
+
 from parrot.protocol import errors
 from parrot.protocol.errors import CallFailed, InvalidTransform
 
@@ -43,6 +49,7 @@ MAX_PATH_CHARS = 1000
 MAX_STEPS = 32
 MAX_INPUT_BYTES = 1 << 20  # 1 MiB of UTF-8
 MAX_JSON_CANDIDATES = 64  # opening brackets tried when looking for embedded JSON
+MAX_REGEX_SECONDS = 0.5  # one pattern's search of one value
 
 SHORTHANDS = ("strip", "first_line", "first_item")
 
@@ -108,7 +115,8 @@ class FirstItem:
 
 @dataclass(frozen=True)
 class Regex:
-    """The given group of the first match of ``pattern`` (``re.search``, no flags)."""
+    """The given group of the first match of ``pattern`` (``re``'s syntax, no flags), found
+    within :data:`MAX_REGEX_SECONDS`."""
 
     pattern: str
     group: int | str
@@ -121,7 +129,14 @@ class Regex:
         object.__setattr__(self, "_compiled", compiled)
 
     def apply(self, text: str) -> str:
-        match = self._compiled.search(text)  # type: ignore[attr-defined]
+        try:
+            match = self._compiled.search(text, concurrent=True, timeout=MAX_REGEX_SECONDS)  # type: ignore[attr-defined]
+        except TimeoutError:
+            raise TransformFailed(
+                f"transform regex: pattern {_short(self.pattern)} ran past its {MAX_REGEX_SECONDS:g} s "
+                f"budget on a value of {len(text)} characters (it backtracks too much)",
+                detail={"pattern": self.pattern, "seconds": MAX_REGEX_SECONDS},
+            ) from None
         if match is None:
             raise TransformFailed(
                 f"transform regex: pattern {_short(self.pattern)} does not match the value",
@@ -348,18 +363,18 @@ def _short(pattern: str) -> str:
     return repr(pattern if len(pattern) <= 60 else pattern[:57] + "...")
 
 
-def _compile(pattern: str) -> re.Pattern[str]:
+def _compile(pattern: str) -> regex.Pattern[str]:
     if not isinstance(pattern, str):
         raise InvalidTransform(f"'pattern' must be a string, got {type(pattern).__name__}")
     if len(pattern) > MAX_PATTERN_CHARS:
         raise InvalidTransform(f"pattern longer than {MAX_PATTERN_CHARS} characters ({len(pattern)})")
     try:
-        return re.compile(pattern)
-    except (re.error, RecursionError, OverflowError) as exc:
+        return regex.compile(pattern, regex.VERSION0)
+    except (regex.error, RecursionError, OverflowError, ValueError) as exc:
         raise InvalidTransform(f"pattern {_short(pattern)} does not compile: {exc}") from None
 
 
-def _check_group(compiled: re.Pattern[str], group: Any) -> None:
+def _check_group(compiled: regex.Pattern[str], group: Any) -> None:
     if isinstance(group, bool) or not isinstance(group, (int, str)):
         raise InvalidTransform(f"'group' must be an integer or a group name, got {group!r}")
     if isinstance(group, int):

@@ -1,0 +1,84 @@
+"""A call whose transform backtracks catastrophically fails alone, within its budget, while
+the manager keeps answering everyone else."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+import parrot as P
+from parrot.manager.service import Manager, ManagerConfig
+from parrot.protocol import transforms as T
+from parrot.protocol.sampling import SamplingParams
+from parrot.protocol.schemas import GenerateChunk
+from tests.conftest import start_server
+from tests.fake_engine import GatedEngine
+
+EVIL_OUTPUT = "a" * 40 + "!"
+
+
+class FixedTextEngine(GatedEngine):
+    """Answers every generate with :data:`EVIL_OUTPUT`."""
+
+    async def generate(
+        self, sampling: SamplingParams, context_id: int, parent_context_id: int | None = None
+    ) -> AsyncIterator[GenerateChunk]:
+        yield GenerateChunk(token_ids=[97], text=EVIL_OUTPUT, done=True, finish_reason="length")
+
+
+def test_a_backtracking_transform_fails_its_call_and_never_stalls_the_manager() -> None:
+    live = start_server(Manager(ManagerConfig()))
+    live.manager.pool.register(FixedTextEngine(), name="fixed")
+    stalls: list[float] = []
+    stop = threading.Event()
+
+    def probe() -> None:
+        with httpx.Client(base_url=live.url, timeout=30) as http:
+            while not stop.is_set():
+                started = time.monotonic()
+                assert http.get("/healthz").status_code == 200
+                stalls.append(time.monotonic() - started)
+                time.sleep(0.02)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        evil = P.template_function(
+            "x {{input:a}} {{output:b}}", b=P.Output(max_tokens=4, transform=P.transforms.regex(r"(a+)+$"))
+        )
+        plain = P.template_function("y {{input:a}} {{output:b}}", b=P.Output(max_tokens=4))
+        with P.connect(live.url) as s:
+            started = time.monotonic()
+            bad = [evil(a=str(i)) for i in range(3)]
+            good = plain(a="fine")
+            assert good.get(timeout=30) == EVIL_OUTPUT
+            for out in bad:
+                with pytest.raises(P.TransformFailed, match="budget"):
+                    out.get(timeout=30)
+            assert time.monotonic() - started < 3 * T.MAX_REGEX_SECONDS + 5
+    finally:
+        stop.set()
+        prober.join()
+        live.stop()
+    assert stalls and max(stalls) < 1.0, max(stalls)
+
+
+def test_a_template_of_many_placeholders_is_checked_in_linear_time(raw, bystander) -> None:
+    """66,000 placeholders over 1,023 names (each bound to a value), one output: answered in
+    well under a second (a per-name scan of the placeholders took ~a minute)."""
+    names = [f"v{i}" for i in range(1023)]
+    template = "".join(f"{{{{input:{names[i % len(names)]}}}}}" for i in range(66_000)) + "{{output:o}}"
+    bindings = [{"name": n, "direction": "input", "value": "x"} for n in names]
+    bindings.append({"name": "o", "direction": "output", "sampling": {"max_tokens": 2}})
+    started = time.monotonic()
+    resp = raw.submit(template, bindings)
+    elapsed = time.monotonic() - started
+    # the rendered prompt (66,000 tokens) is longer than any engine's context: a 400 saying so
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_too_long", resp.text
+    assert elapsed < 2.0, elapsed
+    assert raw.graph() == {"calls": [], "variables": []}
+    bystander.finish()

@@ -1,0 +1,61 @@
+"""Idle sessions expire: their variables are dropped and their calls' engine contexts freed;
+a session in use, or with work queued or running, stays."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+import parrot as P
+from parrot.manager.service import Manager, ManagerConfig
+from tests.conftest import start_server
+from tests.fake_engine import GatedEngine, GatedServer
+
+TTL = 0.4
+
+
+def test_idle_sessions_expire_and_busy_or_used_ones_stay() -> None:
+    manager = Manager(ManagerConfig(session_ttl_s=TTL))
+    engine = GatedEngine()
+    manager.pool.register(engine, name="gated")
+    live = start_server(manager)
+    server = GatedServer(live, engine)
+    f = P.template_function("x {{input:a}} {{output:b}}", b=P.Output(max_tokens=2))
+    try:
+        idle = P.connect(live.url).open()
+        done = idle.call(f, a="1")
+        assert done.get(timeout=30) == "A"
+        used = P.connect(live.url).open()
+        used_var = used.variable(name="kept", value="still here")
+        busy = P.connect(live.url).open()
+        server.set_gate(False)
+        running = busy.call(f, a="2")
+        deadline = time.monotonic() + 10 * TTL
+        while idle.session_id in server.state(lambda m: set(m.sessions)):
+            assert time.monotonic() < deadline, "the idle session did not expire"
+            resp = httpx.get(  # a request with its token: keeps the session alive
+                f"{live.url}/v1/sessions/{used.session_id}/variables/{used_var.id}",
+                headers={"Authorization": f"Bearer {used.token}"},
+                timeout=5,
+            )
+            assert resp.json()["value"] == "still here"
+            time.sleep(TTL / 4)
+        sessions = server.state(lambda m: set(m.sessions))
+        assert used.session_id in sessions and busy.session_id in sessions
+        resp = httpx.get(f"{live.url}/v1/sessions/{idle.session_id}/graph", timeout=10)
+        assert resp.status_code == 404
+        server.set_gate(True)
+        assert running.get(timeout=30) == "A"  # the busy session's call finished normally
+        used.close()
+        busy.close()
+    finally:
+        server.set_gate(True)
+        live.stop()
+
+
+def test_a_ttl_of_zero_on_the_command_line_means_never() -> None:
+    from parrot.cli import _parser, manager_config
+
+    assert manager_config(_parser().parse_args(["serve", "--session-ttl", "0"])).session_ttl_s is None
+    assert manager_config(_parser().parse_args(["serve"])).session_ttl_s == 3600.0

@@ -1,0 +1,68 @@
+"""Request bodies are taken as sent: no coercion of types, no invalid Unicode, a bounded
+number of stop token ids.  Each refusal is a 400 naming the problem; the session's
+earlier work and a bystander's chain are untouched."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from parrot.protocol.sampling import MAX_STOP_TOKEN_IDS
+from tests.api_client import Bystander, Raw, inp, out
+
+SURROGATE = "\ud800"  # json.dumps sends it as the escape "\\ud800"
+
+
+def assert_400(resp: httpx.Response, *words: str) -> None:
+    assert resp.status_code == 400, resp.text
+    message = resp.json()["error"]["message"]
+    for word in words:
+        assert word in message, message
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        ({"chat": "yes"}, ("chat",)),
+        ({"chat": 1}, ("chat",)),
+        ({"model": 7}, ("model",)),
+    ],
+    ids=["chat-yes", "chat-1", "model-number"],
+)
+def test_values_are_not_coerced(raw: Raw, bystander: Bystander, extra: dict, words: tuple[str, ...]) -> None:
+    before = raw.baseline()
+    resp = raw.submit("Say {{input:seed}} {{output:x}}", [inp("seed", raw.seed), out("x")], **extra)
+    assert_400(resp, *words)
+    raw.assert_intact(before)
+    bystander.finish()
+
+
+def test_sampling_numbers_are_not_strings(raw: Raw, bystander: Bystander) -> None:
+    before = raw.baseline()
+    binding = out("x", sampling={"max_tokens": "3"})
+    assert_400(raw.submit("Say {{input:seed}} {{output:x}}", [inp("seed", raw.seed), binding]), "max_tokens")
+    raw.assert_intact(before)
+    bystander.finish()
+
+
+def test_lone_surrogates_are_refused_everywhere(raw: Raw, bystander: Bystander) -> None:
+    before = raw.baseline()
+    assert_400(raw.submit(f"Say {SURROGATE} {{{{output:x}}}}", [out("x")]), "invalid Unicode")
+    assert_400(raw.submit("Say {{input:v}} {{output:x}}", [inp("v", value=SURROGATE), out("x")]), "Unicode")
+    assert_400(raw.create(value=f"ok {SURROGATE}"), "invalid Unicode")
+    assert_400(raw.put(raw.later, SURROGATE), "invalid Unicode")
+    resp = raw.http.post("/v1/completions", json={"prompt": f"hi {SURROGATE}", "max_tokens": 2})
+    assert_400(resp, "invalid Unicode")
+    # a valid pair (an emoji, sent as two escapes) is text
+    assert raw.http.post("/v1/completions", json={"prompt": "hi \U0001f99c", "max_tokens": 2}).status_code == 200
+    raw.assert_intact(before)
+    bystander.finish()
+
+
+def test_stop_token_ids_are_bounded(raw: Raw, bystander: Bystander) -> None:
+    ids = list(range(MAX_STOP_TOKEN_IDS + 1))
+    resp = raw.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stop_token_ids": ids})
+    assert_400(resp, f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids")
+    ok = raw.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stop_token_ids": ids[:-1]})
+    assert ok.status_code == 200, ok.text
+    bystander.finish()
