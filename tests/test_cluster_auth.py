@@ -4,6 +4,7 @@ changes nothing, and a bystander's calls complete meanwhile."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import AsyncIterator, Iterator
 
@@ -52,7 +53,7 @@ def engine_server(tiny_model: LoadedModel) -> Iterator[LiveServer]:
 def one_call(url: str) -> str:
     """A bystander's call, start to finish."""
     f = P.template_function("Say hi {{input:x}} {{output:y}}", y=P.Output(max_tokens=3, ignore_eos=True))
-    with P.connect(url) as s:
+    with P.connect(url):
         return f(x="now").get(timeout=60)
 
 
@@ -119,12 +120,16 @@ def test_engine_counters_are_for_the_operator_only(guarded: LiveServer) -> None:
     [public] = httpx.get(f"{guarded.url}/v1/engines", timeout=10).json()
     [private] = httpx.get(f"{guarded.url}/v1/engines", headers=OPERATOR, timeout=10).json()
     assert private["stats"]["fills"] >= 1 and private["stats"]["generated_tokens"] >= 3
-    assert public["stats"]["fills"] == public["stats"]["filled_tokens"] == public["stats"]["cached_tokens"] == 0
+    assert (
+        public["stats"]["fills"] == public["stats"]["filled_tokens"] == public["stats"]["cached_tokens"] == 0
+    )
     assert public["stats"]["token_capacity"] == private["stats"]["token_capacity"] > 0
     assert public["stats"]["latency_cap_tokens"] == private["stats"]["latency_cap_tokens"]
 
 
-def test_an_engine_answers_only_with_the_cluster_secret(guarded: LiveServer, engine_server: LiveServer) -> None:
+def test_an_engine_answers_only_with_the_cluster_secret(
+    guarded: LiveServer, engine_server: LiveServer
+) -> None:
     base = engine_server.url
     assert httpx.get(f"{base}/healthz", timeout=10).status_code == 200
     requests = [
@@ -187,7 +192,7 @@ def test_a_generation_cancelled_from_outside_fails_its_call() -> None:
     live = start_server(manager)
     try:
         f = P.template_function("x {{input:a}} {{output:b}}", b=P.Output(max_tokens=5))
-        with P.connect(live.url) as s:
+        with P.connect(live.url):
             out = f(a="1")
             with pytest.raises(P.ParrotError) as info:
                 out.get(timeout=30)
@@ -199,7 +204,7 @@ def test_a_generation_cancelled_from_outside_fails_its_call() -> None:
 def test_context_ids_cannot_be_guessed() -> None:
     ids = [EngineHandle.new_context_id() for _ in range(2000)]
     assert len(set(ids)) == len(ids) and all(0 <= i < 2**62 for i in ids)
-    gaps = sorted(abs(b - a) for a, b in zip(ids, ids[1:], strict=False))
+    gaps = sorted(abs(b - a) for a, b in itertools.pairwise(ids))
     assert gaps[len(gaps) // 2] > 2**40  # neighbours are far apart, not a counter
 
 
@@ -242,10 +247,14 @@ def test_engines_over_tls_are_verified_with_the_given_ca(tiny_model: LoadedModel
             manager = Manager(ManagerConfig(cluster_secret=SECRET, tls_ca_file=ca_file))
             managers.append(start_server(manager))
             resp = httpx.post(
-                f"{managers[-1].url}/v1/engines", json=describe(tls_engine.url, engine.model_name), headers=OPERATOR
+                f"{managers[-1].url}/v1/engines",
+                json=describe(tls_engine.url, engine.model_name),
+                headers=OPERATOR,
             )
             if ca_file is None:  # the system does not trust this CA
-                assert resp.status_code == 400 and "CERTIFICATE_VERIFY_FAILED" in resp.json()["error"]["message"]
+                assert (
+                    resp.status_code == 400 and "CERTIFICATE_VERIFY_FAILED" in resp.json()["error"]["message"]
+                )
                 assert len(manager.pool) == 0
             else:
                 assert resp.status_code == 201, resp.text

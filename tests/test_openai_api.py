@@ -276,9 +276,9 @@ def test_a_non_streaming_completion_is_cancelled_when_its_client_goes_away(
     before = engine_contexts(oa, tiny_engine)
     generated_before = oa.run_on_loop(tiny_engine.stats()).generated_tokens
     body = {"model": "tiny", "prompt": "Go on", "max_tokens": 1900, "ignore_eos": True}
-    with httpx.Client(base_url=oa.url, timeout=httpx.Timeout(10.0, read=0.5)) as impatient:
-        with pytest.raises(httpx.ReadTimeout):
-            impatient.post("/v1/completions", json=body)  # gives up and hangs up mid-generation
+    impatient = httpx.Client(base_url=oa.url, timeout=httpx.Timeout(10.0, read=0.5))
+    with impatient, pytest.raises(httpx.ReadTimeout):
+        impatient.post("/v1/completions", json=body)  # gives up and hangs up mid-generation
     no_sessions_soon(oa)
     deadline = time.monotonic() + WAIT
     while engine_contexts(oa, tiny_engine) > before:
@@ -289,7 +289,9 @@ def test_a_non_streaming_completion_is_cancelled_when_its_client_goes_away(
     assert oa.run_on_loop(tiny_engine.stats()).generated_tokens == generated  # it stopped ...
     assert generated - generated_before < 1900  # ... before its end
     with httpx.Client(base_url=oa.url, timeout=WAIT) as client:  # the server still works
-        assert complete(client, prompt="after", max_tokens=2, ignore_eos=True)["usage"]["completion_tokens"] == 2
+        assert (
+            complete(client, prompt="after", max_tokens=2, ignore_eos=True)["usage"]["completion_tokens"] == 2
+        )
 
 
 def test_completion_frees_its_engine_context(

@@ -401,7 +401,9 @@ def test_engine_reports_its_latency_cap_and_the_manager_learns_it_at_once(procs:
     measured = procs.engine(mgr, "--latency-factor", "1.5", "--threads", "1")
     stats = httpx.get(f"{fixed.url}/stats", timeout=10, headers=OPERATOR).json()
     assert (stats["latency_cap_tokens"], stats["latency_cap_source"]) == (2222, "fixed")
-    stats = httpx.get(f"{measured.url}/stats", timeout=10, headers=OPERATOR).json()  # answered after its probe
+    stats = httpx.get(
+        f"{measured.url}/stats", timeout=10, headers=OPERATOR
+    ).json()  # answered after its probe
     assert stats["latency_cap_source"] == "measured" and stats["latency_cap_tokens"] > 0
     assert stats["decode_ms_target"] == pytest.approx(1.5 * stats["decode_ms_base"], rel=1e-3)
     # the first heartbeat follows registration at once: the manager knows both caps now

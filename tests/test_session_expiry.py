@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import httpx
+import pytest
 
 import parrot as P
 from parrot.manager.service import Manager, ManagerConfig
@@ -45,6 +46,8 @@ def test_idle_sessions_expire_and_busy_or_used_ones_stay() -> None:
         assert used.session_id in sessions and busy.session_id in sessions
         resp = httpx.get(f"{live.url}/v1/sessions/{idle.session_id}/graph", timeout=10)
         assert resp.status_code == 404
+        with pytest.raises(P.NotFound):  # the client learns it is gone (and closes its connection)
+            idle.close()
         server.set_gate(True)
         assert running.get(timeout=30) == "A"  # the busy session's call finished normally
         used.close()

@@ -26,7 +26,7 @@ RESTART = [_Event(restart=True)]
 
 
 def test_a_stream_without_restart_yields_every_delta() -> None:
-    assert run(text("Hel", "lo", " world") + [_Event(done=True, value="HELLO")]) == "Hello world"
+    assert run([*text("Hel", "lo", " world"), _Event(done=True, value="HELLO")]) == "Hello world"
 
 
 def test_a_rerun_that_repeats_the_text_yields_only_what_is_new() -> None:

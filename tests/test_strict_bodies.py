@@ -4,6 +4,8 @@ earlier work and a bystander's chain are untouched."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -45,16 +47,27 @@ def test_sampling_numbers_are_not_strings(raw: Raw, bystander: Bystander) -> Non
     bystander.finish()
 
 
+def send(raw: Raw, method: str, path: str, body: dict) -> httpx.Response:
+    """``body`` as JSON with every non-ASCII character escaped (``\\ud800`` stays an escape:
+    httpx's own encoder would refuse to send a lone surrogate at all)."""
+    headers = {**raw.auth, "Content-Type": "application/json"}
+    return raw.http.request(method, path, content=json.dumps(body).encode(), headers=headers)
+
+
 def test_lone_surrogates_are_refused_everywhere(raw: Raw, bystander: Bystander) -> None:
     before = raw.baseline()
-    assert_400(raw.submit(f"Say {SURROGATE} {{{{output:x}}}}", [out("x")]), "invalid Unicode")
-    assert_400(raw.submit("Say {{input:v}} {{output:x}}", [inp("v", value=SURROGATE), out("x")]), "Unicode")
-    assert_400(raw.create(value=f"ok {SURROGATE}"), "invalid Unicode")
-    assert_400(raw.put(raw.later, SURROGATE), "invalid Unicode")
-    resp = raw.http.post("/v1/completions", json={"prompt": f"hi {SURROGATE}", "max_tokens": 2})
+    calls = f"{raw.path}/calls"
+    body = {"template": f"Say {SURROGATE} {{{{output:x}}}}", "placeholders": [out("x")]}
+    assert_400(send(raw, "POST", calls, body), "invalid Unicode")
+    body = {"template": "Say {{input:v}} {{output:x}}", "placeholders": [inp("v", value=SURROGATE), out("x")]}
+    assert_400(send(raw, "POST", calls, body), "invalid Unicode")
+    assert_400(send(raw, "POST", f"{raw.path}/variables", {"value": f"ok {SURROGATE}"}), "invalid Unicode")
+    assert_400(send(raw, "PUT", f"{raw.path}/variables/{raw.later}", {"value": SURROGATE}), "invalid Unicode")
+    resp = send(raw, "POST", "/v1/completions", {"prompt": f"hi {SURROGATE}", "max_tokens": 2})
     assert_400(resp, "invalid Unicode")
     # a valid pair (an emoji, sent as two escapes) is text
-    assert raw.http.post("/v1/completions", json={"prompt": "hi \U0001f99c", "max_tokens": 2}).status_code == 200
+    emoji = send(raw, "POST", "/v1/completions", {"prompt": "hi \U0001f99c", "max_tokens": 2})
+    assert emoji.status_code == 200, emoji.text
     raw.assert_intact(before)
     bystander.finish()
 

@@ -43,7 +43,11 @@ from benchmarks.suite.clients import (  # noqa: E402 - after the sys.path line
 from benchmarks.suite.spec import AppSpec, CallSpec, Workload, check_app  # noqa: E402
 from benchmarks.suite.systems import SystemHandle  # noqa: E402
 
-ANSWER_S = 0.1  # how long the fake server takes per completion
+from parrot.manager.service import ManagerConfig  # noqa: E402
+from parrot.protocol.cluster import CLUSTER_SECRET_HEADER  # noqa: E402
+
+ANSWER_S = 0.1
+OPERATOR_SECRET = "suite-operator-secret-0123"  # how long the fake server takes per completion
 
 
 def completion_of(prompt: str) -> str:
@@ -402,9 +406,12 @@ def test_parrot_app_failure_is_recorded(live) -> None:
     assert record.error is not None and "ConnectionFailed" in record.error
 
 
+@pytest.mark.parametrize("manager_config", [ManagerConfig(cluster_secret=OPERATOR_SECRET)])
 def test_run_workload_on_parrot_samples_engine_metrics(live) -> None:
+    """The counters come from the operator's view of the engines (the cluster secret)."""
     workload = Workload("figX", "figX/parrot", {"sweep": "x", "x": 1}, (_parrot_app(),))
-    system = SystemHandle("parrot", "parrot", live.url, "tiny", 1)
+    headers = {CLUSTER_SECRET_HEADER: OPERATOR_SECRET}
+    system = SystemHandle("parrot", "parrot", live.url, "tiny", 1, operator_headers=headers)
     run = asyncio.run(run_workload(system, workload, repeat=0, delay_ms=(0, 0)))
     assert run.apps[0].error is None, run.apps[0].error
     metrics = run.extra["engine_metrics"]
@@ -612,7 +619,7 @@ def test_parrot_system_commands_split_the_cores_and_pass_dtype_flags_and_cap() -
         parrot_commands("parrot", Path("/m"), 1, 9100, 2, dtype="float16")
 
 
-def test_systems_switch_off_one_mechanism_each_and_baselines_have_no_prefix_cache() -> None:
+def test_systems_change_one_mechanism_each_and_baselines_have_no_prefix_cache() -> None:
     from benchmarks.suite.systems import SYSTEMS
 
     parrot = SYSTEMS["parrot"]
@@ -624,8 +631,8 @@ def test_systems_switch_off_one_mechanism_each_and_baselines_have_no_prefix_cach
         "parrot-no-deduction",
         "parrot-no-affinity",
         "parrot-no-prefix-cache",
-        "parrot-no-latency-batching",
         "parrot-no-affinity-spill",
+        "parrot-latency-batching",
     }
     changes = {name: (spec.policy, spec.serve_flags, spec.engine_flags) for name, spec in ablations.items()}
     assert changes == {
@@ -633,8 +640,8 @@ def test_systems_switch_off_one_mechanism_each_and_baselines_have_no_prefix_cach
         "parrot-no-deduction": ("no-deduction", (), ()),
         "parrot-no-affinity": ("no-affinity", (), ()),
         "parrot-no-prefix-cache": ("parrot", (), ("--no-prefix-cache",)),
-        "parrot-no-latency-batching": ("parrot", ("--latency-cap-scope", "all"), ()),
         "parrot-no-affinity-spill": ("parrot", ("--no-affinity-spill",), ()),
+        "parrot-latency-batching": ("parrot", ("--latency-cap-scope", "mixed"), ()),
     }
     for name in ("parrot-baseline-latency", "parrot-baseline-throughput"):
         spec = SYSTEMS[name]

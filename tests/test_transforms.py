@@ -276,8 +276,8 @@ def test_apply_never_raises_anything_but_transform_failed(text):
 
 
 def test_a_backtracking_pattern_fails_within_its_budget_and_lets_other_threads_run():
-    chain = T.regex(r"(a+)+$")
-    text = "a" * 40 + "!"  # 2**40 ways to split the a's before the '!' fails
+    chain = T.regex(r"(a|aa)+$")
+    text = "a" * 40 + "!"  # ~fib(40) ways to split the a's before the '!' fails
     ticks = 0
     done = threading.Event()
 
@@ -297,7 +297,7 @@ def test_a_backtracking_pattern_fails_within_its_budget_and_lets_other_threads_r
         done.set()
         counter.join()
     elapsed = time.monotonic() - start
-    assert T.MAX_REGEX_SECONDS <= elapsed < T.MAX_REGEX_SECONDS + 1.0
-    assert info.value.detail["pattern"] == r"(a+)+$"
+    assert 0.8 * T.MAX_REGEX_SECONDS <= elapsed < T.MAX_REGEX_SECONDS + 1.0  # the timer is coarse
+    assert info.value.detail["pattern"] == r"(a|aa)+$"
     assert ticks > 50  # the other thread kept running while the pattern searched
-    assert T.regex(r"(a+)+$").apply("a" * 40) == "a" * 40  # a matching value is quick
+    assert T.regex(r"(a|aa)+$", group=0).apply("a" * 40) == "a" * 40  # a matching value is quick

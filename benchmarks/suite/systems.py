@@ -7,7 +7,7 @@ name                            client      server
 ``parrot-no-app-fifo``          Parrot      ... ``--no-app-fifo`` (app-level FIFO off)
 ``parrot-no-deduction``         Parrot      ... ``--policy no-deduction`` (objective deduction off)
 ``parrot-no-affinity``          Parrot      ... ``--policy no-affinity`` (prefix/task-group affinity off)
-``parrot-no-latency-batching``  Parrot      ... ``--latency-cap-scope all`` (the paper's latency cap)
+``parrot-latency-batching``     Parrot      ... ``--latency-cap-scope mixed`` (latency calls batch freely)
 ``parrot-no-affinity-spill``    Parrot      ... ``--no-affinity-spill`` (groups and prefix sharers stay put)
 ``parrot-no-prefix-cache``      Parrot      ... engines ``--no-prefix-cache`` (automatic prefix cache off)
 ``parrot-baseline-latency``     baseline    ``--policy baseline-latency``, engines ``--no-prefix-cache``,
@@ -116,12 +116,12 @@ SYSTEMS: dict[str, SystemSpec] = {
     "parrot-no-affinity": SystemSpec(
         "parrot", "parrot", "no-affinity", "Parrot without prefix/task-group affinity scheduling"
     ),
-    "parrot-no-latency-batching": SystemSpec(
+    "parrot-latency-batching": SystemSpec(
         "parrot",
         "parrot",
         "parrot",
-        "Parrot with the paper's latency cap on every engine running latency work",
-        serve_flags=("--latency-cap-scope", "all"),
+        "Parrot with the latency cap only where latency and throughput work meet",
+        serve_flags=("--latency-cap-scope", "mixed"),
     ),
     "parrot-no-affinity-spill": SystemSpec(
         "parrot",

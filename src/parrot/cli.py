@@ -160,11 +160,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--latency-cap-scope",
-        choices=["mixed", "all"],
-        default="mixed",
-        help="what the latency cap bounds: mixed (default: latency and throughput work meeting on "
-        "an engine; latency calls batch with each other up to the engine's token capacity) or all "
-        "(every engine running latency work, the paper's rule)",
+        choices=["all", "mixed"],
+        default="all",
+        help="what the latency cap bounds: all (default, the paper's rule: every engine running "
+        "latency work) or mixed (only latency and throughput work meeting on an engine; latency "
+        "calls batch with each other up to the engine's token capacity)",
     )
     serve.add_argument(
         "--no-affinity-spill",
@@ -311,7 +311,8 @@ def serve(args: argparse.Namespace) -> None:
     server = uvicorn.Server(config)
     host, port = sock.getsockname()[:2]
     print(
-        f"parrot: manager ready at {'https' if tls else 'http'}://{host}:{port} in {time.perf_counter() - started:.2f}s "
+        f"parrot: manager ready at {'https' if tls else 'http'}://{host}:{port} "
+        f"in {time.perf_counter() - started:.2f}s "
         f"({'model ' + engine.model_name if engine else 'no embedded engine'})",
         flush=True,
     )

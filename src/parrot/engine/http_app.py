@@ -12,7 +12,6 @@ import contextlib
 import logging
 import ssl
 from collections.abc import AsyncIterator
-
 from typing import Annotated
 
 import httpx
@@ -47,7 +46,9 @@ def create_engine_app(
         presented: Annotated[str | None, Header(alias=CLUSTER_SECRET_HEADER)] = None,
     ) -> None:
         if cluster_secret is not None and not secret_matches(cluster_secret, presented):
-            raise Unauthorized(f"this engine answers only its manager: {CLUSTER_SECRET_HEADER} missing or wrong")
+            raise Unauthorized(
+                f"this engine answers only its manager: {CLUSTER_SECRET_HEADER} missing or wrong"
+            )
 
     app = FastAPI(title="Parrot engine", version="0.1.0")
     protected = APIRouter(dependencies=[Depends(require_secret)])

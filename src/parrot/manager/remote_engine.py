@@ -59,7 +59,9 @@ class RemoteEngine:
                     TextTokenizer.from_dict(info["tokenizer"]),
                 )
             except (KeyError, TypeError, ValueError) as exc:
-                raise BadRequest(f"{url} did not answer GET /tokenizer as a Parrot engine does: {exc!r}") from exc
+                raise BadRequest(
+                    f"{url} did not answer GET /tokenizer as a Parrot engine does: {exc!r}"
+                ) from exc
         except BaseException:
             await client.aclose()
             raise

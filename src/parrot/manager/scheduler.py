@@ -16,20 +16,21 @@ throughput work.  Under ``parrot`` the cap that applies when placing call
 ``c`` on ``e`` depends on whether the two kinds of work would meet there
 (``config.latency_cap_scope``):
 
-* ``"mixed"`` (the default): the latency cap bounds throughput work that
+* ``"all"`` (the default, the paper's rule): ``cap_L`` if ``c`` is
+  latency-sensitive *or* ``e`` runs latency work, else ``cap_T``.  Under
+  saturation this serves latency calls nearly in order (with app-FIFO, one
+  application after another), which gives a lower mean latency than sharing
+  every step among all of them (``docs/evaluation.md``, "latency batching");
+* ``"mixed"``: the latency cap bounds throughput work that
   meets latency work.  A throughput call joins an engine running latency work
   (mode ``"latency"``) while ``e.load + c.tokens <= cap_L``; a
   latency-sensitive call joins one running only throughput work (mode
   ``"throughput"``) while that work is within the cap, ``e.load <= cap_L``
   (and ``e.load + c.tokens <= e.token_capacity``).  Otherwise a latency call is
   bounded by ``e.token_capacity``, as a continuous-batching server admits
-  requests, and a throughput call by ``cap_T``.  Latency calls batch with
-  each other: holding one back to keep the running ones' per-token latency
-  under target costs it more (its whole wait) than it costs them (a decode
-  step grows slowly with load: ``docs/engine.md``, "Prefill and decode
-  against batch size");
-* ``"all"`` (the paper's rule): ``cap_L`` if ``c`` is latency-sensitive *or*
-  ``e`` runs latency work, else ``cap_T``.
+  requests, and a throughput call by ``cap_T``: latency calls batch with
+  each other, which on this CPU made chains slower (every admitted prompt's
+  prefill delays the running calls' decode steps).
 
 The baselines apply one cap to everything.  A call *fits* ``e`` when ``e``
 is alive, serves the call's model, ``c.tokens <= e.max_seq_len``, and either
@@ -221,15 +222,15 @@ class SchedulerConfig:
     """``latency_cap_tokens``: the operator's latency cap for every engine (None: each
     engine's own, ``EngineSnapshot.latency_cap_tokens``); ``throughput_cap``: the same
     for throughput work (None: each engine's token capacity).  ``latency_cap_scope``:
-    what the latency cap bounds under the non-baseline policies, ``"mixed"`` (only
-    latency and throughput work meeting on an engine) or ``"all"`` (every engine running
-    latency work: the paper's rule).  ``affinity_spill``: a task group or the sharers
+    what the latency cap bounds under the non-baseline policies, ``"all"`` (every engine
+    running latency work: the paper's rule, the default) or ``"mixed"`` (only latency and
+    throughput work meeting on an engine).  ``affinity_spill``: a task group or the sharers
     of a prefix may spread to a less loaded engine (steps 1 and 2 of the module docstring)."""
 
     policy: Policy = "parrot"
     latency_cap_tokens: int | None = None
     throughput_cap: int | None = None
-    latency_cap_scope: CapScope = "mixed"
+    latency_cap_scope: CapScope = "all"
     affinity_spill: bool = True
 
     def __post_init__(self) -> None:

@@ -92,10 +92,10 @@ class ManagerConfig:
     # capacity when it does not report one, and how long a ready call may wait for an engine
     policy: str = "parrot"
     latency_cap_tokens: int | None = None
-    # what the latency cap bounds ("mixed": latency and throughput work meeting on an engine;
-    # "all": every engine running latency work, the paper's rule) and whether a task group or
+    # what the latency cap bounds ("all": every engine running latency work, the paper's rule;
+    # "mixed": latency and throughput work meeting on an engine) and whether a task group or
     # the sharers of a prefix may spread to a less loaded engine (scheduler.SchedulerConfig)
-    latency_cap_scope: str = "mixed"
+    latency_cap_scope: str = "all"
     # the secret engines and operators present (parrot.protocol.cluster); None: no remote
     # engines can register, and GET /v1/engines shows everyone the public view only
     cluster_secret: str | None = None
@@ -226,7 +226,8 @@ class Manager:
         expired = [
             s
             for s in self.sessions.values()
-            if now - s.last_active > ttl and not any(c.state in ("ready", "running") for c in s.calls.values())
+            if now - s.last_active > ttl
+            and not any(c.state in ("ready", "running") for c in s.calls.values())
         ]
         for session in expired:
             self.close_session(session)

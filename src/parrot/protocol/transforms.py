@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import regex
+import regex as regex_engine  # the package; ``regex`` below is this module's helper
 
 from parrot.protocol import errors
 from parrot.protocol.errors import CallFailed, InvalidTransform
@@ -363,18 +363,18 @@ def _short(pattern: str) -> str:
     return repr(pattern if len(pattern) <= 60 else pattern[:57] + "...")
 
 
-def _compile(pattern: str) -> regex.Pattern[str]:
+def _compile(pattern: str) -> regex_engine.Pattern[str]:
     if not isinstance(pattern, str):
         raise InvalidTransform(f"'pattern' must be a string, got {type(pattern).__name__}")
     if len(pattern) > MAX_PATTERN_CHARS:
         raise InvalidTransform(f"pattern longer than {MAX_PATTERN_CHARS} characters ({len(pattern)})")
     try:
-        return regex.compile(pattern, regex.VERSION0)
-    except (regex.error, RecursionError, OverflowError, ValueError) as exc:
+        return regex_engine.compile(pattern, regex_engine.VERSION0)
+    except (regex_engine.error, RecursionError, OverflowError, ValueError) as exc:
         raise InvalidTransform(f"pattern {_short(pattern)} does not compile: {exc}") from None
 
 
-def _check_group(compiled: regex.Pattern[str], group: Any) -> None:
+def _check_group(compiled: regex_engine.Pattern[str], group: Any) -> None:
     if isinstance(group, bool) or not isinstance(group, (int, str)):
         raise InvalidTransform(f"'group' must be an integer or a group name, got {group!r}")
     if isinstance(group, int):
