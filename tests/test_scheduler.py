@@ -50,21 +50,20 @@ def q(cid, kind="latency", group=None, tokens=100, rank=0, prefixes=(), model="m
 
 
 def run(queue, engines, policy="parrot", **kw):
-    """One round under the paper's Algorithm 1 (latency cap on every engine running latency
-    work, task groups and prefix sharers kept together) unless ``kw`` says otherwise; the
-    default spills them (tested under "affinity spill" below)."""
-    kw.setdefault("affinity_spill", False)
+    """One round under the default configuration, the paper's Algorithm 1 (latency cap on
+    every engine running latency work, task groups and prefix sharers kept together)."""
     return schedule(queue, engines, SchedulerConfig(policy, **kw))
 
 
-def run_default(queue, engines, policy="parrot", **kw):
-    """One round under the default configuration (``kw`` may change it)."""
+def run_spill(queue, engines, policy="parrot", **kw):
+    """One round with affinity spill (tested under "affinity spill" below)."""
+    kw.setdefault("affinity_spill", True)
     return schedule(queue, engines, SchedulerConfig(policy, **kw))
 
 
 def run_mixed(queue, engines, policy="parrot", **kw):
     """One round with the latency cap only where latency and throughput work meet."""
-    return run_default(queue, engines, policy, latency_cap_scope="mixed", **kw)
+    return schedule(queue, engines, SchedulerConfig(policy, latency_cap_scope="mixed", **kw))
 
 
 def where(placements):
@@ -243,7 +242,7 @@ def test_drain_reservation_uses_each_engines_cap():
 def test_latency_calls_batch_with_each_other_beyond_the_latency_cap():
     engines = [eng("e1", load=6000, mode="latency")]
     assert run_mixed([q("a", tokens=1000)], engines) == [Placement("a", "e1", "find-engine")]
-    assert run_default([q("a", tokens=1000)], engines) == []  # the default, the paper's rule: it waits
+    assert run([q("a", tokens=1000)], engines) == []  # the default, the paper's rule: it waits
     # still bounded by the engine's token capacity
     assert run_mixed([q("a", tokens=1000)], [eng("e1", load=63_500, mode="latency")]) == []
 
@@ -274,17 +273,17 @@ def test_an_unknown_cap_scope_is_rejected():
         SchedulerConfig(latency_cap_scope="some")  # type: ignore[arg-type]
 
 
-# ------------------------------------------------------------------ affinity spill (default)
+# ------------------------------------------------------------------ affinity spill (an option)
 def test_a_affinity_spills_to_a_less_loaded_engine():
     engines = [eng("e1", load=5000, mode="throughput", groups={"tg:r"}), eng("e2")]
-    out = run_default([q("m", group="tg:r", tokens=1000)], engines)
+    out = run_spill([q("m", group="tg:r", tokens=1000)], engines)
     assert out == [Placement("m", "e2", "task-group-spill")]
     assert run([q("m", group="tg:r", tokens=1000)], engines) == [Placement("m", "e1", "task-group")]
 
 
 def test_a_group_spreads_over_idle_engines_within_a_round():
     engines = [eng("e1", lat=10_000), eng("e2", lat=10_000)]
-    out = run_default([q(f"m{i}", group="tg:r", tokens=1000, rank=i) for i in range(4)], engines)
+    out = run_spill([q(f"m{i}", group="tg:r", tokens=1000, rank=i) for i in range(4)], engines)
     assert where(out) == {"m0": "e1", "m1": "e2", "m2": "e1", "m3": "e2"}
     assert why(out) == {"m0": "find-engine", "m1": "task-group-spill", "m2": "task-group", "m3": "task-group"}
 
@@ -294,16 +293,16 @@ def test_a_group_does_not_spill_to_an_engine_that_would_end_up_more_loaded():
         eng("e1", load=1000, mode="throughput", groups={"tg:r"}),
         eng("e2", load=500, mode="throughput"),
     ]
-    assert where(run_default([q("m", group="tg:r", tokens=600)], engines)) == {"m": "e1"}
-    assert where(run_default([q("m", group="tg:r", tokens=500)], engines)) == {"m": "e2"}
+    assert where(run_spill([q("m", group="tg:r", tokens=600)], engines)) == {"m": "e1"}
+    assert where(run_spill([q("m", group="tg:r", tokens=500)], engines)) == {"m": "e2"}
 
 
 def test_spilled_group_work_stays_within_the_latency_cap_of_its_engine():
     # e2 takes members up to its latency cap (2,000), so latency calls can still join it
     engines = [eng("e1", load=5000, mode="throughput", groups={"tg:r"}), eng("e2", lat=2000)]
-    out = run_default([q(f"m{i}", group="tg:r", tokens=600, rank=i) for i in range(5)], engines)
+    out = run_spill([q(f"m{i}", group="tg:r", tokens=600, rank=i) for i in range(5)], engines)
     assert [p.engine_id for p in out] == ["e2", "e2", "e2", "e1", "e1"]
-    assert run_default([q("m", group="tg:r", tokens=600)], [engines[0], eng("e2", load=1500, lat=2000)]) == [
+    assert run_spill([q("m", group="tg:r", tokens=600)], [engines[0], eng("e2", load=1500, lat=2000)]) == [
         Placement("m", "e1", "task-group")
     ]
 
@@ -313,16 +312,16 @@ def test_a_affinity_spills_into_latency_work_only_under_the_latency_cap():
         eng("e1", load=5000, mode="throughput", groups={"tg:r"}),
         eng("e2", load=1500, mode="latency", lat=2000),
     ]
-    assert run_default([q("m", group="tg:r", tokens=400)], engines) == [
+    assert run_spill([q("m", group="tg:r", tokens=400)], engines) == [
         Placement("m", "e2", "task-group-spill")
     ]
-    assert run_default([q("m", group="tg:r", tokens=600)], engines) == [Placement("m", "e1", "task-group")]
+    assert run_spill([q("m", group="tg:r", tokens=600)], engines) == [Placement("m", "e1", "task-group")]
 
 
 def test_prefix_sharers_spill_to_a_less_loaded_engine_within_its_latency_cap():
     engines = [eng("e1", load=5000, mode="throughput", prefixes={"sys"}), eng("e2", lat=2000)]
     queue = [q(f"t{i}", kind="throughput", tokens=600, rank=i, prefixes=("sys",)) for i in range(5)]
-    out = run_default(queue, engines)
+    out = run_spill(queue, engines)
     # t0 computes the prefix on e2; t1 and t2 join it there (it holds it now); then e2 is at its cap
     assert [(p.engine_id, p.reason) for p in out] == [
         ("e2", "prefix-spill"),
@@ -336,10 +335,10 @@ def test_prefix_sharers_spill_to_a_less_loaded_engine_within_its_latency_cap():
 
 def test_prefix_sharers_stay_on_their_engine_while_it_is_the_lighter():
     engines = [eng("e1", load=300, mode="latency", prefixes={"sys"}), eng("e2", load=200, mode="latency")]
-    assert run_default([q("a", tokens=200, prefixes=("sys",))], engines) == [
+    assert run_spill([q("a", tokens=200, prefixes=("sys",))], engines) == [
         Placement("a", "e1", "prefix-engine")
     ]
-    assert run_default([q("a", tokens=100, prefixes=("sys",))], engines) == [
+    assert run_spill([q("a", tokens=100, prefixes=("sys",))], engines) == [
         Placement("a", "e2", "prefix-spill")
     ]
 

@@ -631,7 +631,7 @@ def test_systems_change_one_mechanism_each_and_baselines_have_no_prefix_cache() 
         "parrot-no-deduction",
         "parrot-no-affinity",
         "parrot-no-prefix-cache",
-        "parrot-no-affinity-spill",
+        "parrot-affinity-spill",
         "parrot-latency-batching",
     }
     changes = {name: (spec.policy, spec.serve_flags, spec.engine_flags) for name, spec in ablations.items()}
@@ -640,7 +640,7 @@ def test_systems_change_one_mechanism_each_and_baselines_have_no_prefix_cache() 
         "parrot-no-deduction": ("no-deduction", (), ()),
         "parrot-no-affinity": ("no-affinity", (), ()),
         "parrot-no-prefix-cache": ("parrot", (), ("--no-prefix-cache",)),
-        "parrot-no-affinity-spill": ("parrot", ("--no-affinity-spill",), ()),
+        "parrot-affinity-spill": ("parrot", ("--affinity-spill",), ()),
         "parrot-latency-batching": ("parrot", ("--latency-cap-scope", "mixed"), ()),
     }
     for name in ("parrot-baseline-latency", "parrot-baseline-throughput"):

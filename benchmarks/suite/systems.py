@@ -8,7 +8,7 @@ name                            client      server
 ``parrot-no-deduction``         Parrot      ... ``--policy no-deduction`` (objective deduction off)
 ``parrot-no-affinity``          Parrot      ... ``--policy no-affinity`` (prefix/task-group affinity off)
 ``parrot-latency-batching``     Parrot      ... ``--latency-cap-scope mixed`` (latency calls batch freely)
-``parrot-no-affinity-spill``    Parrot      ... ``--no-affinity-spill`` (groups and prefix sharers stay put)
+``parrot-affinity-spill``       Parrot      ... ``--affinity-spill`` (groups and prefix sharers spread)
 ``parrot-no-prefix-cache``      Parrot      ... engines ``--no-prefix-cache`` (automatic prefix cache off)
 ``parrot-baseline-latency``     baseline    ``--policy baseline-latency``, engines ``--no-prefix-cache``,
                                             via Parrot's ``/v1/completions``
@@ -123,12 +123,12 @@ SYSTEMS: dict[str, SystemSpec] = {
         "Parrot with the latency cap only where latency and throughput work meet",
         serve_flags=("--latency-cap-scope", "mixed"),
     ),
-    "parrot-no-affinity-spill": SystemSpec(
+    "parrot-affinity-spill": SystemSpec(
         "parrot",
         "parrot",
         "parrot",
-        "Parrot with task groups and prefix sharers kept on their engines",
-        serve_flags=("--no-affinity-spill",),
+        "Parrot with task groups and prefix sharers spreading to less loaded engines",
+        serve_flags=("--affinity-spill",),
     ),
     "parrot-no-prefix-cache": SystemSpec(
         "parrot",

@@ -167,10 +167,11 @@ def _parser() -> argparse.ArgumentParser:
         "calls batch with each other up to the engine's token capacity)",
     )
     serve.add_argument(
-        "--no-affinity-spill",
+        "--affinity-spill",
         action="store_true",
-        help="keep a task group, and the calls sharing a prefix, on the engines already running "
-        "them even when another engine is less loaded (for ablations)",
+        help="let a task group, and the calls sharing a prefix, spread to a less loaded engine "
+        "instead of staying on the engines already running them (off by default: measured "
+        "slower with the paper's latency cap, docs/evaluation.md)",
     )
     serve.add_argument(
         "--no-app-fifo",
@@ -288,7 +289,7 @@ def manager_config(args: argparse.Namespace) -> ManagerConfig:
         latency_cap_tokens=args.latency_cap,
         app_fifo=not args.no_app_fifo,
         latency_cap_scope=args.latency_cap_scope,
-        affinity_spill=not args.no_affinity_spill,
+        affinity_spill=args.affinity_spill,
     )
 
 

@@ -44,7 +44,8 @@ producers first, then arrival).  For each call ``c``:
 
 1. *task group* — if ``c`` is in a task group and engines run (or were given
    this round) members of it: the least-loaded of them that ``c`` fits.  With
-   ``config.affinity_spill`` (the default) instead: ``g``, the *most* loaded of
+   ``config.affinity_spill`` (off by default: ``docs/evaluation.md``, "Affinity
+   spill") instead: ``g``, the *most* loaded of
    them that ``c`` fits (the group's home), unless the least-loaded engine
    ``f`` that ``c`` fits, in any mode, has ``f.load + c.tokens <= g.load``
    and, for throughput ``c``, ``<= L(f)``: then ``f`` (``task-group-spill``
@@ -231,7 +232,7 @@ class SchedulerConfig:
     latency_cap_tokens: int | None = None
     throughput_cap: int | None = None
     latency_cap_scope: CapScope = "all"
-    affinity_spill: bool = True
+    affinity_spill: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -101,7 +101,7 @@ class ManagerConfig:
     cluster_secret: str | None = None
     # a CA bundle that verifies https engines' certificates (None: the system's trust store)
     tls_ca_file: str | None = None
-    affinity_spill: bool = True
+    affinity_spill: bool = False
     engine_token_capacity: int = 32768
     queue_timeout_s: float | None = 600.0
     # a session nobody used for this long (seconds) with no call queued or running is
