@@ -20,7 +20,7 @@ throughput work.  Under ``parrot`` the cap that applies when placing call
   latency-sensitive *or* ``e`` runs latency work, else ``cap_T``.  Under
   saturation this serves latency calls nearly in order (with app-FIFO, one
   application after another), which gives a lower mean latency than sharing
-  every step among all of them (``docs/evaluation.md``, "latency batching");
+  every step among all of them (``docs/evaluation.md``, "Latency batching");
 * ``"mixed"``: the latency cap bounds throughput work that
   meets latency work.  A throughput call joins an engine running latency work
   (mode ``"latency"``) while ``e.load + c.tokens <= cap_L``; a
@@ -51,10 +51,8 @@ producers first, then arrival).  For each call ``c``:
    and, for throughput ``c``, ``<= L(f)``: then ``f`` (``task-group-spill``
    if it ran no member yet).  The bound ``L(f)`` keeps throughput work spread
    off the home within ``f``'s latency cap, so latency calls can still join
-   ``f``; latency calls need no such bound, as they batch with each other.  A group fills its home and spreads
-   only where that finishes it sooner, so where compute, not batch size,
-   limits a step (CPU engines) a big group is not left to one engine while
-   another has time;
+   ``f``; latency calls need no such bound, as they batch with each other.  A
+   group fills its home and spreads only where that finishes it sooner;
 2. *prefix* — for each of ``c``'s prefix hashes, longest first: the engines
    that hold that prefix (earlier calls with it ran there, so its KV is likely
    in the engine's prefix cache, ``prefix-engine``; or a call with it was placed
