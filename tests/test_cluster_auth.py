@@ -13,7 +13,7 @@ import pytest
 import trustme
 
 import parrot as P
-from parrot.cli import _parser, manager_config, run_engine
+from parrot import cli
 from parrot.engine.http_app import create_engine_app
 from parrot.engine.loader import LoadedModel
 from parrot.engine.local import LocalEngine
@@ -32,12 +32,14 @@ WRONG = {CLUSTER_SECRET_HEADER: "not-the-cluster-secret-at-all-02"}
 
 
 @pytest.fixture
-def guarded(tiny_engine: LocalEngine) -> Iterator[LiveServer]:
-    manager = Manager(ManagerConfig(cluster_secret=SECRET))
-    manager.pool.register(tiny_engine, name="tiny")
-    live = start_server(manager)
-    yield live
-    live.stop()
+def manager_config() -> ManagerConfig:
+    """conftest's ``live`` server, with :data:`SECRET` as its cluster secret."""
+    return ManagerConfig(cluster_secret=SECRET)
+
+
+@pytest.fixture
+def guarded(live: LiveServer) -> LiveServer:
+    return live
 
 
 @pytest.fixture
@@ -216,20 +218,20 @@ def test_secrets_from_flag_or_environment_and_their_checks(monkeypatch, capsys) 
     with pytest.raises(ValueError, match="printable ASCII"):
         resolve_secret("a secret with spaces in it")
     with pytest.raises(SystemExit, match="at least 16"):
-        manager_config(_parser().parse_args(["serve", "--cluster-secret", "short"]))
+        cli.manager_config(cli._parser().parse_args(["serve", "--cluster-secret", "short"]))
     # serve without one: generated, printed only when engines must join (--no-engine)
-    embedded = manager_config(_parser().parse_args(["serve"])).cluster_secret
+    embedded = cli.manager_config(cli._parser().parse_args(["serve"])).cluster_secret
     assert embedded and embedded not in capsys.readouterr().err
-    alone = manager_config(_parser().parse_args(["serve", "--no-engine"])).cluster_secret
+    alone = cli.manager_config(cli._parser().parse_args(["serve", "--no-engine"])).cluster_secret
     assert alone and alone != embedded and f"{CLUSTER_SECRET_ENV}={alone}" in capsys.readouterr().err
     # from the environment: used, never printed
     monkeypatch.setenv(CLUSTER_SECRET_ENV, SECRET)
-    assert manager_config(_parser().parse_args(["serve", "--no-engine"])).cluster_secret == SECRET
+    assert cli.manager_config(cli._parser().parse_args(["serve", "--no-engine"])).cluster_secret == SECRET
     assert SECRET not in capsys.readouterr().err
     # an engine needs one before it loads anything
     monkeypatch.delenv(CLUSTER_SECRET_ENV)
     with pytest.raises(SystemExit, match="cluster secret"):
-        run_engine(_parser().parse_args(["engine", "--manager", "http://127.0.0.1:1"]))
+        cli.run_engine(cli._parser().parse_args(["engine", "--manager", "http://127.0.0.1:1"]))
 
 
 def test_engines_over_tls_are_verified_with_the_given_ca(tiny_model: LoadedModel, tmp_path) -> None:
@@ -268,9 +270,11 @@ def test_engines_over_tls_are_verified_with_the_given_ca(tiny_model: LoadedModel
 
 def test_tls_options_are_checked_at_start(tmp_path) -> None:
     with pytest.raises(SystemExit, match="go together"):
-        manager_config(_parser().parse_args(["serve", "--ssl-certfile", "x.pem"]))
+        cli.manager_config(cli._parser().parse_args(["serve", "--ssl-certfile", "x.pem"]))
     with pytest.raises(SystemExit, match="ssl-ca-file"):
-        manager_config(_parser().parse_args(["serve", "--ssl-ca-file", str(tmp_path / "missing.pem")]))
+        cli.manager_config(
+            cli._parser().parse_args(["serve", "--ssl-ca-file", str(tmp_path / "missing.pem")])
+        )
     (tmp_path / "junk.pem").write_text("not a certificate")
     with pytest.raises(SystemExit, match="ssl-ca-file"):
-        manager_config(_parser().parse_args(["serve", "--ssl-ca-file", str(tmp_path / "junk.pem")]))
+        cli.manager_config(cli._parser().parse_args(["serve", "--ssl-ca-file", str(tmp_path / "junk.pem")]))

@@ -55,20 +55,23 @@ REGISTER_TIMEOUT_S = 10.0
 """How long registering an engine waits for its description."""
 
 
+_PUBLIC_STATS = {
+    "token_capacity",
+    "kv_tokens_total",
+    "kv_blocks_total",
+    "kv_block_size",
+    "latency_cap_tokens",
+    "latency_cap_source",
+    "decode_ms_base",
+    "decode_ms_per_1k_tokens",
+    "decode_ms_target",
+}
+"""What anyone may see of an engine's stats: its size and latency fit, nothing of its activity
+(which would tell one tenant about another's work)."""
+
+
 def _public_stats(stats: EngineStats) -> EngineStats:
-    """An engine's stats without what its activity would tell about other tenants' work:
-    its size and latency fit only."""
-    return EngineStats(
-        token_capacity=stats.token_capacity,
-        kv_tokens_total=stats.kv_tokens_total,
-        kv_blocks_total=stats.kv_blocks_total,
-        kv_block_size=stats.kv_block_size,
-        latency_cap_tokens=stats.latency_cap_tokens,
-        latency_cap_source=stats.latency_cap_source,
-        decode_ms_base=stats.decode_ms_base,
-        decode_ms_per_1k_tokens=stats.decode_ms_per_1k_tokens,
-        decode_ms_target=stats.decode_ms_target,
-    )
+    return EngineStats(**stats.model_dump(include=_PUBLIC_STATS))
 
 
 def _token(authorization: str | None) -> str | None:

@@ -49,29 +49,22 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field
 
 from parrot.manager.graph import Call, Session, Variable
 from parrot.manager.service import Manager, error_info
 from parrot.protocol.errors import BadRequest, CallFailed, EngineError, NoEngine, ParrotError
 from parrot.protocol.sampling import SamplingParams
-from parrot.protocol.schemas import PlaceholderBinding, SubmitCall, reject_invalid_unicode
+from parrot.protocol.schemas import PlaceholderBinding, StrictBody, SubmitCall
 
 COMPLETION_TEMPLATE = "{{input:prompt}}{{output:text}}"
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _TASK_GRACE_S = 30.0  # how long to wait for a finished call to free its engine context
 
 
-class CompletionRequest(BaseModel):
+class CompletionRequest(StrictBody):
     """The body of ``POST /v1/completions`` (OpenAI's fields plus vLLM's ``top_k``,
     ``ignore_eos`` and ``stop_token_ids``).  Unknown fields are rejected."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        return reject_invalid_unicode(data)
 
     model: str | None = Field(default=None, description="Model to run on; any live engine's if omitted.")
     prompt: str | list[Any]

@@ -41,7 +41,7 @@ def reject_invalid_unicode(data: Any) -> Any:
     return data
 
 
-class _Strict(BaseModel):
+class StrictBody(BaseModel):
     """A request body: unknown fields are rejected, values are not coerced (``"yes"`` is
     not a boolean, ``"3"`` not a number), and strings must be valid Unicode."""
 
@@ -67,12 +67,12 @@ class SessionCreated(BaseModel):
 
 
 # ---------------------------------------------------------------- variables
-class CreateVariable(_Strict):
+class CreateVariable(StrictBody):
     name: str | None = Field(default=None, max_length=200)
     value: str | None = None
 
 
-class SetVariable(_Strict):
+class SetVariable(StrictBody):
     value: str
 
 
@@ -87,7 +87,7 @@ class VariableInfo(BaseModel):
 
 
 # -------------------------------------------------------------------- calls
-class PlaceholderBinding(_Strict):
+class PlaceholderBinding(StrictBody):
     """Binds one template placeholder.
 
     Inputs take exactly one of ``var_id`` (a variable of this session) or
@@ -105,7 +105,7 @@ class PlaceholderBinding(_Strict):
     criteria: Criteria | None = None
 
 
-class SubmitCall(_Strict):
+class SubmitCall(StrictBody):
     template: str
     placeholders: list[PlaceholderBinding] = Field(default_factory=list, max_length=1024)
     name: str | None = Field(default=None, max_length=200, description="Function name, for introspection.")
@@ -180,7 +180,7 @@ class SetVariableOp(SetVariable):
 BatchOp = Annotated[CreateVariableOp | SubmitCallOp | SetVariableOp, Field(discriminator="op")]
 
 
-class BatchRequest(_Strict):
+class BatchRequest(StrictBody):
     """Operations applied in order, all or none.
 
     Every ref is defined once, by ``create_variable.ref`` or an output's
@@ -207,7 +207,7 @@ class BatchResult(BaseModel):
     )
 
 
-class CreateSession(_Strict):
+class CreateSession(StrictBody):
     """Optional body of ``POST /v1/sessions``: a first batch applied to the new session in
     the same request (one round trip for a whole app); if it is rejected, no session is made."""
 
@@ -275,7 +275,7 @@ class EngineStats(BaseModel):
         return self
 
 
-class EngineDescription(_Strict):
+class EngineDescription(StrictBody):
     """What an engine tells the manager about itself when it registers."""
 
     url: str = Field(max_length=2000)
@@ -289,7 +289,7 @@ class EngineRegistered(BaseModel):
     heartbeat_interval_s: float
 
 
-class Heartbeat(_Strict):
+class Heartbeat(StrictBody):
     stats: EngineStats = Field(default_factory=EngineStats)
 
 
@@ -304,23 +304,23 @@ class EngineInfo(BaseModel):
 
 
 # ----------------------------------------------------- engine process API
-class FillRequest(_Strict):
+class FillRequest(StrictBody):
     tokens: list[int] = Field(max_length=1_000_000)
     context_id: int
     parent_context_id: int | None = None
 
 
-class GenerateRequest(_Strict):
+class GenerateRequest(StrictBody):
     sampling: dict[str, Any] = Field(default_factory=dict)
     context_id: int
     parent_context_id: int | None = None
 
 
-class FreeContextRequest(_Strict):
+class FreeContextRequest(StrictBody):
     context_id: int
 
 
-class TokenCapacityRequest(_Strict):
+class TokenCapacityRequest(StrictBody):
     """Set an engine's token capacity (the most KV tokens its running work may hold
     at once; small = low per-token latency, large = high throughput)."""
 
