@@ -70,9 +70,10 @@ def assert_contexts_released(live, before: set[int]) -> None:
 class Raw:
     """A session driven with raw HTTP (httpx), to see statuses and bodies as sent."""
 
-    def __init__(self, live):
+    def __init__(self, live, api_key: str | None = None):
         self.http = httpx.Client(base_url=live.url, timeout=WAIT)
-        created = self.http.post("/v1/sessions")
+        opening = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+        created = self.http.post("/v1/sessions", headers=opening)
         assert created.status_code == 201, created.text
         self.sid: str = created.json()["session_id"]
         self.token: str = created.json()["token"]
@@ -162,9 +163,9 @@ class Bystander:
         critique=P.Output(max_tokens=4, ignore_eos=True),
     )
 
-    def __init__(self, live):
+    def __init__(self, live, api_key: str | None = None):
         self.live = live
-        self.session = P.connect(live.url, timeout=WAIT).open()
+        self.session = P.connect(live.url, timeout=WAIT, api_key=api_key).open()
         self.topic = self.session.variable(name="topic")
         self.idea = self.session.call(self.FIRST, self.topic)
         self.critique = self.session.call(self.SECOND, self.idea)

@@ -31,7 +31,11 @@ class GatedEngine:
         self.generated: list[int] = []
 
     async def fill(
-        self, tokens: Sequence[int], context_id: int, parent_context_id: int | None = None
+        self,
+        tokens: Sequence[int],
+        context_id: int,
+        parent_context_id: int | None = None,
+        cache_salt: str = "",
     ) -> None:
         await asyncio.sleep(0)
 

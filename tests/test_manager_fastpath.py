@@ -220,7 +220,11 @@ class SlowishEngine:
         return self._tokenizer
 
     async def fill(
-        self, tokens: Sequence[int], context_id: int, parent_context_id: int | None = None
+        self,
+        tokens: Sequence[int],
+        context_id: int,
+        parent_context_id: int | None = None,
+        cache_salt: str = "",
     ) -> None:
         await asyncio.sleep(0)
 

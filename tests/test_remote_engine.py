@@ -380,6 +380,17 @@ def test_engine_http_api(procs: Procs, tiny_model: LoadedModel, tiny_engine: Loc
                     await remote.set_token_capacity(bad)
                 assert info.value.code == "invalid_capacity"
             assert (await remote.stats()).token_capacity == 300
+            # a fill's cache salt travels: only contexts of the same salt share cached blocks
+            long = [3 + i % (vocab - 3) for i in range(40)]
+            hits = []
+            for context_id, salt in ((10_010, "alice"), (10_011, "bob"), (10_012, "alice")):
+                before = (await remote.stats()).cached_tokens
+                await remote.fill(long, context_id, cache_salt=salt)
+                async for _ in remote.generate(P.SamplingParams(max_tokens=1), context_id):
+                    pass
+                hits.append((await remote.stats()).cached_tokens - before)
+                await remote.free_context(context_id)
+            assert hits == [0, 0, 32]
         finally:
             await remote.close()
 

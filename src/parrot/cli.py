@@ -114,6 +114,82 @@ def _check_ca_file(path: str | None, prog: str) -> None:
         raise SystemExit(f"{prog}: --ssl-ca-file {path}: {exc}") from None
 
 
+def _add_tenant_args(serve: argparse.ArgumentParser) -> None:
+    """API keys, per-tenant quotas and prefix sharing (parrot.manager.tenants)."""
+    from parrot.manager.tenants import Quotas
+
+    q = Quotas()
+    serve.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="[TENANT:]KEY",
+        help="an API key clients present (Authorization: Bearer KEY) to open sessions and send "
+        "completions; repeatable; each names a tenant (default name: a digest of the key). "
+        "Without any key every client is one anonymous tenant (fine on loopback)",
+    )
+    serve.add_argument(
+        "--api-key-file",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a file of API keys, one [TENANT:]KEY per line (# comments); repeatable",
+    )
+    serve.add_argument(
+        "--max-sessions-per-tenant",
+        type=int,
+        default=q.max_sessions,
+        help="open sessions one tenant may hold; beyond: 429 with Retry-After (0: no limit)",
+    )
+    serve.add_argument(
+        "--max-calls-per-tenant",
+        type=int,
+        default=q.max_calls,
+        help="unfinished calls (waiting, queued or running) one tenant may hold; beyond: 429 (0: no limit)",
+    )
+    serve.add_argument(
+        "--max-value-bytes-per-tenant",
+        type=int,
+        default=q.max_value_bytes,
+        help="bytes of client-supplied values one tenant's open sessions may hold; beyond: 429 (0: no limit)",
+    )
+    serve.add_argument(
+        "--prefix-sharing",
+        choices=["tenant", "global"],
+        default="tenant",
+        help="who shares cached prompt prefixes: tenant (default: a tenant never hits, nor can "
+        "time, another's) or global (everyone's prompts share, as in a single-tenant service)",
+    )
+
+
+def _tenant_config(args: argparse.Namespace) -> dict:
+    """ManagerConfig fields for API keys, quotas and prefix sharing (SystemExit if bad)."""
+    from parrot.manager.tenants import Quotas, load_api_keys
+
+    limits = {
+        "max_sessions": args.max_sessions_per_tenant,
+        "max_calls": args.max_calls_per_tenant,
+        "max_value_bytes": args.max_value_bytes_per_tenant,
+    }
+    if any(v < 0 for v in limits.values()):
+        raise SystemExit("parrot serve: per-tenant limits must be >= 0 (0: no limit)")
+    try:
+        keys = load_api_keys(args.api_key, args.api_key_file)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"parrot serve: {exc}") from None
+    if not keys and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(
+            f"parrot: warning: serving on {args.host} without API keys: anyone who reaches it can "
+            "use it (--api-key / --api-key-file)",
+            file=sys.stderr,
+        )
+    return {
+        "api_keys": keys or None,
+        "quotas": Quotas(**{k: (v or None) for k, v in limits.items()}),
+        "prefix_sharing": args.prefix_sharing,
+    }
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="parrot", description=__doc__)
     parser.add_argument("--log-level", default="info")
@@ -192,6 +268,7 @@ def _parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds a call whose engine was lost waits for another engine before failing",
     )
+    _add_tenant_args(serve)
     _add_tls_args(serve, "engines")
     _add_engine_args(serve)
 
@@ -269,6 +346,7 @@ def manager_config(args: argparse.Namespace) -> ManagerConfig:
         raise SystemExit("parrot serve: --session-ttl must be >= 0 (0: sessions never expire)")
     _tls(args, "parrot serve")
     _check_ca_file(args.ssl_ca_file, "parrot serve")
+    tenants = _tenant_config(args)
     try:
         secret = resolve_secret(args.cluster_secret)
     except ValueError as exc:
@@ -290,6 +368,7 @@ def manager_config(args: argparse.Namespace) -> ManagerConfig:
         app_fifo=not args.no_app_fifo,
         latency_cap_scope=args.latency_cap_scope,
         affinity_spill=args.affinity_spill,
+        **tenants,
     )
 
 

@@ -52,7 +52,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from parrot.engine.block_pool import BlockPool
-from parrot.engine.prefix_cache import ROOT, PrefixCache, block_digest
+from parrot.engine.prefix_cache import ROOT, PrefixCache, block_digest, salted_root
 from parrot.protocol.errors import BadRequest, Conflict, ContextTooLong, NotFound
 
 
@@ -67,6 +67,7 @@ class Context:
     busy: bool = False  # a job owns it (running, or preempted and waiting to resume)
     last_used: int = 0  # a logical clock, for least-recently-used eviction
     block_hashes: list[bytes] = field(default_factory=list)  # digests of the full computed blocks
+    root: bytes = ROOT  # the digest chain's root: its prefix-cache salt's (a fork's is its parent's)
 
     @property
     def length(self) -> int:
@@ -153,10 +154,11 @@ class ContextTable:
             raise NotFound(f"context {context_id} does not exist", code="context_not_found")
         return ctx
 
-    def open(self, context_id: int, parent_context_id: int | None) -> Context:
+    def open(self, context_id: int, parent_context_id: int | None, cache_salt: str = "") -> Context:
         """Return context ``context_id``, creating it (forked from the parent, if
         given) when it does not exist yet.  Naming a parent for an existing
-        context is allowed only if it is that context's parent."""
+        context is allowed only if it is that context's parent.  A new root
+        context takes ``cache_salt``'s digest root; a fork shares its parent's."""
         existing = self._contexts.get(context_id)
         if existing is not None:
             if parent_context_id is not None and (
@@ -178,7 +180,8 @@ class ContextTable:
                     code="context_conflict",
                 )
         prefix = parent.length if parent else 0
-        ctx = Context(context_id, parent, prefix, computed_len=prefix)
+        root = parent.root if parent is not None else salted_root(cache_salt)
+        ctx = Context(context_id, parent, prefix, computed_len=prefix, root=root)
         if parent is not None:
             ctx.block_table = parent.block_table[: self.pool.blocks_for(ctx.prefix_len)]
             self.pool.incref(ctx.block_table)
@@ -249,7 +252,7 @@ class ContextTable:
         if cache is None:
             return
         bs, hashes, table = self.block_size, ctx.block_hashes, ctx.block_table
-        previous = hashes[-1] if hashes else ROOT
+        previous = hashes[-1] if hashes else ctx.root
         # only right after the indexed block of the previous digest: a context's indexed
         # blocks are a prefix of its table (after a private duplicate nothing is indexed)
         chained = not hashes or cache.lookup(previous) == table[len(hashes) - 1]
@@ -263,7 +266,7 @@ class ContextTable:
         """Digests of ``ctx``'s blocks ``len(ctx.block_hashes) .. stop - 1`` from its tokens
         (computed or not; block ``stop - 1`` must be whole within ``ctx.length``)."""
         bs, hashes = self.block_size, ctx.block_hashes
-        previous = hashes[-1] if hashes else ROOT
+        previous = hashes[-1] if hashes else ctx.root
         out = []
         for i in range(len(hashes), stop):
             previous = block_digest(previous, ctx.tokens(i * bs, (i + 1) * bs))
@@ -280,7 +283,7 @@ class ContextTable:
         start, stop = ctx.computed_len // bs, (ctx.length - 1) // bs
         if stop <= start:
             return 0
-        previous = ctx.block_hashes[start - 1] if start else ROOT
+        previous = ctx.block_hashes[start - 1] if start else ctx.root
         if start and cache.lookup(previous) != ctx.block_table[start - 1]:
             return 0  # its last block is a private duplicate: shared blocks must stay a common prefix
         found = cache.match(previous, ctx.tokens, start, stop)
@@ -293,12 +296,14 @@ class ContextTable:
         ctx.computed_len += bs * len(found)
         return bs * len(found)
 
-    def cached_prefix(self, tokens: list[int]) -> list[int]:
-        """The indexed blocks a new context of ``tokens`` would reuse (nothing is taken)."""
+    def cached_prefix(self, tokens: list[int], cache_salt: str = "") -> list[int]:
+        """The indexed blocks a new context of ``tokens`` and ``cache_salt`` would reuse
+        (nothing is taken)."""
         if self.cache is None:
             return []
         stop = (len(tokens) - 1) // self.block_size
-        return [b for _, b in self.cache.match(ROOT, lambda lo, hi: tokens[lo:hi], 0, stop)]
+        root = salted_root(cache_salt)
+        return [b for _, b in self.cache.match(root, lambda lo, hi: tokens[lo:hi], 0, stop)]
 
     def slots(self, ctx: Context, start: int, n: int) -> list[int]:
         """Flat cache rows (``block * bs + offset``) of positions ``[start, start + n)``."""

@@ -69,7 +69,7 @@ def create_engine_app(
 
     @protected.post("/fill")
     async def fill(body: FillRequest) -> dict:
-        await engine.fill(body.tokens, body.context_id, body.parent_context_id)
+        await engine.fill(body.tokens, body.context_id, body.parent_context_id, cache_salt=body.cache_salt)
         return {"ok": True}
 
     @protected.post("/generate", response_class=StreamingResponse)

@@ -192,7 +192,11 @@ class LocalEngine:
         return out
 
     async def fill(
-        self, tokens: Sequence[int], context_id: int, parent_context_id: int | None = None
+        self,
+        tokens: Sequence[int],
+        context_id: int,
+        parent_context_id: int | None = None,
+        cache_salt: str = "",
     ) -> None:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
@@ -200,6 +204,7 @@ class LocalEngine:
             context_id,
             parent_context_id,
             tokens=self._check_tokens(tokens),
+            cache_salt=cache_salt,
             on_finish=lambda err: loop.call_soon_threadsafe(_settle, fut, None, err),
         )
         self.runner.submit(job)

@@ -2,9 +2,11 @@
 
 A context's token sequence is cut into blocks of ``block_size`` tokens.  The
 *digest* of block ``i`` is a cryptographic hash of the digest of block
-``i - 1`` (a fixed root for ``i == 0``) and block ``i``'s tokens, so equal
-digests mean equal tokens from position 0 to the block's end — whichever
-context, call, session or tenant computed them.  The cache maps digests to
+``i - 1`` (for ``i == 0``, a root fixed per *cache salt*) and block ``i``'s
+tokens, so equal digests mean equal tokens from position 0 to the block's end
+under the same salt — whichever context, call or session computed them.  The
+manager gives each tenant's calls their own salt (unless the operator lets
+tenants share), so one tenant never hits, nor times, another's blocks.  The cache maps digests to
 the block holding that KV, and a context that is about to compute tokens a
 cached block already holds takes the block instead (a hit), like vLLM's
 automatic prefix caching or SGLang's radix cache.  Nothing has to be
@@ -41,6 +43,15 @@ from collections.abc import Callable, Sequence
 from parrot.engine.block_pool import BlockPool
 
 ROOT = b"parrot-prefix-cache/1"
+
+
+def salted_root(salt: str) -> bytes:
+    """The digest chain's root for contexts of prefix-cache salt ``salt`` (``ROOT`` for
+    none): blocks of equal tokens under different salts get different digests, so one
+    salt's cached blocks are never found by another's contexts."""
+    if not salt:
+        return ROOT
+    return hashlib.blake2b(ROOT + b"/salt/" + salt.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 def block_digest(previous: bytes, tokens: Sequence[int]) -> bytes:

@@ -85,6 +85,7 @@ class Job:
     on_chunk: ChunkCallback | None = None
     on_finish: FinishCallback | None = None
     internal: bool = False  # a flush the runner made itself
+    cache_salt: str = ""  # the prefix-cache salt of the context it creates (a fill's)
     ctx: Context | None = None  # set once admitted; the job then owns ``ctx.busy``
     cancelled: bool = False
     arrival: int = 0  # first-come first-served order, kept across preemptions
@@ -456,7 +457,7 @@ class EngineRunner:
                 continue
             created = job.context_id not in self.contexts
             try:
-                ctx = self.contexts.open(job.context_id, job.parent_context_id)
+                ctx = self.contexts.open(job.context_id, job.parent_context_id, job.cache_salt)
                 try:
                     self.contexts.append(ctx, job.tokens)
                 except ParrotError:
@@ -498,7 +499,7 @@ class EngineRunner:
         if job.parent_context_id in table:
             parent = table.get(job.parent_context_id)
             return parent.block_table[: self.pool.blocks_for(parent.length)], parent.length, n, fresh
-        hits = table.cached_prefix(job.tokens)
+        hits = table.cached_prefix(job.tokens, job.cache_salt)
         # a hit on a cached block takes it from the free count like a fresh one
         in_use = sum(1 for b in hits if not self.pool.is_cached(b))
         return hits, bs * len(hits), n - bs * len(hits), fresh - in_use

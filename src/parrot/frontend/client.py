@@ -6,7 +6,8 @@ so that calling a semantic function submits there, and closes the session on
 exit, even when the body raises.
 
 Endpoints used (all JSON; every request after the first carries
-``Authorization: Bearer <token>``):
+``Authorization: Bearer <token>``, the first one the API key if the manager
+has keys: ``api_key=`` or ``$PARROT_API_KEY``):
 
 =========================================================  =====================
 ``POST   /v1/sessions``         (``CreateSession`` or none) -> ``SessionCreated``
@@ -43,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextvars import ContextVar, Token
@@ -76,6 +78,8 @@ if TYPE_CHECKING:
     from parrot.frontend.function import SemanticFunction
 
 DEFAULT_TIMEOUT = 30.0
+API_KEY_ENV = "PARROT_API_KEY"
+"""Where a session finds its API key when none is passed."""
 """Seconds allowed for an ordinary request (long polls get their ``wait`` on top)."""
 POLL_MAX_WAIT = 30.0
 """Longest ``wait`` asked of the manager in one long poll."""
@@ -253,10 +257,13 @@ class _Batch:
 class _Base:
     """What both session kinds share: paths, argument checks, response handling."""
 
-    def __init__(self, url: str, *, timeout: float = DEFAULT_TIMEOUT):
+    def __init__(self, url: str, *, timeout: float = DEFAULT_TIMEOUT, api_key: str | None = None):
         if not isinstance(url, str) or not url.strip():
             raise BadRequest(f"manager URL must be a non-empty string, got {url!r}")
         self.url = url.strip().rstrip("/")
+        # presented when the session is opened (the manager's tenants); later requests
+        # present the session's own token
+        self._api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
         self.timeout = float(timeout)
         self.session_id: str | None = None
         self.token: str | None = None
@@ -275,6 +282,10 @@ class _Base:
 
     def _vp(self, var: SemanticVariable) -> str:
         return f"{self._sp}/variables/{_quote(var.id or '')}"
+
+    def _opening_headers(self) -> dict[str, str]:
+        """The headers of a new HTTP client: the API key, if any, until a session token replaces it."""
+        return {} if self._api_key is None else {"Authorization": f"Bearer {self._api_key}"}
 
     def _transport_error(self, method: str, path: str, exc: httpx.HTTPError) -> ParrotError:
         where = f"{method} {self.url}{path}"
@@ -393,9 +404,14 @@ class Session(_Base):
     """
 
     def __init__(
-        self, url: str, *, timeout: float = DEFAULT_TIMEOUT, transport: httpx.BaseTransport | None = None
+        self,
+        url: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        transport: httpx.BaseTransport | None = None,
+        api_key: str | None = None,
     ):
-        super().__init__(url, timeout=timeout)
+        super().__init__(url, timeout=timeout, api_key=api_key)
         self._transport = transport
         self._http: httpx.Client | None = None
 
@@ -407,7 +423,12 @@ class Session(_Base):
         if self.session_id is not None:
             return self
         if self._http is None:
-            self._http = httpx.Client(base_url=self.url, timeout=self.timeout, transport=self._transport)
+            self._http = httpx.Client(
+                base_url=self.url,
+                timeout=self.timeout,
+                transport=self._transport,
+                headers=self._opening_headers(),
+            )
         try:
             data = self._request("POST", "/v1/sessions")
             created = _parse(SessionCreated, data, "session creation")
@@ -636,8 +657,9 @@ class AsyncSession(_Base):
         timeout: float = DEFAULT_TIMEOUT,
         transport: httpx.AsyncBaseTransport | None = None,
         defer_open: bool = False,
+        api_key: str | None = None,
     ):
-        super().__init__(url, timeout=timeout)
+        super().__init__(url, timeout=timeout, api_key=api_key)
         self._transport = transport
         self._defer_open = defer_open
         self._http: httpx.AsyncClient | None = None
@@ -654,7 +676,12 @@ class AsyncSession(_Base):
         if self.session_id is not None or self._queue is not None:
             return self
         if self._http is None:
-            self._http = httpx.AsyncClient(base_url=self.url, timeout=self.timeout, transport=self._transport)
+            self._http = httpx.AsyncClient(
+                base_url=self.url,
+                timeout=self.timeout,
+                transport=self._transport,
+                headers=self._opening_headers(),
+            )
         if not self._defer_open:
             try:
                 await self._create()
@@ -1090,10 +1117,15 @@ def _create_body(value: Any, name: str | None) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ openers
 def connect(
-    url: str, *, timeout: float = DEFAULT_TIMEOUT, transport: httpx.BaseTransport | None = None
+    url: str,
+    *,
+    timeout: float = DEFAULT_TIMEOUT,
+    transport: httpx.BaseTransport | None = None,
+    api_key: str | None = None,
 ) -> Session:
-    """A synchronous session to the manager at ``url``; opened by ``with`` (or :meth:`Session.open`)."""
-    return Session(url, timeout=timeout, transport=transport)
+    """A synchronous session to the manager at ``url``; opened by ``with`` (or :meth:`Session.open`).
+    ``api_key``: for a manager with API keys (default: ``$PARROT_API_KEY``)."""
+    return Session(url, timeout=timeout, transport=transport, api_key=api_key)
 
 
 def aconnect(
@@ -1102,7 +1134,9 @@ def aconnect(
     timeout: float = DEFAULT_TIMEOUT,
     transport: httpx.AsyncBaseTransport | None = None,
     defer_open: bool = False,
+    api_key: str | None = None,
 ) -> AsyncSession:
     """An asyncio session to the manager at ``url``; opened by ``async with`` (or ``await s.open()``).
-    ``defer_open``: the manager session is created with the first request (see :class:`AsyncSession`)."""
-    return AsyncSession(url, timeout=timeout, transport=transport, defer_open=defer_open)
+    ``defer_open``: the manager session is created with the first request (see :class:`AsyncSession`).
+    ``api_key``: for a manager with API keys (default: ``$PARROT_API_KEY``)."""
+    return AsyncSession(url, timeout=timeout, transport=transport, defer_open=defer_open, api_key=api_key)

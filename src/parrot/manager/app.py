@@ -5,7 +5,12 @@ Engine traffic needs the cluster secret (``ManagerConfig.cluster_secret``, in
 the ``X-Parrot-Cluster-Secret`` header): registering an engine and its
 heartbeats answer 401 without it, and a manager without a secret takes no
 remote engines.  ``GET /v1/engines`` answers anyone, but engine URLs and
-activity counters only to a caller presenting the secret (the operator)."""
+activity counters only to a caller presenting the secret (the operator).
+
+With API keys (``ManagerConfig.api_keys``), opening a session and
+``/v1/completions`` need one (``Authorization: Bearer <key>``; 401 without);
+the session then belongs to that key's tenant (:mod:`parrot.manager.tenants`)
+and is reached with its own token."""
 
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ from parrot.manager.engines import EngineHandle
 from parrot.manager.openai_api import openai_router
 from parrot.manager.remote_engine import RemoteEngine
 from parrot.manager.service import Manager, error_info
-from parrot.protocol.asgi import BodyLimitMiddleware, install_error_handlers, ndjson_line
+from parrot.protocol.asgi import BodyLimitMiddleware, bearer_token, install_error_handlers, ndjson_line
 from parrot.protocol.cluster import CLUSTER_SECRET_HEADER, client_tls, secret_matches
 from parrot.protocol.errors import BadRequest, NotFound, ParrotError, Unauthorized
 from parrot.protocol.schemas import (
@@ -48,6 +53,9 @@ from parrot.protocol.schemas import (
 log = logging.getLogger(__name__)
 
 Auth = Annotated[str | None, Header(alias="Authorization", description="Bearer <session token>")]
+ApiKey = Annotated[
+    str | None, Header(alias="Authorization", description="Bearer <API key> (when the manager has keys)")
+]
 ClusterSecret = Annotated[
     str | None, Header(alias=CLUSTER_SECRET_HEADER, description="the cluster secret (engines, operators)")
 ]
@@ -72,13 +80,6 @@ _PUBLIC_STATS = {
 
 def _public_stats(stats: EngineStats) -> EngineStats:
     return EngineStats(**stats.model_dump(include=_PUBLIC_STATS))
-
-
-def _token(authorization: str | None) -> str | None:
-    if not authorization:
-        return None
-    scheme, _, token = authorization.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else None
 
 
 def create_app(manager: Manager) -> FastAPI:
@@ -112,10 +113,13 @@ def create_app(manager: Manager) -> FastAPI:
 
     # ------------------------------------------------------------ sessions
     @app.post("/v1/sessions", status_code=201, response_model=SessionCreated)
-    async def create_session(body: CreateSession | None = None) -> SessionCreated:
-        """A new session; with ``batch``, that batch applied to it too (all or none: a
-        rejected batch leaves no session behind and answers the batch's error)."""
-        session, token = manager.create_session()
+    async def create_session(
+        body: CreateSession | None = None, authorization: ApiKey = None
+    ) -> SessionCreated:
+        """A new session of the tenant whose API key is presented (when the manager has
+        keys); with ``batch``, that batch applied to it too (all or none: a rejected
+        batch leaves no session behind and answers the batch's error)."""
+        session, token = manager.create_session(manager.api_keys.tenant(bearer_token(authorization)))
         result = None
         if body is not None and body.batch is not None:
             try:
@@ -127,7 +131,7 @@ def create_app(manager: Manager) -> FastAPI:
 
     @app.delete("/v1/sessions/{session_id}", status_code=204)
     async def close_session(session_id: str, authorization: Auth = None) -> Response:
-        manager.close_session(manager.authorize(session_id, _token(authorization)))
+        manager.close_session(manager.authorize(session_id, bearer_token(authorization)))
         return Response(status_code=204)
 
     # ----------------------------------------------------------- variables
@@ -135,14 +139,14 @@ def create_app(manager: Manager) -> FastAPI:
     async def create_variable(
         session_id: str, body: CreateVariable, authorization: Auth = None
     ) -> VariableInfo:
-        session = manager.authorize(session_id, _token(authorization))
+        session = manager.authorize(session_id, bearer_token(authorization))
         return manager.var_info(manager.create_variable(session, body.name, body.value))
 
     @app.put("/v1/sessions/{session_id}/variables/{var_id}", response_model=VariableInfo)
     async def set_variable(
         session_id: str, var_id: str, body: SetVariable, authorization: Auth = None
     ) -> VariableInfo:
-        session = manager.authorize(session_id, _token(authorization))
+        session = manager.authorize(session_id, bearer_token(authorization))
         return manager.var_info(manager.set_variable(session, var_id, body.value))
 
     @app.get("/v1/sessions/{session_id}/variables/{var_id}", response_model=VariableInfo)
@@ -155,7 +159,7 @@ def create_app(manager: Manager) -> FastAPI:
         criteria: Criteria | None = None,
         authorization: Auth = None,
     ) -> VariableInfo:
-        session = manager.authorize(session_id, _token(authorization))
+        session = manager.authorize(session_id, bearer_token(authorization))
         var = manager.variable(session, var_id)
         manager.read_with(session, var, criteria)
         await manager.wait_variable(var, wait)
@@ -174,7 +178,7 @@ def create_app(manager: Manager) -> FastAPI:
     async def stream_variable(
         session_id: str, var_id: str, criteria: Criteria | None = None, authorization: Auth = None
     ) -> StreamingResponse:
-        session = manager.authorize(session_id, _token(authorization))
+        session = manager.authorize(session_id, bearer_token(authorization))
         var = manager.variable(session, var_id)
         manager.read_with(session, var, criteria)  # a stream is a read like any other
 
@@ -208,7 +212,7 @@ def create_app(manager: Manager) -> FastAPI:
     # --------------------------------------------------------------- calls
     @app.post("/v1/sessions/{session_id}/calls", status_code=201, response_model=CallSubmitted)
     async def submit_call(session_id: str, body: SubmitCall, authorization: Auth = None) -> CallSubmitted:
-        session = manager.authorize(session_id, _token(authorization))
+        session = manager.authorize(session_id, bearer_token(authorization))
         call = manager.submit_call(session, body)
         return CallSubmitted(call_id=call.call_id, outputs={n: o.var.var_id for n, o in call.outputs.items()})
 
@@ -216,17 +220,17 @@ def create_app(manager: Manager) -> FastAPI:
     async def submit_batch(session_id: str, body: BatchRequest, authorization: Auth = None) -> BatchResult:
         """Create variables, submit calls and set variables in one request, all or none
         (see :mod:`parrot.manager.batch`)."""
-        session = manager.authorize(session_id, _token(authorization))
+        session = manager.authorize(session_id, bearer_token(authorization))
         return apply_batch(manager, session, body)
 
     @app.get("/v1/sessions/{session_id}/calls/{call_id}", response_model=CallInfo)
     async def get_call(session_id: str, call_id: str, authorization: Auth = None) -> CallInfo:
-        session = manager.authorize(session_id, _token(authorization))
+        session = manager.authorize(session_id, bearer_token(authorization))
         return manager.call_info(manager.call(session, call_id))
 
     @app.get("/v1/sessions/{session_id}/graph")
     async def get_graph(session_id: str, authorization: Auth = None) -> dict:
-        session = manager.authorize(session_id, _token(authorization))
+        session = manager.authorize(session_id, bearer_token(authorization))
         return {
             "calls": [manager.call_info(c).model_dump() for c in session.calls.values()],
             "variables": [

@@ -21,7 +21,7 @@ may place any of them deduces objectives over the whole batch.
 from __future__ import annotations
 
 from parrot.manager.graph import Call, Session, Variable, link_call, materialise, unlink_call
-from parrot.manager.service import Manager, StagedCall
+from parrot.manager.service import Manager, StagedCall, inline_bytes, value_bytes
 from parrot.protocol.errors import BindingError, Conflict, ParrotError
 from parrot.protocol.schemas import (
     BatchBinding,
@@ -50,6 +50,11 @@ def apply_batch(manager: Manager, session: Session, req: BatchRequest) -> BatchR
         except BaseException:
             plan.rollback()
             raise
+    try:
+        plan.check_quota()
+    except BaseException:
+        plan.rollback()
+        raise
     plan.commit()
     return BatchResult(results=plan.results, refs={ref: var.var_id for ref, var in plan.refs.items()})
 
@@ -81,6 +86,7 @@ class _Plan:
         self.linked: list[Call] = []
         self.sets: dict[Variable, tuple[str, int]] = {}  # variable -> (value, index of its op)
         self.results: list[BatchOpResult] = []
+        self.value_bytes = 0  # client-supplied values of its ops, for the tenant's quota
 
     # ------------------------------------------------------------ staging
     def stage(self, index: int, op: BatchOp) -> None:
@@ -93,12 +99,14 @@ class _Plan:
 
     def _create(self, op: CreateVariableOp) -> None:
         var = self.manager.new_variable(self.session, op.name, op.value)
+        self.value_bytes += value_bytes(op.value)
         self._define(op.ref, var)
         self.steps.append(var)
         self.results.append(BatchOpResult(op=op.op, var_id=var.var_id))
 
     def _submit(self, op: SubmitCallOp) -> None:
         staged = self.manager.stage_call(self.session, op, self._lookup)
+        self.value_bytes += inline_bytes(op)
         call = staged.call
         for out in call.outputs.values():
             if out.var in self.sets:
@@ -128,6 +136,7 @@ class _Plan:
                 code="variable_not_pending",
             )
         self.manager.check_settable(var, op.value)
+        self.value_bytes += value_bytes(op.value)
         self.sets[var] = (op.value, index)
         self.results.append(BatchOpResult(op=op.op, var_id=var.var_id))
 
@@ -169,6 +178,11 @@ class _Plan:
             unlink_call(call)
         self.linked.clear()
 
+    def check_quota(self) -> None:
+        """Raise QuotaExceeded unless the session's tenant may hold the whole batch."""
+        calls = sum(1 for step in self.steps if isinstance(step, StagedCall))
+        self.manager.check_room(self.session, calls=calls, value_bytes=self.value_bytes)
+
     def commit(self) -> None:
         """Apply the whole validated batch (raises nothing: every op was validated)."""
         manager, session = self.manager, self.session
@@ -179,6 +193,7 @@ class _Plan:
                 calls.append(step.call)
             else:
                 session.variables[step.var_id] = step
+        manager.charge(session, calls=calls, value_bytes=self.value_bytes)
         if calls:
             manager.executor.graph_changed(session.session_id)
         made_ready = [c for var, (value, _) in self.sets.items() for c in materialise(var, value)]

@@ -32,6 +32,15 @@ first).  Each ``/v1/completions`` request is a session of its own, so
 request-level clients get plain FIFO.  Without app-FIFO, and always under
 the request-level baseline policies, a call ranks by when it was queued.
 
+Between tenants the queue takes turns (start-time fair queuing, one unit per
+call): while calls of several tenants (:mod:`parrot.manager.tenants`) are
+queued, each tenant's calls are ordered as above among themselves, and its
+k-th queued call's turn is k after the tenant's virtual finish time (or the
+current virtual time, if later: an idle tenant gains no credit).  Placing a
+call advances its tenant's finish time by one and the virtual time to the
+call's turn.  Lower turns go first, so a tenant with a thousand calls queued
+delays another tenant's single call by about one call, not a thousand.
+
 Guarantees: every call ends ``done`` or ``failed``; an unexpected error
 while one queued call is scheduled fails that call alone (rounds go on); a
 failure fails the call's outputs and everything downstream; a call no engine
@@ -78,6 +87,8 @@ log = logging.getLogger(__name__)
 
 TICK_S = 0.1
 _ORDER_BITS = 64  # an app-FIFO rank is (application's place << _ORDER_BITS) | the call's own order
+_TURN_SHIFT = 192  # a rank is (tenant's turn << _TURN_SHIFT) | the call's rank within its tenant
+_TENANTS_REMEMBERED = 1024  # past this many, tenants owing nothing are forgotten
 MIN_ROUND_GAP_S = 0.0005
 _LATENCY_DEFAULT = CallObjective("latency", reason="not deduced yet")
 # Stamps of placements (EngineSnapshot.last_assigned): increasing in placement order, process-wide.
@@ -170,6 +181,11 @@ class Executor:
         # none of its calls was queued or placed), and how many of its calls are
         self._app_ranks: dict[str, int] = {}
         self._app_active: dict[str, int] = {}
+        # fair queuing between tenants: call id -> its turn (with several tenants queued),
+        # each tenant's virtual finish time and the virtual time (in calls placed)
+        self._turns: dict[str, int] = {}
+        self._tenant_finish: dict[str, int] = {}
+        self._virtual_time = 0
         self._kicked = False
         self._ticker: asyncio.Task[None] | None = None
         # session id -> call id -> objective, for sessions whose graph did not change since
@@ -313,6 +329,7 @@ class Executor:
         if not self._queue:
             return
         self._deduce()
+        self._share_between_tenants()
         queue: list[QueuedCall] = []
         for ticket in list(self._queue.values()):
             try:
@@ -338,6 +355,7 @@ class Executor:
             self.prefixes.record(placement.engine_id, ticket.prefix_keys)
             ticket.call.placement = placement.reason
             ticket.call.dispatched_at = time.time()
+            self._served(ticket.call)
             self._start(ticket)
 
     def _queued(self, ticket: _Ticket) -> QueuedCall:
@@ -360,13 +378,48 @@ class Executor:
         return queued
 
     def _rank(self, ticket: _Ticket) -> int:
-        """A queued call's place in the queue (see the module docstring): its arrival
-        (request-level FIFO), or its application's place and then its submission order."""
+        """A queued call's place in the queue (see the module docstring): its tenant's
+        turn, then its arrival (request-level FIFO) or its application's place and its
+        submission order."""
+        turn = self._turns.get(ticket.call.call_id, 0) << _TURN_SHIFT
+        return turn | self._own_rank(ticket)
+
+    def _own_rank(self, ticket: _Ticket) -> int:
+        """A call's place among its own tenant's queued calls."""
         if not self.app_fifo or self.scheduler.policy in ("baseline-latency", "baseline-throughput"):
             return ticket.arrival
         call = ticket.call
         app = self._app_ranks.get(call.session_id, ticket.arrival)
         return (app << _ORDER_BITS) | call.seq
+
+    def _share_between_tenants(self) -> None:
+        """Give queued calls their tenant's turns (start-time fair queuing, one unit per
+        call; see the module docstring).  With one tenant queued, nothing: its own order
+        stands.  O(queue log queue) with several."""
+        by_tenant: dict[str, list[_Ticket]] = {}
+        for ticket in self._queue.values():
+            by_tenant.setdefault(ticket.call.tenant, []).append(ticket)
+        if len(by_tenant) < 2:
+            self._turns = {}
+            return
+        turns: dict[str, int] = {}
+        for tenant, tickets in by_tenant.items():
+            tickets.sort(key=self._own_rank)
+            start = max(self._tenant_finish.get(tenant, 0), self._virtual_time)
+            for k, ticket in enumerate(tickets):
+                turns[ticket.call.call_id] = start + k
+        self._turns = turns
+
+    def _served(self, call: Call) -> None:
+        """A call was placed: its tenant's next call starts one unit later in virtual time,
+        which moves to this call's start (so a tenant that was idle gains no credit)."""
+        tenant = call.tenant
+        start = max(self._tenant_finish.get(tenant, 0), self._virtual_time)
+        self._tenant_finish[tenant] = start + 1
+        self._virtual_time = start
+        if len(self._tenant_finish) > _TENANTS_REMEMBERED:  # those at or behind now owe nothing
+            now = self._virtual_time
+            self._tenant_finish = {t: f for t, f in self._tenant_finish.items() if f > now}
 
     def _fail_queued(self, ticket: _Ticket, exc: Exception) -> None:
         """Take a call out of the queue and fail it: with ``exc`` itself if it is a
@@ -658,7 +711,7 @@ class Executor:
             for step in rendered.steps:
                 if isinstance(step, FillStep):
                     opened = True
-                    await api.fill(step.tokens, context_id)
+                    await api.fill(step.tokens, context_id, cache_salt=call.cache_salt)
                     continue
                 out = step.output
                 text: list[str] = []

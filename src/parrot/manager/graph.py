@@ -104,6 +104,10 @@ class Call:
     outputs: dict[str, OutputSpec]
     model: str | None = None
     chat: bool = False
+    # its session's tenant, and the salt of its prompt prefixes (parrot.manager.tenants):
+    # calls with different salts never share a cached prefix
+    tenant: str = "anonymous"
+    cache_salt: str = ""
     state: CallState = "waiting"
     error: ParrotError | None = None
     engine_id: str | None = None
@@ -169,6 +173,8 @@ class Session:
     closed: bool = False
     # time.monotonic() of the last request that presented its token (idle sessions expire)
     last_active: float = field(default_factory=time.monotonic)
+    tenant: str = "anonymous"  # whose API key opened it (parrot.manager.tenants)
+    value_bytes: int = 0  # client-supplied values it holds (counted against its tenant's quota)
 
 
 def _upstream_of(calls: list[Call]) -> set[Call]:

@@ -11,7 +11,9 @@ template is ``{{input:prompt}}{{output:text}}`` with the prompt bound as a
 constant *value* (so user text such as ``{{x}}`` is never parsed as a
 placeholder), run by the normal executor (same engine choice, same
 scheduling), and closed when the response is complete or the client goes
-away.  Nothing is left in ``manager.sessions`` afterwards.
+away.  Nothing is left in ``manager.sessions`` afterwards.  On a manager
+with API keys the request's ``Authorization: Bearer <key>`` names its tenant
+(401 without a valid one), whose quotas and prefix cache it uses.
 
 Supported: ``model``, ``prompt`` (a string, or a list of exactly one string),
 ``max_tokens`` (default 16, as OpenAI), ``temperature`` (default 1),
@@ -53,6 +55,7 @@ from pydantic import Field
 
 from parrot.manager.graph import Call, Session, Variable
 from parrot.manager.service import Manager, error_info
+from parrot.protocol.asgi import bearer_token
 from parrot.protocol.errors import BadRequest, CallFailed, EngineError, NoEngine, ParrotError
 from parrot.protocol.sampling import SamplingParams
 from parrot.protocol.schemas import PlaceholderBinding, StrictBody, SubmitCall
@@ -157,7 +160,7 @@ def _check_model(manager: Manager, model: str | None) -> None:
 class _Completion:
     """One completion: its internal session and call; closes the session exactly once."""
 
-    def __init__(self, manager: Manager, req: CompletionRequest):
+    def __init__(self, manager: Manager, req: CompletionRequest, tenant: str):
         self.manager = manager
         self.requested_model = req.model
         self.max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
@@ -166,7 +169,7 @@ class _Completion:
         prompt = _prompt_text(req)
         _check_model(manager, req.model)
         self.session: Session | None
-        self.session, _token = manager.create_session()
+        self.session, _token = manager.create_session(tenant)
         try:
             self.call: Call = manager.submit_call(
                 self.session,
@@ -279,8 +282,9 @@ def openai_router(manager: Manager) -> APIRouter:
         responses={200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream"}},
     )
     async def completions(req: CompletionRequest, request: Request) -> Any:
+        tenant = manager.api_keys.tenant(bearer_token(request.headers.get("authorization")))
         _check_supported(req)
-        comp = _Completion(manager, req)
+        comp = _Completion(manager, req, tenant)
         if req.stream:
             include_usage = bool((req.stream_options or {}).get("include_usage"))
             return StreamingResponse(

@@ -6,10 +6,12 @@ boundary between two pieces before the call's first output (where constant
 text ends and a variable begins, and where an input value ends), the prompt so
 far gets a key: a hash chained over the pieces (constant text, and input
 values once known) and the chat flag.  Two calls whose prompts agree up to a
-boundary get the same key there, whichever session, application or tenant
-they come from, so finding sharing is one dict lookup per boundary, not a
-token-by-token comparison.  Keys depend only on the text, never on the
-tokenizer.
+boundary get the same key there, whichever session or application they come
+from, so finding sharing is one dict lookup per boundary, not a token-by-token
+comparison.  The chain starts from the call's prefix-cache salt
+(:func:`parrot.manager.tenants.cache_salt`): calls of different tenants get
+different keys for the same text unless the operator lets tenants share.
+Keys depend only on the text, never on the tokenizer.
 
 The scheduler uses keys to *place* calls that share a prefix on the same
 engine; the engine's own prefix cache (:mod:`parrot.engine.prefix_cache`)
@@ -52,7 +54,7 @@ def prefix_keys(call: Call) -> list[str]:
     if call.prefix_cache is not None:
         return list(call.prefix_cache)
     keys: list[str] = []
-    h = _chain(b"", b"C" if call.chat else b"R", "")
+    h = _chain(b"", b"C" if call.chat else b"R", call.cache_salt)
     pieces = user_pieces(call)
     for i, piece in enumerate(pieces):
         if isinstance(piece, Text):

@@ -83,13 +83,20 @@ class RemoteEngine:
         await self._client.aclose()
 
     async def fill(
-        self, tokens: Sequence[int], context_id: int, parent_context_id: int | None = None
+        self,
+        tokens: Sequence[int],
+        context_id: int,
+        parent_context_id: int | None = None,
+        cache_salt: str = "",
     ) -> None:
+        body = {"tokens": list(tokens), "context_id": context_id, "parent_context_id": parent_context_id}
+        if cache_salt:
+            body["cache_salt"] = cache_salt
         await _request(
             self._client,
             "POST",
             "/fill",
-            {"tokens": list(tokens), "context_id": context_id, "parent_context_id": parent_context_id},
+            body,
             timeout=_NO_READ_TIMEOUT,  # a long prompt on a busy engine takes a while
         )
 

@@ -15,7 +15,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from parrot.manager.engines import EngineHandle, EnginePool
 from parrot.manager.executor import Executor
@@ -34,6 +34,7 @@ from parrot.manager.graph import (
 from parrot.manager.prefix import PrefixIndex
 from parrot.manager.render import check_chat_shape, check_starts_with_text, render
 from parrot.manager.scheduler import SchedulerConfig
+from parrot.manager.tenants import ANONYMOUS, ApiKeys, Quotas, TenantBook, cache_salt
 from parrot.protocol.errors import (
     BindingError,
     CallFailed,
@@ -111,6 +112,12 @@ class ManagerConfig:
     # chain's next step keeps its application's place); False ranks each call by its own
     # arrival, as the request-level baseline policies always do
     app_fifo: bool = True
+    # tenants (parrot.manager.tenants): API key -> tenant name (None or empty: no keys, every
+    # client is the anonymous tenant), what each tenant may hold at once, and who may share
+    # cached prompt prefixes ("tenant": calls of one tenant; "global": everyone's)
+    api_keys: dict[str, str] | None = None
+    quotas: Quotas = field(default_factory=Quotas)
+    prefix_sharing: str = "tenant"
 
 
 def _hash_token(token: str) -> bytes:
@@ -145,6 +152,9 @@ class Manager:
             app_fifo=self.config.app_fifo,
         )
         self.sessions: dict[str, Session] = {}
+        self.api_keys = ApiKeys(self.config.api_keys)
+        self.tenants = TenantBook(self.config.quotas)
+        cache_salt(ANONYMOUS, self.config.prefix_sharing)  # a bad setting fails here, at start-up
         self._polls: set[asyncio.Task[EngineStats]] = set()  # stats polls of newly registered engines
         self.pool.on_register(self._engine_registered)
 
@@ -197,11 +207,27 @@ class Manager:
         task.add_done_callback(self._polls.discard)
 
     # ------------------------------------------------------------ sessions
-    def create_session(self) -> tuple[Session, str]:
+    def create_session(self, tenant: str = ANONYMOUS) -> tuple[Session, str]:
+        """A new session of ``tenant`` and its token; QuotaExceeded if the tenant has as
+        many sessions open as its quota allows."""
+        self.tenants.check(tenant, sessions=1)
         token = secrets.token_urlsafe(32)
-        session = Session(new_id("s") + "-" + secrets.token_hex(4), _hash_token(token))
+        session = Session(new_id("s") + "-" + secrets.token_hex(4), _hash_token(token), tenant=tenant)
         self.sessions[session.session_id] = session
+        self.tenants.add_session(tenant)
         return session, token
+
+    def check_room(self, session: Session, *, calls: int = 0, value_bytes: int = 0) -> None:
+        """Raise QuotaExceeded unless ``session``'s tenant may add these (nothing changes)."""
+        self.tenants.check(session.tenant, calls=calls, value_bytes=value_bytes)
+
+    def charge(self, session: Session, *, calls: list[Call] | None = None, value_bytes: int = 0) -> None:
+        """Count admitted calls and client-supplied value bytes against ``session``'s tenant."""
+        if calls:
+            self.tenants.add_calls(session.tenant, calls)
+        if value_bytes:
+            session.value_bytes += value_bytes
+            self.tenants.add_value_bytes(session.tenant, value_bytes)
 
     def authorize(self, session_id: str, token: str | None) -> Session:
         session = self.sessions.get(session_id)
@@ -242,7 +268,8 @@ class Manager:
                 self.executor.cancel(call, closed)
         for var in session.variables.values():
             fail_variable(var, closed)
-        self.sessions.pop(session.session_id, None)
+        if self.sessions.pop(session.session_id, None) is not None:
+            self.tenants.remove_session(session.tenant, session.value_bytes)
         self.executor.forget_session(session.session_id)
 
     # ----------------------------------------------------------- variables
@@ -274,8 +301,11 @@ class Manager:
             )
 
     def create_variable(self, session: Session, name: str | None, value: str | None) -> Variable:
+        size = value_bytes(value)
+        self.check_room(session, value_bytes=size)
         var = self.new_variable(session, name, value)
         session.variables[var.var_id] = var
+        self.charge(session, value_bytes=size)
         return var
 
     def new_variable(self, session: Session, name: str | None, value: str | None) -> Variable:
@@ -290,6 +320,8 @@ class Manager:
     def set_variable(self, session: Session, var_id: str, value: str) -> Variable:
         var = self.variable(session, var_id)
         self.check_settable(var, value)
+        self.check_room(session, value_bytes=value_bytes(value))
+        self.charge(session, value_bytes=value_bytes(value))
         for call in materialise(var, value):
             self.executor.dispatch(call)
         return var
@@ -323,9 +355,12 @@ class Manager:
 
     # --------------------------------------------------------------- calls
     def submit_call(self, session: Session, req: SubmitCall) -> Call:
+        size = inline_bytes(req)
+        self.check_room(session, calls=1, value_bytes=size)
         staged = self.stage_call(session, req, self.lookup_in(session))
         link_call(staged.call)  # validates (producer conflicts, cycles) before linking anything
         self.add_call(session, staged)
+        self.charge(session, calls=[staged.call], value_bytes=size)
         self.executor.graph_changed(session.session_id)
         self.start_call(staged.call)
         return staged.call
@@ -384,6 +419,8 @@ class Manager:
             outputs,
             model=req.model,
             chat=req.chat,
+            tenant=session.tenant,
+            cache_salt=cache_salt(session.tenant, self.config.prefix_sharing),
         )
         self._check_rendered_length(call, longest)
         criteria = {n: c for n in outputs if (c := bindings[n].criteria) is not None}
@@ -486,6 +523,16 @@ class Manager:
             first_token_at=call.first_token_at,
             finished_at=call.finished_at,
         )
+
+
+def value_bytes(value: str | None) -> int:
+    """What a client-supplied value counts against its tenant's quota: its UTF-8 bytes."""
+    return 0 if value is None else len(value.encode("utf-8", "surrogatepass"))
+
+
+def inline_bytes(req: SubmitCall) -> int:
+    """Bytes of the constant inputs a call binds inline."""
+    return sum(value_bytes(b.value) for b in req.placeholders)
 
 
 def _index_bindings(bindings: list[PlaceholderBinding]) -> dict[str, PlaceholderBinding]:

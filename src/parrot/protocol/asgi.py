@@ -15,13 +15,22 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from parrot.protocol.errors import ParrotError, PayloadTooLarge
+from parrot.protocol.errors import ParrotError, PayloadTooLarge, QuotaExceeded
 
 log = logging.getLogger(__name__)
 
 
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header (None for another scheme)."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
 def error_response(err: ParrotError) -> JSONResponse:
-    return JSONResponse(err.to_body(), status_code=err.status)
+    headers = {"Retry-After": str(err.retry_after_s)} if isinstance(err, QuotaExceeded) else None
+    return JSONResponse(err.to_body(), status_code=err.status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:

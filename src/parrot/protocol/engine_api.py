@@ -25,9 +25,15 @@ class EngineAPI(Protocol):
     def tokenizer(self) -> TextTokenizer: ...
 
     async def fill(
-        self, tokens: Sequence[int], context_id: int, parent_context_id: int | None = None
+        self,
+        tokens: Sequence[int],
+        context_id: int,
+        parent_context_id: int | None = None,
+        cache_salt: str = "",
     ) -> None:
-        """Append ``tokens`` to the context, creating it (forked from the parent) if needed."""
+        """Append ``tokens`` to the context, creating it (forked from the parent) if needed.
+        A context created here reuses and offers cached prefix blocks only among
+        contexts of the same ``cache_salt`` (a fork keeps its parent's)."""
 
     def generate(
         self, sampling: SamplingParams, context_id: int, parent_context_id: int | None = None

@@ -106,6 +106,19 @@ class PayloadTooLarge(ParrotError):
     default_code = "payload_too_large"
 
 
+class QuotaExceeded(ParrotError):
+    """A tenant holds as much as its quota allows (sessions, unfinished calls, value
+    bytes).  ``detail["retry_after_s"]`` says when trying again may succeed; the HTTP
+    answer carries it as ``Retry-After``."""
+
+    status = 429
+    default_code = "quota_exceeded"
+
+    @property
+    def retry_after_s(self) -> int:
+        return max(1, int(self.detail.get("retry_after_s", 1)))
+
+
 class CallFailed(ParrotError):
     """A call failed while running; its outputs and everything downstream carry this."""
 

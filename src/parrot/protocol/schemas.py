@@ -308,6 +308,7 @@ class FillRequest(StrictBody):
     tokens: list[int] = Field(max_length=1_000_000)
     context_id: int
     parent_context_id: int | None = None
+    cache_salt: str = Field("", max_length=256)
 
 
 class GenerateRequest(StrictBody):
