@@ -4,7 +4,10 @@ complete after the bad requests of a test (nothing else lost or disturbed)."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -187,3 +190,27 @@ class Bystander:
 
     def close(self) -> None:
         self.session.close()
+
+
+@contextlib.contextmanager
+def healthz_stalls(url: str, every_s: float = 0.02) -> Iterator[list[float]]:
+    """Poll ``url``'s ``/healthz`` from a thread while the block runs; yields the list of
+    answer times (seconds), complete once the block exits."""
+    took: list[float] = []
+    stop = threading.Event()
+
+    def probe() -> None:
+        with httpx.Client(base_url=url, timeout=30) as http:
+            while not stop.is_set():
+                started = time.monotonic()
+                assert http.get("/healthz").status_code == 200
+                took.append(time.monotonic() - started)
+                time.sleep(every_s)
+
+    prober = threading.Thread(target=probe, daemon=True)
+    prober.start()
+    try:
+        yield took
+    finally:
+        stop.set()
+        prober.join(timeout=60)

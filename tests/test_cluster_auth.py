@@ -101,8 +101,10 @@ def test_heartbeats_need_the_secret_and_valid_stats(guarded: LiveServer) -> None
     url = f"{guarded.url}/v1/engines/{handle.engine_id}/heartbeat"
     capacity = httpx.get(f"{guarded.url}/v1/engines", timeout=10).json()[0]["stats"]["token_capacity"]
     for headers in ({}, WRONG):
-        resp = httpx.post(url, json={"stats": {"token_capacity": 7}}, headers=headers, timeout=10)
-        assert resp.status_code == 401
+        # the secret is checked before the body: an invalid body is a 401 too
+        for stats in ({"token_capacity": 7}, {"token_capacity": -1}):
+            resp = httpx.post(url, json={"stats": stats}, headers=headers, timeout=10)
+            assert resp.status_code == 401, resp.text
     resp = httpx.post(url, json={"stats": {"token_capacity": 7}}, headers=OPERATOR, timeout=10)
     assert resp.status_code == 400 and "in-process" in resp.json()["error"]["message"]
     for bad in ({"token_capacity": -1}, {"decode_ms_base": "NaN"}, {"latency_cap_tokens": -5}):

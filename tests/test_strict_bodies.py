@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from parrot.protocol.sampling import MAX_STOP_TOKEN_IDS
-from tests.api_client import Bystander, Raw, inp, out
+from tests.api_client import Bystander, Raw, healthz_stalls, inp, out
 
 SURROGATE = "\ud800"  # json.dumps sends it as the escape "\\ud800"
 
@@ -78,4 +78,22 @@ def test_stop_token_ids_are_bounded(raw: Raw, bystander: Bystander) -> None:
     assert_400(resp, f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids")
     ok = raw.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stop_token_ids": ids[:-1]})
     assert ok.status_code == 200, ok.text
+    bystander.finish()
+
+
+def test_a_large_body_is_parsed_and_checked_off_the_event_loop(raw: Raw, bystander: Bystander) -> None:
+    """A 7 MB body (a million stop token ids next to an emoji's surrogate pair, which makes
+    the body's strings worth checking) is refused while /healthz keeps answering at once;
+    the same body with a lone surrogate too is refused for that."""
+    before = raw.baseline()
+    ids = list(range(1_000_000))
+    sampling = {"max_tokens": 2, "stop_token_ids": ids}
+    body = {"template": "Say \U0001f99c {{output:x}}", "placeholders": [out("x", sampling=sampling)]}
+    with healthz_stalls(str(raw.http.base_url)) as stalls:
+        too_many = f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids"
+        assert_400(send(raw, "POST", f"{raw.path}/calls", body), too_many)
+        body["template"] = f"Say {SURROGATE} {{{{output:x}}}}"
+        assert_400(send(raw, "POST", f"{raw.path}/calls", body), "invalid Unicode")
+    assert stalls and max(stalls) < 0.5, max(stalls)
+    raw.assert_intact(before)
     bystander.finish()

@@ -19,7 +19,7 @@ from fastapi import APIRouter, Depends, FastAPI, Header
 from fastapi.responses import StreamingResponse
 
 from parrot.engine.local import LocalEngine
-from parrot.protocol.asgi import BodyLimitMiddleware, install_error_handlers, ndjson_line
+from parrot.protocol.asgi import BodyLimitMiddleware, OffLoopJsonRoute, install_error_handlers, ndjson_line
 from parrot.protocol.cluster import CLUSTER_SECRET_HEADER, cluster_headers, secret_matches
 from parrot.protocol.errors import ParrotError, Unauthorized
 from parrot.protocol.sampling import SamplingParams
@@ -51,7 +51,8 @@ def create_engine_app(
             )
 
     app = FastAPI(title="Parrot engine", version="0.1.0")
-    protected = APIRouter(dependencies=[Depends(require_secret)])
+    app.router.route_class = OffLoopJsonRoute
+    protected = APIRouter(dependencies=[Depends(require_secret)], route_class=OffLoopJsonRoute)
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
 

@@ -20,7 +20,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Annotated
 
-from fastapi import FastAPI, Header, Query, Response
+from fastapi import Depends, FastAPI, Header, Query, Response
 from fastapi.responses import StreamingResponse
 
 from parrot.manager.batch import apply_batch
@@ -28,7 +28,13 @@ from parrot.manager.engines import EngineHandle
 from parrot.manager.openai_api import openai_router
 from parrot.manager.remote_engine import RemoteEngine
 from parrot.manager.service import Manager, error_info
-from parrot.protocol.asgi import BodyLimitMiddleware, bearer_token, install_error_handlers, ndjson_line
+from parrot.protocol.asgi import (
+    BodyLimitMiddleware,
+    OffLoopJsonRoute,
+    bearer_token,
+    install_error_handlers,
+    ndjson_line,
+)
 from parrot.protocol.cluster import CLUSTER_SECRET_HEADER, client_tls, secret_matches
 from parrot.protocol.errors import BadRequest, NotFound, ParrotError, Unauthorized
 from parrot.protocol.schemas import (
@@ -102,6 +108,7 @@ def create_app(manager: Manager) -> FastAPI:
         lifespan=lifespan,
         description="Serve LLM applications as graphs of semantic functions and variables.",
     )
+    app.router.route_class = OffLoopJsonRoute  # large bodies are parsed off the event loop
     install_error_handlers(app)
     manager.pool.on_drop(_close_remote_client)
     app.add_middleware(BodyLimitMiddleware, max_bytes=manager.config.max_body_bytes)
@@ -251,9 +258,18 @@ def create_app(manager: Manager) -> FastAPI:
         if not is_operator(presented):
             raise Unauthorized(f"engine traffic needs the cluster secret ({CLUSTER_SECRET_HEADER})")
 
-    @app.post("/v1/engines", status_code=201, response_model=EngineRegistered)
-    async def register_engine(body: EngineDescription, secret: ClusterSecret = None) -> EngineRegistered:
+    def cluster_only(secret: ClusterSecret = None) -> None:
+        """Engine traffic's guard, run before the body is read: a caller without the secret
+        learns nothing, not even whether its body would have been valid."""
         require_cluster(secret)
+
+    @app.post(
+        "/v1/engines",
+        status_code=201,
+        response_model=EngineRegistered,
+        dependencies=[Depends(cluster_only)],
+    )
+    async def register_engine(body: EngineDescription) -> EngineRegistered:
         if not body.url.startswith(("http://", "https://")):
             raise BadRequest("engine url must start with http:// or https://")
         try:
@@ -277,9 +293,8 @@ def create_app(manager: Manager) -> FastAPI:
             engine_id=handle.engine_id, heartbeat_interval_s=manager.config.heartbeat_interval_s
         )
 
-    @app.post("/v1/engines/{engine_id}/heartbeat")
-    async def heartbeat(engine_id: str, body: Heartbeat, secret: ClusterSecret = None) -> dict:
-        require_cluster(secret)
+    @app.post("/v1/engines/{engine_id}/heartbeat", dependencies=[Depends(cluster_only)])
+    async def heartbeat(engine_id: str, body: Heartbeat) -> dict:
         if manager.pool.get(engine_id).url is None:
             raise BadRequest(f"engine {engine_id} is in-process: the manager reads its stats itself")
         manager.pool.heartbeat(engine_id, body.stats)

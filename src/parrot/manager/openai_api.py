@@ -55,7 +55,7 @@ from pydantic import Field
 
 from parrot.manager.graph import Call, Session, Variable
 from parrot.manager.service import Manager, error_info
-from parrot.protocol.asgi import bearer_token
+from parrot.protocol.asgi import OffLoopJsonRoute, bearer_token
 from parrot.protocol.errors import BadRequest, CallFailed, EngineError, NoEngine, ParrotError
 from parrot.protocol.sampling import SamplingParams
 from parrot.protocol.schemas import PlaceholderBinding, StrictBody, SubmitCall
@@ -251,7 +251,7 @@ def openai_router(manager: Manager) -> APIRouter:
     :func:`parrot.manager.app.create_app` (whose error handlers give the JSON
     error bodies).
     """
-    router = APIRouter(tags=["openai"])
+    router = APIRouter(tags=["openai"], route_class=OffLoopJsonRoute)
 
     @router.get("/v1/models")
     async def list_models() -> dict:

@@ -10,7 +10,6 @@ in-process path gets exactly the same checks.
 from __future__ import annotations
 
 import math
-import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -20,37 +19,12 @@ VarState = Literal["pending", "ready", "failed"]
 CallState = Literal["waiting", "ready", "running", "done", "failed"]
 
 
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def reject_invalid_unicode(data: Any) -> Any:
-    """``data`` unchanged; raises ValueError if a string in it (keys included, at any
-    depth) holds a lone surrogate, which JSON's ``\\ud800`` escapes can carry but no
-    UTF-8 text can: such a string would fail later, inside the tokenizer or a response."""
-    stack = [data]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            if _LONE_SURROGATE.search(item):
-                raise ValueError("invalid Unicode: a lone surrogate (U+D800-U+DFFF) is not text")
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list | tuple):
-            stack.extend(item)
-    return data
-
-
 class StrictBody(BaseModel):
-    """A request body: unknown fields are rejected, values are not coerced (``"yes"`` is
-    not a boolean, ``"3"`` not a number), and strings must be valid Unicode."""
+    """A request body: unknown fields are rejected and values are not coerced (``"yes"``
+    is not a boolean, ``"3"`` not a number).  Invalid Unicode (a lone surrogate) is
+    refused when the body is parsed (:func:`parrot.protocol.asgi.parse_json_body`)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        return reject_invalid_unicode(data)
 
 
 class ErrorInfo(BaseModel):
