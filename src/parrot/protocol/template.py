@@ -27,6 +27,9 @@ DIRECTIONS: tuple[Direction, ...] = ("input", "output")
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 MAX_TEMPLATE_CHARS = 1_000_000
+MAX_PLACEHOLDERS = 4096
+"""Placeholders in one template (occurrences, not names): parsing and binding take about
+15 microseconds each, so this bounds what one request costs the manager's event loop."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,8 @@ def parse_template(source: str) -> Template:
         raise InvalidTemplate("template must be a string")
     if len(source) > MAX_TEMPLATE_CHARS:
         raise InvalidTemplate(f"template longer than {MAX_TEMPLATE_CHARS} characters")
+    if source.count("{{") > MAX_PLACEHOLDERS:  # every '{{' opens a placeholder
+        raise InvalidTemplate(f"template has more than {MAX_PLACEHOLDERS} placeholders")
     pieces: list[Piece] = []
     pos = 0
     while True:
