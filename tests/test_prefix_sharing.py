@@ -52,6 +52,7 @@ def test_the_leading_constant_text_is_tokenized_once(tiny_model):
 
     class Counting:  # the tiny tokenizer, recording what it is asked to encode
         add_bos, bos_token_id, chat = tok.add_bos, tok.bos_token_id, tok.chat
+        max_token_bytes, min_tokens = tok.max_token_bytes, staticmethod(tok.min_tokens)
 
         def encode(self, text: str) -> list[int]:
             seen.append(text)

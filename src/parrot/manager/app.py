@@ -10,7 +10,11 @@ activity counters only to a caller presenting the secret (the operator).
 With API keys (``ManagerConfig.api_keys``), opening a session and
 ``/v1/completions`` need one (``Authorization: Bearer <key>``; 401 without);
 the session then belongs to that key's tenant (:mod:`parrot.manager.tenants`)
-and is reached with its own token."""
+and is reached with its own token.
+
+Operations that may tokenize client text (creating, setting, submitting, batches)
+run through :meth:`Manager.run_tokenized`, so long text is tokenized off the event
+loop and no request stalls the others."""
 
 from __future__ import annotations
 
@@ -129,8 +133,11 @@ def create_app(manager: Manager) -> FastAPI:
         session, token = manager.create_session(manager.api_keys.tenant(bearer_token(authorization)))
         result = None
         if body is not None and body.batch is not None:
+            batch = body.batch
             try:
-                result = apply_batch(manager, session, body.batch)
+                result = await manager.run_tokenized(
+                    lambda: apply_batch(manager, manager.authorize(session.session_id, token), batch)
+                )
             except BaseException:
                 manager.close_session(session)
                 raise
@@ -146,15 +153,21 @@ def create_app(manager: Manager) -> FastAPI:
     async def create_variable(
         session_id: str, body: CreateVariable, authorization: Auth = None
     ) -> VariableInfo:
-        session = manager.authorize(session_id, bearer_token(authorization))
-        return manager.var_info(manager.create_variable(session, body.name, body.value))
+        token = bearer_token(authorization)
+        var = await manager.run_tokenized(
+            lambda: manager.create_variable(manager.authorize(session_id, token), body.name, body.value)
+        )
+        return manager.var_info(var)
 
     @app.put("/v1/sessions/{session_id}/variables/{var_id}", response_model=VariableInfo)
     async def set_variable(
         session_id: str, var_id: str, body: SetVariable, authorization: Auth = None
     ) -> VariableInfo:
-        session = manager.authorize(session_id, bearer_token(authorization))
-        return manager.var_info(manager.set_variable(session, var_id, body.value))
+        token = bearer_token(authorization)
+        var = await manager.run_tokenized(
+            lambda: manager.set_variable(manager.authorize(session_id, token), var_id, body.value)
+        )
+        return manager.var_info(var)
 
     @app.get("/v1/sessions/{session_id}/variables/{var_id}", response_model=VariableInfo)
     async def get_variable(
@@ -219,16 +232,20 @@ def create_app(manager: Manager) -> FastAPI:
     # --------------------------------------------------------------- calls
     @app.post("/v1/sessions/{session_id}/calls", status_code=201, response_model=CallSubmitted)
     async def submit_call(session_id: str, body: SubmitCall, authorization: Auth = None) -> CallSubmitted:
-        session = manager.authorize(session_id, bearer_token(authorization))
-        call = manager.submit_call(session, body)
+        token = bearer_token(authorization)
+        call = await manager.run_tokenized(
+            lambda: manager.submit_call(manager.authorize(session_id, token), body)
+        )
         return CallSubmitted(call_id=call.call_id, outputs={n: o.var.var_id for n, o in call.outputs.items()})
 
     @app.post("/v1/sessions/{session_id}/batch", response_model=BatchResult)
     async def submit_batch(session_id: str, body: BatchRequest, authorization: Auth = None) -> BatchResult:
         """Create variables, submit calls and set variables in one request, all or none
         (see :mod:`parrot.manager.batch`)."""
-        session = manager.authorize(session_id, bearer_token(authorization))
-        return apply_batch(manager, session, body)
+        token = bearer_token(authorization)
+        return await manager.run_tokenized(
+            lambda: apply_batch(manager, manager.authorize(session_id, token), body)
+        )
 
     @app.get("/v1/sessions/{session_id}/calls/{call_id}", response_model=CallInfo)
     async def get_call(session_id: str, call_id: str, authorization: Auth = None) -> CallInfo:
@@ -286,6 +303,8 @@ def create_app(manager: Manager) -> FastAPI:
         if remote.model_name != body.model:
             await remote.close()
             raise BadRequest(f"engine at {body.url} serves {remote.model_name!r}, not {body.model!r}")
+        # its tokenizer's byte bound (a pass over the vocabulary), computed here and off the loop
+        await asyncio.to_thread(lambda: remote.tokenizer.max_token_bytes)
         handle = manager.pool.register(remote, name=body.name, url=body.url)
         manager.executor.kick()  # queued calls may fit now
         log.info("engine %s registered: %s at %s", handle.engine_id, body.model, body.url)

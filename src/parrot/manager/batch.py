@@ -12,6 +12,12 @@ scheduling round ever sees a half-applied batch: a rejected batch leaves the
 session exactly as it was, and its error is the one the single-op endpoint
 would raise, prefixed ``op <i> (<kind>): `` and with ``detail["op"] = i``.
 
+Long values and prompts are tokenized off the event loop when the batch runs
+through :meth:`~parrot.manager.service.Manager.run_tokenized`: a pass that put
+off a check for such text stops before the commit (rolled back like a rejected
+op) and the batch is validated again once the text is tokenized, so its
+outcome is the one of a batch that tokenized everything itself.
+
 The commit adds variables and calls to the session in op order, marks the
 session's graph changed once (if it gained calls), and only then applies the
 sets and queues the calls that are ready, so the first scheduling round that
@@ -51,6 +57,7 @@ def apply_batch(manager: Manager, session: Session, req: BatchRequest) -> BatchR
             plan.rollback()
             raise
     try:
+        manager.settle_tokens()  # a check put off for long text: run again once it is tokenized
         plan.check_quota()
     except BaseException:
         plan.rollback()

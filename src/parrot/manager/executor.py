@@ -73,6 +73,7 @@ from parrot.manager.scheduler import (
     Scheduler,
     SchedulerConfig,
 )
+from parrot.manager.tokens import INLINE_TOKENIZE_BYTES, NeedsTokenizing, TokenSource
 from parrot.protocol.errors import (
     CallFailed,
     ContextTooLong,
@@ -137,6 +138,9 @@ class _Ticket:
     prefix_keys: tuple[str, ...] = ()
     started: bool = False  # its task began running (a task cancelled before that never runs at all)
     queued: QueuedCall | None = None  # what the last round saw (reused while nothing changes)
+    # long text of its prompt, tokenized off the loop before a round renders it
+    token_source: TokenSource | None = None
+    tokenizing: asyncio.Task[None] | None = None  # while that runs, rounds pass the call over
 
 
 class Executor:
@@ -153,6 +157,7 @@ class Executor:
         engine_wait_s: float = 30.0,
         queue_timeout_s: float | None = 600.0,
         app_fifo: bool = True,
+        inline_tokenize_bytes: int | None = INLINE_TOKENIZE_BYTES,
     ):
         self.pool = pool
         self.prefixes = prefixes or PrefixIndex()
@@ -163,6 +168,7 @@ class Executor:
         self.engine_wait_s = engine_wait_s
         self.queue_timeout_s = queue_timeout_s
         self.app_fifo = app_fifo
+        self.inline_tokenize_bytes = inline_tokenize_bytes
         self._calls_of_session = calls_of_session
         self._queue: dict[str, _Ticket] = {}
         self._placed: dict[str, _Ticket] = {}
@@ -176,6 +182,7 @@ class Executor:
         self._stale: set[str] = set()
         self._last_round = 0.0
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._tokenizing: set[asyncio.Task[None]] = set()  # prompts being tokenized off the loop
         self._arrivals = itertools.count()
         # session id -> its place in the queue (the arrival of its first call queued since
         # none of its calls was queued or placed), and how many of its calls are
@@ -282,7 +289,7 @@ class Executor:
     async def drain(self) -> None:
         if self._ticker is not None:
             self._ticker.cancel()
-        tasks = list(self._tasks.values())
+        tasks = [*self._tasks.values(), *self._tokenizing]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -333,9 +340,12 @@ class Executor:
         queue: list[QueuedCall] = []
         for ticket in list(self._queue.values()):
             try:
-                queue.append(self._queued(ticket))
+                queued = self._queued(ticket)
             except Exception as exc:  # one call's bug must not stop the round
                 self._fail_queued(ticket, exc)
+            else:
+                if queued is not None:
+                    queue.append(queued)
         sched = self._sync_engines()
         failed = False
         for call_id, reason in sched.unservable(queue):
@@ -358,10 +368,17 @@ class Executor:
             self._served(ticket.call)
             self._start(ticket)
 
-    def _queued(self, ticket: _Ticket) -> QueuedCall:
-        """What the scheduler sees of a queued call this round (reused while nothing changed)."""
+    def _queued(self, ticket: _Ticket) -> QueuedCall | None:
+        """What the scheduler sees of a queued call this round (reused while nothing changed);
+        None while its prompt is being tokenized off the loop (it waits for a later round)."""
         call = ticket.call
-        tokens = self._estimate(ticket)
+        if ticket.tokenizing is not None:
+            return None
+        try:
+            tokens = self._estimate(ticket)
+        except NeedsTokenizing:
+            self._tokenize_ahead(ticket)
+            return None
         objective = self._objectives[call.session_id].get(call.call_id, _LATENCY_DEFAULT)
         call.objective, call.task_group = objective.kind, objective.task_group
         rank = self._rank(ticket)
@@ -502,14 +519,51 @@ class Executor:
             ticket.tokens = max(1, total - shared)
         return ticket.tokens
 
+    def _tokenize_ahead(self, ticket: _Ticket) -> None:
+        """Tokenize the long text a round found in a call's prompt, off the loop; a
+        round runs when it is done, and renders the call from those tokens."""
+        ticket.tokenizing = task = asyncio.get_running_loop().create_task(
+            self._tokenize(ticket), name=f"tokenize {ticket.call.call_id}"
+        )
+        self._tokenizing.add(task)
+        task.add_done_callback(self._tokenizing.discard)
+
+    async def _tokenize(self, ticket: _Ticket) -> None:
+        try:
+            assert ticket.token_source is not None
+            await ticket.token_source.resolve()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a tokenizer failing on some text fails that call alone
+            self._fail_queued(ticket, exc)
+        finally:
+            ticket.tokenizing = None
+            self.kick()
+
+    async def _render_on(self, ticket: _Ticket, handle: EngineHandle) -> Rendered:
+        """:meth:`_rendered`, tokenizing long text off the loop first if need be (a call
+        placed on an engine of another model than the one its round rendered it for)."""
+        while True:
+            try:
+                return self._rendered(ticket, handle)
+            except NeedsTokenizing:
+                assert ticket.token_source is not None
+                await ticket.token_source.resolve()
+
     def _rendered(self, ticket: _Ticket, handle: EngineHandle) -> Rendered:
+        """The call's engine steps for ``handle``'s model, rendered once per model; raises
+        NeedsTokenizing when long text of its prompt must first be tokenized off the loop
+        (recorded in ``ticket.token_source``)."""
         pre = ticket.call.rendered  # done at submit, when the inputs were already known
         if pre is not None and pre[0] == handle.model and handle.model not in ticket.rendered:
             ticket.rendered[handle.model] = pre[1]  # type: ignore[assignment]
         cached = ticket.rendered.get(handle.model)  # one model, one tokenizer: the same tokens
         if cached is None:
-            cached = render(ticket.call, handle.api.tokenizer, handle.max_seq_len)
+            if ticket.token_source is None:
+                ticket.token_source = TokenSource(self.inline_tokenize_bytes)
+            cached = render(ticket.call, handle.api.tokenizer, handle.max_seq_len, ticket.token_source)
             ticket.rendered[handle.model] = cached
+            ticket.token_source = None  # its tokens are in the steps now
         elif cached.prompt_tokens >= handle.max_seq_len:
             raise ContextTooLong(
                 f"the rendered prompt has {cached.prompt_tokens} tokens; "
@@ -676,7 +730,7 @@ class Executor:
         assert handle is not None
         try:
             call.engine_id, call.generated_tokens = handle.engine_id, 0
-            rendered = self._rendered(ticket, handle)
+            rendered = await self._render_on(ticket, handle)
             call.prompt_tokens = rendered.prompt_tokens
             call.state = "running"
             call.started_at, call.first_token_at = time.time(), None

@@ -160,34 +160,41 @@ def _check_model(manager: Manager, model: str | None) -> None:
 class _Completion:
     """One completion: its internal session and call; closes the session exactly once."""
 
-    def __init__(self, manager: Manager, req: CompletionRequest, tenant: str):
+    def __init__(self, manager: Manager, req: CompletionRequest, session: Session, call: Call):
         self.manager = manager
         self.requested_model = req.model
         self.max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         self.created = int(time.time())
+        self.session: Session | None = session
+        self.call = call
+        self.var: Variable = call.outputs["text"].var
+        self.id = f"cmpl-{call.call_id}"
+
+    @classmethod
+    async def open(cls, manager: Manager, req: CompletionRequest, tenant: str) -> _Completion:
+        """Validate ``req``, then submit its call in an internal session of ``tenant``'s (the
+        prompt tokenized off the event loop when long: :meth:`Manager.run_tokenized`)."""
         sampling = sampling_of(req)  # validate before creating anything
         prompt = _prompt_text(req)
         _check_model(manager, req.model)
-        self.session: Session | None
-        self.session, _token = manager.create_session(tenant)
+        session, token = manager.create_session(tenant)
+        submit = SubmitCall(
+            template=COMPLETION_TEMPLATE,
+            placeholders=[
+                PlaceholderBinding(name="prompt", direction="input", value=prompt),
+                PlaceholderBinding(name="text", direction="output", sampling=sampling.to_dict()),
+            ],
+            name="openai.completion",
+            model=req.model,
+        )
         try:
-            self.call: Call = manager.submit_call(
-                self.session,
-                SubmitCall(
-                    template=COMPLETION_TEMPLATE,
-                    placeholders=[
-                        PlaceholderBinding(name="prompt", direction="input", value=prompt),
-                        PlaceholderBinding(name="text", direction="output", sampling=sampling.to_dict()),
-                    ],
-                    name="openai.completion",
-                    model=req.model,
-                ),
+            call = await manager.run_tokenized(
+                lambda: manager.submit_call(manager.authorize(session.session_id, token), submit)
             )
         except BaseException:
-            self.close()
+            manager.close_session(session)
             raise
-        self.var: Variable = self.call.outputs["text"].var
-        self.id = f"cmpl-{self.call.call_id}"
+        return cls(manager, req, session, call)
 
     @property
     def model(self) -> str:
@@ -284,7 +291,7 @@ def openai_router(manager: Manager) -> APIRouter:
     async def completions(req: CompletionRequest, request: Request) -> Any:
         tenant = manager.api_keys.tenant(bearer_token(request.headers.get("authorization")))
         _check_supported(req)
-        comp = _Completion(manager, req, tenant)
+        comp = await _Completion.open(manager, req, tenant)
         if req.stream:
             include_usage = bool((req.stream_options or {}).get("include_usage"))
             return StreamingResponse(

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from parrot.manager.graph import Call, OutputSpec, Variable
 from parrot.manager.prefix import prefix_keys, user_pieces
+from parrot.manager.tokens import NeedsTokenizing, TokenSource, utf8_len
 from parrot.protocol.errors import BadRequest, ContextTooLong
 from parrot.protocol.template import Piece, Placeholder, Template, Text
 from parrot.protocol.tokenizer import TextTokenizer
@@ -97,9 +98,11 @@ _CONSTANT_TOKENS: OrderedDict[tuple[TextTokenizer, bytes], int] = OrderedDict()
 _CONSTANT_TOKENS_ENTRIES = 256
 
 
-def _constant_tokens(tokenizer: TextTokenizer, text: str) -> int:
+def _constant_tokens(tokenizer: TextTokenizer, text: str, tokens: TokenSource | None = None) -> int | None:
     """How many tokens a template's leading constant text has (calls of one template
-    repeat it: a long system prompt is tokenized once per tokenizer, not per call).
+    repeat it: a long system prompt is tokenized once per tokenizer, not per call);
+    None when ``tokens`` deferred it (long text, tokenized off the loop; without
+    ``tokens``, everything is tokenized here).
 
     The cache keeps a 16-byte digest of the text, not the text, so its memory is bounded
     in bytes (a few hundred bytes per entry, :data:`_CONSTANT_TOKENS_ENTRIES` entries)
@@ -107,7 +110,10 @@ def _constant_tokens(tokenizer: TextTokenizer, text: str) -> int:
     key = (tokenizer, hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest())
     count = _CONSTANT_TOKENS.get(key)
     if count is None:
-        count = len(tokenizer.encode(text))
+        got = (tokens or TokenSource(None)).get(tokenizer, text, keep_ids=0)
+        if got is None:
+            return None
+        count = got.count
         _CONSTANT_TOKENS[key] = count
         if len(_CONSTANT_TOKENS) > _CONSTANT_TOKENS_ENTRIES:
             _CONSTANT_TOKENS.popitem(last=False)
@@ -116,39 +122,43 @@ def _constant_tokens(tokenizer: TextTokenizer, text: str) -> int:
     return count
 
 
-def render(call: Call, tokenizer: TextTokenizer, max_seq_len: int) -> Rendered:
-    """Engine steps for ``call``; raises ContextTooLong if the prompt cannot fit."""
+def render(
+    call: Call, tokenizer: TextTokenizer, max_seq_len: int, tokens: TokenSource | None = None
+) -> Rendered:
+    """Engine steps for ``call``; raises ContextTooLong if the prompt cannot fit.
+
+    ``tokens`` says where long text is tokenized (:mod:`parrot.manager.tokens`): with
+    a deferring source, text it has not tokenized yet raises NeedsTokenizing (every
+    such text of the call recorded at once); without one, everything is tokenized
+    here.  A prompt that has more UTF-8 bytes than ``max_seq_len`` tokens can hold is
+    rejected before anything is tokenized."""
+    source = tokens if tokens is not None else TokenSource(None)
     pieces = user_pieces(call)
     before = between = ""
     if call.chat:
         if tokenizer.chat is None:
             raise BadRequest("this model has no chat format; submit with chat=false", code="no_chat_format")
         before, between = tokenizer.chat.wrap()
+    fills = _fill_texts(call, pieces, before, between)
+    bos = tokenizer.bos_token_id if tokenizer.add_bos else None
+    _check_fits(fills, tokenizer, max_seq_len, bos is not None)
+    got = [source.get(tokenizer, text, keep_ids=max_seq_len) for text, _ in fills]
+    constant = _leading_constant(call, pieces, before, tokenizer, source)  # after: records it too
+    if any(g is None for g in got):
+        raise NeedsTokenizing(f"call {call.call_id}: its prompt is being tokenized")
     steps: list[Step] = []
-    text: list[str] = [before]  # the string of the fill being assembled
-    first = True
     total = 0
-
-    def fill() -> None:
-        nonlocal first, total
-        tokens = tokenizer.encode("".join(text))
-        if first and tokenizer.add_bos and tokenizer.bos_token_id is not None:
-            tokens.insert(0, tokenizer.bos_token_id)
-        first = False
-        if tokens:
-            steps.append(FillStep(tokens))
-            total += len(tokens)
-        text.clear()
-
-    for piece in pieces:  # text after the last output is never filled: nothing reads it
-        if isinstance(piece, Text):
-            text.append(piece.text)
-        elif piece.direction == "input":
-            text.append(input_text(call.inputs[piece.name]))
-        else:
-            text.append(between)
-            fill()
-            steps.append(GenerateStep(call.outputs[piece.name]))
+    for i, ((_, output), tokenized) in enumerate(zip(fills, got, strict=True)):
+        assert tokenized is not None
+        ids = [] if tokenized.ids is None else list(tokenized.ids)
+        count = tokenized.count
+        if i == 0 and bos is not None:
+            ids.insert(0, bos)
+            count += 1
+        if count:
+            steps.append(FillStep(ids))
+            total += count
+        steps.append(GenerateStep(output))
     if total >= max_seq_len:
         raise ContextTooLong(
             f"the rendered prompt has {total} tokens; the model's context is {max_seq_len} "
@@ -157,16 +167,55 @@ def render(call: Call, tokenizer: TextTokenizer, max_seq_len: int) -> Rendered:
         )
     if steps and isinstance(steps[0], GenerateStep):
         raise BadRequest("the rendered prompt before the first output is empty", code="empty_prompt")
-    return Rendered(steps, _leading_constant(call, pieces, before, tokenizer))
+    return Rendered(steps, constant)
+
+
+def _fill_texts(call: Call, pieces: list[Piece], before: str, between: str) -> list[tuple[str, OutputSpec]]:
+    """The string of each fill, with the output generated right after it, in order.
+    Text after the last output is never filled: nothing reads it."""
+    fills: list[tuple[str, OutputSpec]] = []
+    text: list[str] = [before]  # the string of the fill being assembled
+    for piece in pieces:
+        if isinstance(piece, Text):
+            text.append(piece.text)
+        elif piece.direction == "input":
+            text.append(input_text(call.inputs[piece.name]))
+        else:
+            text.append(between)
+            fills.append(("".join(text), call.outputs[piece.name]))
+            text.clear()
+    return fills
+
+
+def _check_fits(
+    fills: list[tuple[str, OutputSpec]], tokenizer: TextTokenizer, max_seq_len: int, bos: bool
+) -> None:
+    """Reject, without tokenizing, a prompt whose bytes alone make more tokens than
+    the context holds (:meth:`TextTokenizer.min_tokens`)."""
+    if tokenizer.max_token_bytes is None:
+        return
+    at_least = int(bos) + sum(tokenizer.min_tokens(text) for text, _ in fills)
+    if at_least >= max_seq_len:
+        n_bytes = sum(utf8_len(text) for text, _ in fills)
+        raise ContextTooLong(
+            f"the rendered prompt has at least {at_least} tokens ({n_bytes} bytes, at most "
+            f"{tokenizer.max_token_bytes} per token); the model's context is {max_seq_len} "
+            "(generation needs at least one more)",
+            detail={"min_prompt_tokens": at_least, "prompt_bytes": n_bytes, "max_seq_len": max_seq_len},
+        )
 
 
 def _leading_constant(
-    call: Call, pieces: list[Piece], before: str, tokenizer: TextTokenizer
+    call: Call, pieces: list[Piece], before: str, tokenizer: TextTokenizer, tokens: TokenSource
 ) -> tuple[str, int] | None:
-    """(key, tokens) of the template's leading constant text, if it starts with one."""
+    """(key, tokens) of the template's leading constant text, if it starts with one;
+    raises NeedsTokenizing when ``tokens`` deferred its tokenization."""
     if not pieces or not isinstance(pieces[0], Text) or len(pieces) < 2:
         return None
     keys = prefix_keys(call)
     if not keys:
         return None
-    return keys[0], _constant_tokens(tokenizer, before + pieces[0].text)
+    count = _constant_tokens(tokenizer, before + pieces[0].text, tokens)
+    if count is None:
+        raise NeedsTokenizing(f"call {call.call_id}: its system prompt is being tokenized")
+    return keys[0], count

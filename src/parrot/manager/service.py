@@ -4,6 +4,12 @@ Every operation validates completely before it changes anything, so a
 rejected request leaves no partial state behind (no half-linked call, no
 orphan variable).  Sessions are isolated: an id from another session is
 reported as not found.
+
+The operations are synchronous: nothing else runs between a request's first
+check and its last change.  Long text they must tokenize (a value's length, a
+prompt rendered at submit) is tokenized off the event loop when they are run
+through :meth:`Manager.run_tokenized` (see :mod:`parrot.manager.tokens`); called
+directly they tokenize everything themselves.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from parrot.manager.engines import EngineHandle, EnginePool
 from parrot.manager.executor import Executor
@@ -35,6 +42,7 @@ from parrot.manager.prefix import PrefixIndex
 from parrot.manager.render import check_chat_shape, check_starts_with_text, render
 from parrot.manager.scheduler import SchedulerConfig
 from parrot.manager.tenants import ANONYMOUS, ApiKeys, Quotas, TenantBook, cache_salt
+from parrot.manager.tokens import INLINE_TOKENIZE_BYTES, NeedsTokenizing, TokenSource, utf8_len
 from parrot.protocol.errors import (
     BindingError,
     CallFailed,
@@ -55,11 +63,17 @@ from parrot.protocol.schemas import (
     VariableInfo,
 )
 from parrot.protocol.template import parse_template
+from parrot.protocol.tokenizer import TextTokenizer
 from parrot.protocol.transforms import parse_transforms
 
 log = logging.getLogger(__name__)
 
 MAX_WAIT_S = 60.0
+MAX_TOKENIZING_PASSES = 16
+"""Passes of :meth:`Manager.run_tokenized` before it gives up deferring (never reached:
+each pass defers only text not tokenized yet, and a request holds finitely many)."""
+
+T = TypeVar("T")
 
 VarLookup = Callable[[PlaceholderBinding], Variable | None]
 """The variable a binding names (raises if it names an unknown one), or None if it names none."""
@@ -118,6 +132,9 @@ class ManagerConfig:
     api_keys: dict[str, str] | None = None
     quotas: Quotas = field(default_factory=Quotas)
     prefix_sharing: str = "tenant"
+    # text of at most this many UTF-8 bytes is tokenized on the event loop, longer text in a
+    # worker thread (parrot.manager.tokens); None: everything on the loop
+    inline_tokenize_bytes: int | None = INLINE_TOKENIZE_BYTES
 
 
 def _hash_token(token: str) -> bytes:
@@ -150,11 +167,14 @@ class Manager:
             max_attempts=self.config.max_attempts,
             engine_wait_s=self.config.engine_wait_s,
             app_fifo=self.config.app_fifo,
+            inline_tokenize_bytes=self.config.inline_tokenize_bytes,
         )
         self.sessions: dict[str, Session] = {}
         self.api_keys = ApiKeys(self.config.api_keys)
         self.tenants = TenantBook(self.config.quotas)
         cache_salt(ANONYMOUS, self.config.prefix_sharing)  # a bad setting fails here, at start-up
+        # the token source of the operation run_tokenized is running (None: tokenize at once)
+        self._tokens: TokenSource | None = None
         self._polls: set[asyncio.Task[EngineStats]] = set()  # stats polls of newly registered engines
         self.pool.on_register(self._engine_registered)
 
@@ -195,7 +215,13 @@ class Manager:
 
     def _engine_registered(self, handle: EngineHandle) -> None:
         """Poll a new in-process engine's stats at once.  Without a running event loop
-        (registered before the server starts) the first poll at start-up does it."""
+        (registered before the server starts) the first poll at start-up does it.
+
+        Also computes its tokenizer's byte bound now, once (a pass over the vocabulary,
+        :attr:`TextTokenizer.max_token_bytes`), not on the first request that needs it."""
+        tokenizer = getattr(handle.api, "tokenizer", None)
+        if isinstance(tokenizer, TextTokenizer):
+            _ = tokenizer.max_token_bytes
         if handle.url is not None:
             return
         try:
@@ -285,25 +311,77 @@ class Manager:
             raise NotFound(f"call {call_id} does not exist in this session", code="call_not_found")
         return call
 
+    # ------------------------------------------------------ tokenization
+    async def run_tokenized(self, op: Callable[[], T]) -> T:
+        """Run the synchronous operation ``op`` without tokenizing long text on the
+        event loop, and return what it returns.
+
+        ``op`` runs in passes, each synchronous from its first check to its last
+        change.  In a pass, long text not tokenized yet is recorded and its check
+        put off (a value's length, a prompt rendered at submit); the operation then
+        stops at :meth:`settle_tokens`, before it changes anything, or at an error.
+        Between passes the recorded text is tokenized in worker threads, and the
+        next pass finds it.  The pass that records nothing is the one whose outcome
+        (result or error) counts, so callers see the errors, in the order, of an
+        operation that tokenized everything itself.  ``op`` must take everything
+        it uses from the manager's state afresh (authorize the session in it):
+        other requests run between passes."""
+        source = TokenSource(self.config.inline_tokenize_bytes)
+        for _ in range(MAX_TOKENIZING_PASSES):
+            self._tokens = source
+            try:
+                return op()
+            except (NeedsTokenizing, ParrotError):
+                if not source.pending:
+                    raise
+            finally:
+                self._tokens = None
+            await source.resolve()
+        log.warning("an operation still deferred tokenization after %d passes", MAX_TOKENIZING_PASSES)
+        return op()
+
+    def settle_tokens(self) -> None:
+        """Every operation calls this after validating and before changing anything:
+        if a check was put off (its text is to be tokenized off the loop), the
+        operation stops here, unchanged, and :meth:`run_tokenized` runs it again."""
+        if self._tokens is not None and self._tokens.pending:
+            raise NeedsTokenizing("the request's text is being tokenized")
+
     def _check_value_length(self, value: str, longest: EngineHandle | None = None) -> None:
         """Reject a value no engine could hold (``longest``: the live engine with
-        the longest context, if the caller already looked it up)."""
+        the longest context, if the caller already looked it up).
+
+        A value over ``max_seq_len * max_token_bytes`` bytes is rejected without
+        being tokenized; a long one is counted off the loop (the check is put off,
+        see :meth:`run_tokenized`)."""
         longest = longest or self.pool.longest_context(None)
         if longest is None:
             return
-        if len(value.encode()) <= longest.max_seq_len:  # every token spans at least one UTF-8 byte
+        n_bytes = utf8_len(value)
+        if n_bytes <= longest.max_seq_len:  # every token spans at least one UTF-8 byte
             return
-        n = len(longest.api.tokenizer.encode(value))
-        if n > longest.max_seq_len:
+        tokenizer = longest.api.tokenizer
+        at_least = tokenizer.min_tokens(value)
+        if at_least > longest.max_seq_len:
             raise ContextTooLong(
-                f"value has {n} tokens; the longest model context is {longest.max_seq_len}",
-                detail={"tokens": n, "max_seq_len": longest.max_seq_len},
+                f"value has at least {at_least} tokens ({n_bytes} bytes, at most "
+                f"{tokenizer.max_token_bytes} per token); the longest model context is {longest.max_seq_len}",
+                detail={"min_tokens": at_least, "bytes": n_bytes, "max_seq_len": longest.max_seq_len},
+            )
+        got = (self._tokens or TokenSource(None)).get(tokenizer, value, keep_ids=longest.max_seq_len)
+        if got is None:
+            return  # put off until it is tokenized (settle_tokens stops the operation)
+        if got.count > longest.max_seq_len:
+            raise ContextTooLong(
+                f"value has {got.count} tokens; the longest model context is {longest.max_seq_len}",
+                detail={"tokens": got.count, "max_seq_len": longest.max_seq_len},
             )
 
     def create_variable(self, session: Session, name: str | None, value: str | None) -> Variable:
         size = value_bytes(value)
         self.check_room(session, value_bytes=size)
         var = self.new_variable(session, name, value)
+        self.settle_tokens()
         session.variables[var.var_id] = var
         self.charge(session, value_bytes=size)
         return var
@@ -321,6 +399,7 @@ class Manager:
         var = self.variable(session, var_id)
         self.check_settable(var, value)
         self.check_room(session, value_bytes=value_bytes(value))
+        self.settle_tokens()
         self.charge(session, value_bytes=value_bytes(value))
         for call in materialise(var, value):
             self.executor.dispatch(call)
@@ -358,6 +437,7 @@ class Manager:
         size = inline_bytes(req)
         self.check_room(session, calls=1, value_bytes=size)
         staged = self.stage_call(session, req, self.lookup_in(session))
+        self.settle_tokens()
         link_call(staged.call)  # validates (producer conflicts, cycles) before linking anything
         self.add_call(session, staged)
         self.charge(session, calls=[staged.call], value_bytes=size)
@@ -484,7 +564,10 @@ class Manager:
             return
         if longest is None:
             return
-        rendered = render(call, longest.api.tokenizer, longest.max_seq_len)
+        try:
+            rendered = render(call, longest.api.tokenizer, longest.max_seq_len, self._tokens)
+        except NeedsTokenizing:
+            return  # put off until it is tokenized (settle_tokens stops the operation)
         call.rendered = (longest.model, rendered, longest.max_seq_len)
 
     # -------------------------------------------------------- introspection

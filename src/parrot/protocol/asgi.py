@@ -31,7 +31,15 @@ takes the event loop ~0.1 s to parse and seconds to walk in Python."""
 # a JSON escape of a UTF-16 surrogate (\ud800-\udfff); a body without one cannot hold a
 # lone surrogate (raw UTF-8 cannot encode one, and invalid UTF-8 fails to parse)
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _is_utf8(text: str) -> bool:
+    """Whether ``text`` is encodable as UTF-8, i.e. holds no lone surrogate (C speed)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def reject_lone_surrogates(data: Any) -> Any:
@@ -43,7 +51,7 @@ def reject_lone_surrogates(data: Any) -> Any:
     while stack:
         item = stack.pop()
         if isinstance(item, str):
-            if _LONE_SURROGATE.search(item):
+            if not item.isascii() and not _is_utf8(item):
                 raise ValueError("invalid Unicode: a lone surrogate (U+D800-U+DFFF) is not text")
         elif isinstance(item, dict):
             stack.extend(item.keys())

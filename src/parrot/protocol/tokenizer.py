@@ -18,6 +18,11 @@ Invariants of a :class:`TextTokenizer`:
 * ``eos_token_ids`` is a tuple of distinct ids, all ``< vocab_size``;
   ``bos_token_id`` is ``None`` or ``< vocab_size``; ``add_bos`` implies ``bos_token_id is not None``.
 * ``from_dict(t.to_dict())`` encodes and decodes exactly like ``t``.
+* ``encode_unlocked(text)`` gives the ids of ``encode(text)``.
+* ``min_tokens(text) <= len(encode(text))``: when ``max_token_bytes`` is an int
+  ``L``, no token stands for more than ``L`` UTF-8 bytes of input text, so text
+  of ``B`` bytes (not counting bytes the tokenizer drops) has at least
+  ``ceil(B / L)`` tokens.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +68,10 @@ _GGUF_PRE_TOKENIZERS: dict[str, dict[str, Any]] = {
 }
 _GGUF_CONTROL = 3
 _GGUF_USER_DEFINED = 4
+# Pre-tokenizers that only cut text into pieces (never drop any of it), and the Split
+# behaviours that keep every character.
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Digits", "Split"}
+_KEEPING_SPLITS = {"Isolated", "Contiguous", "MergedWithPrevious", "MergedWithNext"}
 
 
 # --------------------------------------------------------------------------- chat markup
@@ -199,6 +209,85 @@ class TextTokenizer:
         if not isinstance(text, str):
             raise ValueError(f"encode() takes a string, got {type(text).__name__}")
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_unlocked(self, text: str, keep_ids: int | None = None) -> tuple[int, list[int] | None]:
+        """``(count, ids)`` of ``text``, the ids of :meth:`encode`, for a worker thread.
+
+        :meth:`encode` holds the GIL for as long as the tokenizer runs (seconds for
+        megabytes), so running it in a thread still stalls the event loop; the batch
+        API used here releases it.  ``ids`` is None when ``count > keep_ids``: building
+        a Python list of millions of ids would hold the GIL again, and a caller that
+        only needs to know the text is too long has no use for them."""
+        if not isinstance(text, str):
+            raise ValueError(f"encode() takes a string, got {type(text).__name__}")
+        encoding = self._tok.encode_batch([text], add_special_tokens=False)[0]
+        count = len(encoding)
+        return count, (encoding.ids if keep_ids is None or count <= keep_ids else None)
+
+    @property
+    def max_token_bytes(self) -> int | None:
+        """The most UTF-8 bytes of input text one token can stand for, or None when
+        this tokenizer gives no such bound (see :meth:`min_tokens`)."""
+        bound = self._byte_bound
+        return None if bound is None else bound[0]
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on ``len(encode(text))``, computed without tokenizing (0 when
+        :attr:`max_token_bytes` is None): the UTF-8 bytes of ``text`` that the
+        tokenizer keeps, divided by :attr:`max_token_bytes`, rounded up.
+
+        A byte-level BPE whose vocabulary lacks some byte symbols (SmolLM2 has no
+        symbol for ``0x04`` or ``0xF5``) drops those bytes, so they are not counted."""
+        bound = self._byte_bound
+        if bound is None or not text:
+            return 0
+        longest, unknown = bound
+        if text.isascii() and not unknown:
+            kept = len(text)
+        else:
+            data = text.encode("utf-8", "surrogatepass")
+            kept = len(data.translate(None, unknown)) if unknown else len(data)
+        return -(-kept // longest)
+
+    @cached_property
+    def _byte_bound(self) -> tuple[int, bytes] | None:
+        """``(max_token_bytes, the bytes the tokenizer drops)``, or None.
+
+        Computed once from the vocabulary, for byte-level BPE only (what GGUF
+        ``gpt2`` models, SmolLM2, Llama 3 and the tiny test model use): no
+        normalizer, no truncation, pre-tokenizers that only cut the text
+        (``ByteLevel``, ``Digits``, ``Split`` keeping the matches), no unknown
+        token and no byte fallback, and no added token that swallows the
+        whitespace beside it (``lstrip`` / ``rstrip``).  Then every token is a
+        vocabulary entry whose symbols stand for one input byte each, or an added
+        token matching its own text; a byte whose symbol is not in the vocabulary
+        is dropped (no unknown token to become), so it is part of no token.
+
+        Costs a pass over the vocabulary (~50 ms for 49k entries): the manager
+        computes it when an engine joins, not on a client's request."""
+        from tokenizers.models import BPE
+
+        tok = self._tok
+        model = tok.model
+        if tok.normalizer is not None or tok.truncation is not None:
+            return None
+        if not isinstance(model, BPE) or model.unk_token is not None or model.byte_fallback:
+            return None
+        pre = tok.pre_tokenizer
+        if pre is None or not _cuts_byte_level(json.loads(pre.__getstate__())):
+            return None
+        added = tok.get_added_tokens_decoder().values()
+        if any(token.lstrip or token.rstrip for token in added):
+            return None
+        symbols = _bytes_to_unicode()
+        alphabet = set(symbols.values())
+        vocab = tok.get_vocab(with_added_tokens=False)
+        longest = max((len(t.content.encode("utf-8")) for t in added), default=1)
+        for token in vocab:
+            n = len(token) if alphabet.issuperset(token) else len(token.encode("utf-8"))
+            longest = max(longest, n)
+        unknown = bytes(b for b, symbol in symbols.items() if symbol not in vocab)
+        return longest, unknown
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         ids = list(ids)
@@ -477,6 +566,17 @@ def _post_processor_adds(post: Any, bos: int | None, vocab: Mapping[str, int]) -
         if single and "SpecialToken" in single[0]:
             return vocab.get(single[0]["SpecialToken"]["id"]) == bos
     return False
+
+
+def _cuts_byte_level(pre: Any) -> bool:
+    """Whether a pre-tokenizer spec maps text to byte symbols and otherwise only cuts it."""
+    steps = pre.get("pretokenizers") if isinstance(pre, dict) and pre.get("type") == "Sequence" else [pre]
+    if not isinstance(steps, list) or not all(isinstance(p, dict) for p in steps):
+        return False
+    kinds = [p.get("type") for p in steps]
+    if "ByteLevel" not in kinds or not set(kinds) <= _KEEPING_PRE_TOKENIZERS:
+        return False
+    return all(p.get("behavior") in _KEEPING_SPLITS for p in steps if p.get("type") == "Split")
 
 
 def _turn_end_ids(chat: ChatFormat | None, vocab: Mapping[str, int]) -> list[int]:
