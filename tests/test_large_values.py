@@ -53,9 +53,11 @@ class RecordingEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
-    async def fill(self, tokens: Sequence[int], context_id: int, parent: int | None = None) -> None:
+    async def fill(
+        self, tokens: Sequence[int], context_id: int, parent: int | None = None, cache_salt: str = ""
+    ) -> None:
         self.fills.append(list(tokens))
-        await self._engine.fill(tokens, context_id, parent)
+        await self._engine.fill(tokens, context_id, parent, cache_salt=cache_salt)
 
 
 class CountingTokenizer(TextTokenizer):
