@@ -47,8 +47,17 @@ SOURCES = (
     "f32_linear.c",
     "decode_forward.c",
 )
-HEADERS = ("simd.h",)  # included by the sources; part of the build key
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+HEADERS = ("simd.h", "parrot_ops.h")  # included by the sources; part of the build key
+# Errors, not warnings: a call without a prototype, a non-static function missing from
+# parrot_ops.h, and pointer or integer mismatches at a call.  A definition that
+# conflicts with its prototype in parrot_ops.h is always an error in C.
+_STRICT = (
+    "-Werror=implicit-function-declaration",
+    "-Werror=missing-prototypes",
+    "-Werror=incompatible-pointer-types",
+    "-Werror=int-conversion",
+)
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", *_STRICT)
 # -DPARROT_PORTABLE leaves out the AVX-512 code (tests check the portable C on AVX-512 machines too).
 _PORTABLE_FLAGS = ("-DPARROT_PORTABLE",)
 
