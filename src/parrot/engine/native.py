@@ -18,6 +18,15 @@ Where that fails (no compiler, another OS) or ``PARROT_CPU_KERNEL=0`` is set,
 :func:`library` returns None, :func:`status` says why (logged once as a warning),
 and every caller keeps its PyTorch path: the library is never required.
 
+The boundary is declared once, in ``csrc/parrot_ops.h``: every exported function's
+prototype and every struct shared with Python.  Every source includes it, and the
+build makes an implicit declaration, an exported function missing from the header and
+a pointer or integer mismatch at a call errors (a definition conflicting with its
+prototype always is), so C cannot drift from the header.  Python cannot either:
+:mod:`parrot.engine.c_boundary` parses the header into the functions' ctypes
+argument and return types and the structs' ctypes Structures, and the build compiles
+a generated check that those Structures' sizes and offsets are the compiler's.
+
 The library links ``libgomp.so.1``, the soname of the OpenMP runtime PyTorch's CPU
 wheels load first, so both use one thread pool.
 """
@@ -35,7 +44,9 @@ import threading
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["build", "library", "require", "status"]
+from parrot.engine import c_boundary
+
+__all__ = ["build", "compile_flags", "library", "require", "status"]
 
 log = logging.getLogger(__name__)
 
@@ -57,39 +68,12 @@ _STRICT = (
     "-Werror=incompatible-pointer-types",
     "-Werror=int-conversion",
 )
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", *_STRICT)
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11", *_STRICT)
 # -DPARROT_PORTABLE leaves out the AVX-512 code (tests check the portable C on AVX-512 machines too).
 _PORTABLE_FLAGS = ("-DPARROT_PORTABLE",)
-
-_i64, _ptr, _int, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-# name -> (argument types, return type), as declared in csrc/*.c
-_SIGNATURES: dict[str, tuple[list[type], type | None]] = {
-    "parrot_decode_rows": (
-        [_ptr, _i64, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _int],
-        _int,
-    ),
-    "parrot_shared_rows": (
-        [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _int, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _int],
-        _int,
-    ),
-    "parrot_shared_rows_supported": ([_i64], _int),
-    "parrot_merge_lse": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _int], None),
-    "parrot_amx_ready": ([], _int),
-    "parrot_amx_packed_size": ([_i64, _i64], _i64),
-    "parrot_amx_pack": ([_ptr, _i64, _i64, _ptr], None),
-    "parrot_amx_linear": ([_ptr, _int, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int], _int),
-    "parrot_f32_linear_supported": ([], _int),
-    "parrot_f32_packed_size": ([_i64, _i64], _i64),
-    "parrot_f32_pack": ([_ptr, _i64, _i64, _ptr], None),
-    "parrot_f32_linear": ([_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int], _int),
-    "parrot_decode_forward": (
-        [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _int],
-        _int,
-    ),
-    "parrot_add_rms_norm": ([_ptr, _ptr, _int, _ptr, _f32, _i64, _i64, _ptr, _int, _int], None),
-    "parrot_silu_mul": ([_ptr, _int, _i64, _i64, _ptr, _int, _int], None),
-    "parrot_rope": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _int], None),
-}
+# Generated C (c_boundary.layout_check_source) compiled with the sources: the build
+# fails unless the ctypes Structures lay out parrot_ops.h's structs as the compiler does.
+_LAYOUT_CHECK = "parrot_layout_check.c"
 
 _lock = threading.Lock()
 _loaded: ctypes.CDLL | None = None
@@ -133,7 +117,10 @@ def _compile(sources: dict[str, str], cc: str, flags: tuple[str, ...]) -> Path:
                 paths.append(str(path))
         built = Path(tmp) / "ops.so"
         run = subprocess.run(
-            [cc, *flags, *paths, "-o", str(built), "-lm"], capture_output=True, text=True, timeout=300
+            [cc, *flags, "-shared", *paths, "-o", str(built), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         if run.returncode != 0:
             raise RuntimeError(f"{cc} failed: {run.stderr.strip()[-2000:]}")
@@ -141,17 +128,19 @@ def _compile(sources: dict[str, str], cc: str, flags: tuple[str, ...]) -> Path:
     return target
 
 
+def compile_flags(*, portable: bool = False) -> tuple[str, ...]:
+    """The compiler flags of the native or the portable build (the strict ones included)."""
+    return _FLAGS + (_PORTABLE_FLAGS if portable else ())
+
+
 def build(*, portable: bool = False) -> ctypes.CDLL:
     """Compile (or take from the cache) and load the library; raises if that fails.
     ``portable``: without the AVX-512 code (what other CPUs run)."""
     folder = resources.files(__package__).joinpath("csrc")
     sources = {name: folder.joinpath(name).read_text() for name in SOURCES + HEADERS}
-    flags = _FLAGS + (_PORTABLE_FLAGS if portable else ())
-    lib = ctypes.CDLL(str(_compile(sources, os.environ.get("CC") or "cc", flags)))
-    for name, (args, ret) in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, ret
-    return lib
+    sources[_LAYOUT_CHECK] = c_boundary.layout_check_source()
+    lib = ctypes.CDLL(str(_compile(sources, os.environ.get("CC") or "cc", compile_flags(portable=portable))))
+    return c_boundary.bind(lib)
 
 
 def library() -> ctypes.CDLL | None:
