@@ -11,12 +11,14 @@ generated static assertions in every build).
 from __future__ import annotations
 
 import ctypes
+import platform
 import shutil
 import subprocess
 from importlib import resources
 from pathlib import Path
 
 import pytest
+import torch
 
 from parrot.engine import c_boundary, native
 from parrot.engine.c_boundary import CType, Function, HeaderError
@@ -265,3 +267,58 @@ def test_the_build_rejects_a_ctypes_layout_the_compiler_does_not_have(cc: str, t
     assert "static assertion failed" in _compile(
         cc, tmp_path, c_boundary.layout_check_source({"ParrotDecodeShape": wrong})
     )
+
+
+# ------------------------------------------------------------ the portable build
+
+
+def test_the_portable_build_targets_the_compilers_default_cpu() -> None:
+    native_flags, portable_flags = native.compile_flags(), native.compile_flags(portable=True)
+    assert "-march=native" in native_flags
+    assert not any(f.startswith(("-march", "-mcpu", "-mtune")) for f in portable_flags)
+    assert "-DPARROT_PORTABLE" in portable_flags
+    strict = [f for f in native_flags if f.startswith("-Werror")]
+    assert len(strict) == 4 and all(f in portable_flags for f in strict)
+
+
+def _vector_registers(path: str) -> set[str]:
+    """The AVX (ymm), AVX-512 (zmm) and AMX (tmm) registers the library's code names."""
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.fail("no 'objdump' (binutils) on this machine: the code cannot be inspected")
+    run = subprocess.run([objdump, "-d", path], capture_output=True, text=True, check=True, timeout=120)
+    return {kind for kind in ("ymm", "zmm", "tmm") if f"%{kind}" in run.stdout}
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="inspects x86-64 machine code")
+def test_the_portable_build_has_no_avx_code_and_the_native_one_has_this_cpus(cc: str) -> None:
+    del cc
+    assert _vector_registers(native.build(portable=True)._name) == set()
+    cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if " avx512f" in cpu:  # the check can fail: the native build of this CPU has AVX-512 code
+        assert "zmm" in _vector_registers(native.build()._name)
+
+
+def _layer_ops(lib: ctypes.CDLL) -> list[torch.Tensor]:
+    """RMSNorm (with a residual add), RoPE and SiLU-mul of fixed inputs through ``lib``."""
+    gen = torch.Generator().manual_seed(0)
+    h, delta, w, x, cos, sin, gu = (
+        torch.randn(shape, generator=gen)
+        for shape in [(5, 40), (5, 40), (40,), (5, 48), (5, 16), (5, 16), (5, 74)]
+    )
+    norm, act = torch.empty(5, 40), torch.empty(5, 37)
+    lib.parrot_add_rms_norm(
+        h.data_ptr(), delta.data_ptr(), 0, w.data_ptr(), 1e-5, 5, 40, norm.data_ptr(), 0, 2
+    )
+    lib.parrot_rope(x.data_ptr(), 5, 3, 16, 48, cos.data_ptr(), sin.data_ptr(), 2)
+    lib.parrot_silu_mul(gu.data_ptr(), 0, 5, 37, act.data_ptr(), 0, 2)
+    return [h, norm, x, act]
+
+
+def test_both_builds_load_bind_and_compute_alike() -> None:
+    """The native and the portable library each load with every binding, and their layer
+    ops agree to fp32 rounding (the vector and the portable C sum in other orders)."""
+    native_out, portable_out = (_layer_ops(native.build(portable=p)) for p in (False, True))
+    for a, b in zip(native_out, portable_out, strict=True):
+        assert torch.isfinite(a).all() and torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert native_out[0].equal(portable_out[0])  # the residual add is one rounding either way

@@ -11,12 +11,18 @@ linear layers at decode sizes on AMX tiles (``amx_linear.c``, see
 while computing (``f32_linear.c``, see :mod:`parrot.engine.f32_linear`).
 
 Build: ``$CC`` (default ``cc``) with ``-O3 -march=native -fopenmp``, all sources
-into one shared library, once per source / compiler / CPU, cached in
+into one shared library, once per source / compiler / flags / CPU, cached in
 ``$PARROT_KERNEL_CACHE`` (default ``~/.cache/parrot/kernels``), then loaded with
 :mod:`ctypes`.  No PyTorch headers are needed, so it compiles in about a second.
 Where that fails (no compiler, another OS) or ``PARROT_CPU_KERNEL=0`` is set,
 :func:`library` returns None, :func:`status` says why (logged once as a warning),
 and every caller keeps its PyTorch path: the library is never required.
+
+The portable build (``build(portable=True)``) leaves out ``-march=native`` and the
+AVX-512 / AMX code: the portable C that CPUs without them run, for any CPU of the
+compiler's default target.  The tests compile both builds and run the kernels on
+both; ``PARROT_CPU_KERNEL=portable`` makes :func:`library` (what the engine uses) the
+portable build, so the engine's tests can run on it too (``scripts/test.sh`` does).
 
 The boundary is declared once, in ``csrc/parrot_ops.h``: every exported function's
 prototype and every struct shared with Python.  Every source includes it, and the
@@ -68,8 +74,11 @@ _STRICT = (
     "-Werror=incompatible-pointer-types",
     "-Werror=int-conversion",
 )
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11", *_STRICT)
-# -DPARROT_PORTABLE leaves out the AVX-512 code (tests check the portable C on AVX-512 machines too).
+_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-std=gnu11", *_STRICT)
+_NATIVE_FLAGS = ("-march=native",)  # this CPU's instructions: AVX-512 and AMX where it has them
+# The portable build: the compiler's default target (no -march; baseline x86-64 on the
+# usual distributions), and -DPARROT_PORTABLE leaves out the intrinsics code even where
+# that target would have it, so it is the C that other CPUs run.
 _PORTABLE_FLAGS = ("-DPARROT_PORTABLE",)
 # Generated C (c_boundary.layout_check_source) compiled with the sources: the build
 # fails unless the ctypes Structures lay out parrot_ops.h's structs as the compiler does.
@@ -102,7 +111,8 @@ def _compile(sources: dict[str, str], cc: str, flags: tuple[str, ...]) -> Path:
     build is cached."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60, check=True)
     parts = [t for pair in sorted(sources.items()) for t in pair]
-    key = hashlib.sha256("\0".join((*parts, cc, version.stdout, *flags, _cpu_signature())).encode())
+    cpu = _cpu_signature() if "-march=native" in flags else ""  # what the code may depend on
+    key = hashlib.sha256("\0".join((*parts, cc, version.stdout, *flags, cpu)).encode())
     out_dir = _cache_dir()
     target = out_dir / f"parrot-ops-{key.hexdigest()[:16]}.so"
     if target.exists():
@@ -129,13 +139,14 @@ def _compile(sources: dict[str, str], cc: str, flags: tuple[str, ...]) -> Path:
 
 
 def compile_flags(*, portable: bool = False) -> tuple[str, ...]:
-    """The compiler flags of the native or the portable build (the strict ones included)."""
-    return _FLAGS + (_PORTABLE_FLAGS if portable else ())
+    """The compiler flags of the native build (``-march=native``) or the portable one
+    (the compiler's default target, no intrinsics code); the strict ones in both."""
+    return _FLAGS + (_PORTABLE_FLAGS if portable else _NATIVE_FLAGS)
 
 
 def build(*, portable: bool = False) -> ctypes.CDLL:
     """Compile (or take from the cache) and load the library; raises if that fails.
-    ``portable``: without the AVX-512 code (what other CPUs run)."""
+    ``portable``: the portable build (see :func:`compile_flags`), else the native one."""
     folder = resources.files(__package__).joinpath("csrc")
     sources = {name: folder.joinpath(name).read_text() for name in SOURCES + HEADERS}
     sources[_LAYOUT_CHECK] = c_boundary.layout_check_source()
@@ -147,7 +158,8 @@ def library() -> ctypes.CDLL | None:
     """The loaded library, building it on the first call; None when unavailable
     (then :func:`status` gives the reason)."""
     global _loaded, _status, _tried
-    if os.environ.get("PARROT_CPU_KERNEL", "1") == "0":
+    switch = os.environ.get("PARROT_CPU_KERNEL", "1")
+    if switch == "0":
         _status = "disabled by PARROT_CPU_KERNEL=0"
         return None
     if _tried:
@@ -155,8 +167,9 @@ def library() -> ctypes.CDLL | None:
     with _lock:
         if not _tried:
             try:
-                _loaded = build()
-                _status = "ready"
+                portable = switch == "portable"
+                _loaded = build(portable=portable)
+                _status = "ready (portable build)" if portable else "ready"
             except Exception as exc:  # any build or load failure leaves the PyTorch paths
                 _status = f"unavailable: {exc}"
                 log.warning("Parrot's C ops are %s; the engine uses its PyTorch paths", _status)
@@ -175,5 +188,5 @@ def require(lib: ctypes.CDLL | None = None) -> ctypes.CDLL:
 
 
 def status() -> str:
-    """'ready', 'not built yet', or why the library is not used."""
+    """'ready', 'ready (portable build)', 'not built yet', or why the library is not used."""
     return _status
