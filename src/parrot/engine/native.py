@@ -33,8 +33,15 @@ prototype always is), so C cannot drift from the header.  Python cannot either:
 argument and return types and the structs' ctypes Structures, and the build compiles
 a generated check that those Structures' sizes and offsets are the compiler's.
 
-The library links ``libgomp.so.1``, the soname of the OpenMP runtime PyTorch's CPU
-wheels load first, so both use one thread pool.
+OpenMP: the ops must share PyTorch's OpenMP runtime (two runtimes are two thread
+pools competing for the cores), and which runtime that is depends on the PyTorch
+build, so it is found, not assumed (:mod:`parrot.engine.openmp_runtime`): the sources
+are compiled with ``-fopenmp``, and the library is linked against the runtime file
+PyTorch has loaded in this process (``/proc/self/maps``; libgomp, a hashed libgomp,
+libiomp5 or libomp), by path with an rpath to its directory.  Where none is loaded
+(PyTorch not imported, no ``/proc``) or that link fails, it links the compiler's
+default runtime instead and logs why as a warning; a warning also says if loading the
+library brought a second runtime into the process.
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ import threading
 from importlib import resources
 from pathlib import Path
 
-from parrot.engine import c_boundary
+from parrot.engine import c_boundary, openmp_runtime
 
 __all__ = ["build", "compile_flags", "library", "require", "status"]
 
@@ -106,34 +113,58 @@ def _cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "parrot" / "kernels"
 
 
-def _compile(sources: dict[str, str], cc: str, flags: tuple[str, ...]) -> Path:
-    """The shared library of ``sources`` (name -> text), compiled unless an identical
-    build is cached."""
+def _key(sources: dict[str, str], cc: str, flags: tuple[str, ...], link: tuple[str, ...]) -> str:
+    """What a build depends on, hashed: sources, compiler, flags, link arguments, and the
+    CPU for ``-march=native``."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60, check=True)
     parts = [t for pair in sorted(sources.items()) for t in pair]
-    cpu = _cpu_signature() if "-march=native" in flags else ""  # what the code may depend on
-    key = hashlib.sha256("\0".join((*parts, cc, version.stdout, *flags, cpu)).encode())
+    cpu = _cpu_signature() if "-march=native" in flags else ""
+    return hashlib.sha256("\0".join((*parts, cc, version.stdout, *flags, *link, cpu)).encode()).hexdigest()
+
+
+def _run(cmd: list[str], cwd: Path) -> None:
+    """Run a compiler command; raises RuntimeError with its messages when it fails."""
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd)
+    if run.returncode != 0:
+        raise RuntimeError(f"{cmd[0]} failed: {run.stderr.strip()[-2000:]}")
+
+
+def _objects(sources: dict[str, str], cc: str, flags: tuple[str, ...], tmp: Path) -> list[str]:
+    """Write ``sources`` into ``tmp`` and compile each .c file there; the object files."""
+    for name, text in sources.items():
+        (tmp / name).write_text(text)
+    c_files = [name for name in sources if name.endswith(".c")]
+    _run([cc, *flags, "-c", *c_files], tmp)
+    return [str(tmp / (name[:-2] + ".o")) for name in c_files]
+
+
+def _link(cc: str, objects: list[str], out: Path, runtime: openmp_runtime.OpenMPRuntime) -> None:
+    """Link the shared library against ``runtime``; if that fails, against the compiler's
+    default OpenMP runtime (logged: the ops may then run on a second thread pool)."""
+    try:
+        _run([cc, "-shared", *objects, "-o", str(out), *runtime.link_args(), "-lm"], out.parent)
+    except RuntimeError as exc:
+        if runtime.path is None:
+            raise
+        log.warning(
+            "linking Parrot's C ops against %s failed (%s); using -fopenmp's runtime", runtime.path, exc
+        )
+        _run([cc, "-shared", *objects, "-o", str(out), "-fopenmp", "-lm"], out.parent)
+
+
+def _compile(
+    sources: dict[str, str], cc: str, flags: tuple[str, ...], runtime: openmp_runtime.OpenMPRuntime
+) -> Path:
+    """The shared library of ``sources`` (name -> text) linked against ``runtime``,
+    built unless an identical build is cached."""
     out_dir = _cache_dir()
-    target = out_dir / f"parrot-ops-{key.hexdigest()[:16]}.so"
+    target = out_dir / f"parrot-ops-{_key(sources, cc, flags, runtime.link_args())[:16]}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        paths = []
-        for name, text in sources.items():
-            path = Path(tmp) / name
-            path.write_text(text)
-            if name.endswith(".c"):
-                paths.append(str(path))
         built = Path(tmp) / "ops.so"
-        run = subprocess.run(
-            [cc, *flags, "-shared", *paths, "-o", str(built), "-lm"],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        if run.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {run.stderr.strip()[-2000:]}")
+        _link(cc, _objects(sources, cc, flags, Path(tmp)), built, runtime)
         os.replace(built, target)  # atomic: concurrent builders leave one complete file
     return target
 
@@ -150,8 +181,23 @@ def build(*, portable: bool = False) -> ctypes.CDLL:
     folder = resources.files(__package__).joinpath("csrc")
     sources = {name: folder.joinpath(name).read_text() for name in SOURCES + HEADERS}
     sources[_LAYOUT_CHECK] = c_boundary.layout_check_source()
-    lib = ctypes.CDLL(str(_compile(sources, os.environ.get("CC") or "cc", compile_flags(portable=portable))))
+    runtime = openmp_runtime.find()
+    (log.info if runtime.path else log.warning)("OpenMP runtime for Parrot's C ops: %s", runtime.reason)
+    before = openmp_runtime.loaded()
+    path = _compile(sources, os.environ.get("CC") or "cc", compile_flags(portable=portable), runtime)
+    lib = ctypes.CDLL(str(path))
+    _check_one_runtime(before)
     return c_boundary.bind(lib)
+
+
+def _check_one_runtime(before: list[str]) -> None:
+    """Warn when loading the library brought another OpenMP runtime into a process that
+    already had one (``before``): two thread pools would compete for the cores."""
+    added = [p for p in openmp_runtime.loaded() if p not in before]
+    if before and added:
+        log.warning(
+            "Parrot's C ops loaded the OpenMP runtime %s beside %s", ", ".join(added), ", ".join(before)
+        )
 
 
 def library() -> ctypes.CDLL | None:
