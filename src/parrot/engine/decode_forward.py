@@ -32,7 +32,7 @@ import os
 import torch
 from torch import Tensor
 
-from parrot.engine import amx_linear, f32_linear, native
+from parrot.engine import amx_linear, c_boundary, f32_linear, native
 from parrot.engine.attention.torch_impl import TorchDecodePlan
 from parrot.engine.kv_store import PagedKVCache
 from parrot.engine.model import LlamaModel, rope_cos_sin
@@ -41,55 +41,10 @@ from parrot.engine.paged import PagedStepAttention
 
 __all__ = ["run"]
 
-_p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [
-        ("in_norm", _p),
-        ("post_norm", _p),
-        ("in_eps", _f32),
-        ("post_eps", _f32),
-        ("qkv", _p),
-        ("qkv_bias", _p),
-        ("o", _p),
-        ("gate_up", _p),
-        ("down", _p),
-    ]
-
-
-class _Shape(ctypes.Structure):
-    _fields_ = [
-        ("tokens", _i64),
-        ("hidden", _i64),
-        ("heads", _i64),
-        ("kv_heads", _i64),
-        ("head_dim", _i64),
-        ("inter", _i64),
-        ("scale", _f32),
-        ("final_eps", _f32),
-        ("final_norm", _p),
-        ("weights_bf16", ctypes.c_int),
-        ("kv_bf16", ctypes.c_int),
-    ]
-
-
-class _Attention(ctypes.Structure):
-    _fields_ = [
-        ("rows", _i64),
-        ("width", _i64),
-        ("row_seqs", _p),
-        ("row_tok", _p),
-        ("row_lens", _p),
-        ("shared", _i64),
-        ("seq_off", _p),
-        ("seqs", _p),
-        ("tok_off", _p),
-        ("tok", _p),
-        ("slots", _i64),
-        ("merge_starts", _p),
-        ("merge_slots", _p),
-    ]
+# The C structs, derived from csrc/parrot_ops.h (the fields are the header's).
+_Layer = c_boundary.struct("ParrotDecodeLayer")
+_Shape = c_boundary.struct("ParrotDecodeShape")
+_Attention = c_boundary.struct("ParrotDecodeAttention")
 
 
 class _Weights:
@@ -244,17 +199,17 @@ def run(
     h = model.model.embed_tokens(input_ids).contiguous()  # [T, D], the residual stream
     out = torch.empty(t, c.hidden_size)
     shape = _Shape(
-        t,
-        c.hidden_size,
-        c.num_heads,
-        c.num_kv_heads,
-        c.head_dim,
-        c.intermediate_size,
-        1.0 / math.sqrt(c.head_dim),
-        weights.final_eps,
-        weights.final_norm,
-        int(weights.bf16),
-        int(k.dtype == torch.bfloat16),
+        tokens=t,
+        hidden=c.hidden_size,
+        heads=c.num_heads,
+        kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        inter=c.intermediate_size,
+        scale=1.0 / math.sqrt(c.head_dim),
+        final_eps=weights.final_eps,
+        final_norm=weights.final_norm,
+        weights_bf16=int(weights.bf16),
+        kv_bf16=int(k.dtype == torch.bfloat16),
     )
     layer_stride = k[0].numel()
     code = lib.parrot_decode_forward(

@@ -11,15 +11,37 @@ linear layers at decode sizes on AMX tiles (``amx_linear.c``, see
 while computing (``f32_linear.c``, see :mod:`parrot.engine.f32_linear`).
 
 Build: ``$CC`` (default ``cc``) with ``-O3 -march=native -fopenmp``, all sources
-into one shared library, once per source / compiler / CPU, cached in
+into one shared library, once per source / compiler / flags / CPU, cached in
 ``$PARROT_KERNEL_CACHE`` (default ``~/.cache/parrot/kernels``), then loaded with
 :mod:`ctypes`.  No PyTorch headers are needed, so it compiles in about a second.
 Where that fails (no compiler, another OS) or ``PARROT_CPU_KERNEL=0`` is set,
 :func:`library` returns None, :func:`status` says why (logged once as a warning),
 and every caller keeps its PyTorch path: the library is never required.
 
-The library links ``libgomp.so.1``, the soname of the OpenMP runtime PyTorch's CPU
-wheels load first, so both use one thread pool.
+The portable build (``build(portable=True)``) leaves out ``-march=native`` and the
+AVX-512 / AMX code: the portable C that CPUs without them run, for any CPU of the
+compiler's default target.  The tests compile both builds and run the kernels on
+both; ``PARROT_CPU_KERNEL=portable`` makes :func:`library` (what the engine uses) the
+portable build, so the engine's tests can run on it too (``scripts/test.sh`` does).
+
+The boundary is declared once, in ``csrc/parrot_ops.h``: every exported function's
+prototype and every struct shared with Python.  Every source includes it, and the
+build makes an implicit declaration, an exported function missing from the header and
+a pointer or integer mismatch at a call errors (a definition conflicting with its
+prototype always is), so C cannot drift from the header.  Python cannot either:
+:mod:`parrot.engine.c_boundary` parses the header into the functions' ctypes
+argument and return types and the structs' ctypes Structures, and the build compiles
+a generated check that those Structures' sizes and offsets are the compiler's.
+
+OpenMP: the ops must share PyTorch's OpenMP runtime (two runtimes are two thread
+pools competing for the cores), and which runtime that is depends on the PyTorch
+build, so it is found, not assumed (:mod:`parrot.engine.openmp_runtime`): the sources
+are compiled with ``-fopenmp``, and the library is linked against the runtime file
+PyTorch has loaded in this process (``/proc/self/maps``; libgomp, a hashed libgomp,
+libiomp5 or libomp), by path with an rpath to its directory.  Where none is loaded
+(PyTorch not imported, no ``/proc``) or that link fails, it links the compiler's
+default runtime instead and logs why as a warning; a warning also says if loading the
+library brought a second runtime into the process.
 """
 
 from __future__ import annotations
@@ -35,7 +57,9 @@ import threading
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["build", "library", "require", "status"]
+from parrot.engine import c_boundary, openmp_runtime
+
+__all__ = ["build", "compile_flags", "library", "require", "status"]
 
 log = logging.getLogger(__name__)
 
@@ -47,40 +71,25 @@ SOURCES = (
     "f32_linear.c",
     "decode_forward.c",
 )
-HEADERS = ("simd.h",)  # included by the sources; part of the build key
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
-# -DPARROT_PORTABLE leaves out the AVX-512 code (tests check the portable C on AVX-512 machines too).
+HEADERS = ("simd.h", "parrot_ops.h")  # included by the sources; part of the build key
+# Errors, not warnings: a call without a prototype, a non-static function missing from
+# parrot_ops.h, and pointer or integer mismatches at a call.  A definition that
+# conflicts with its prototype in parrot_ops.h is always an error in C.
+_STRICT = (
+    "-Werror=implicit-function-declaration",
+    "-Werror=missing-prototypes",
+    "-Werror=incompatible-pointer-types",
+    "-Werror=int-conversion",
+)
+_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-std=gnu11", *_STRICT)
+_NATIVE_FLAGS = ("-march=native",)  # this CPU's instructions: AVX-512 and AMX where it has them
+# The portable build: the compiler's default target (no -march; baseline x86-64 on the
+# usual distributions), and -DPARROT_PORTABLE leaves out the intrinsics code even where
+# that target would have it, so it is the C that other CPUs run.
 _PORTABLE_FLAGS = ("-DPARROT_PORTABLE",)
-
-_i64, _ptr, _int, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-# name -> (argument types, return type), as declared in csrc/*.c
-_SIGNATURES: dict[str, tuple[list[type], type | None]] = {
-    "parrot_decode_rows": (
-        [_ptr, _i64, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _int],
-        _int,
-    ),
-    "parrot_shared_rows": (
-        [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _int, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _int],
-        _int,
-    ),
-    "parrot_shared_rows_supported": ([_i64], _int),
-    "parrot_merge_lse": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _int], None),
-    "parrot_amx_ready": ([], _int),
-    "parrot_amx_packed_size": ([_i64, _i64], _i64),
-    "parrot_amx_pack": ([_ptr, _i64, _i64, _ptr], None),
-    "parrot_amx_linear": ([_ptr, _int, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int], _int),
-    "parrot_f32_linear_supported": ([], _int),
-    "parrot_f32_packed_size": ([_i64, _i64], _i64),
-    "parrot_f32_pack": ([_ptr, _i64, _i64, _ptr], None),
-    "parrot_f32_linear": ([_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int], _int),
-    "parrot_decode_forward": (
-        [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _int],
-        _int,
-    ),
-    "parrot_add_rms_norm": ([_ptr, _ptr, _int, _ptr, _f32, _i64, _i64, _ptr, _int, _int], None),
-    "parrot_silu_mul": ([_ptr, _int, _i64, _i64, _ptr, _int, _int], None),
-    "parrot_rope": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _int], None),
-}
+# Generated C (c_boundary.layout_check_source) compiled with the sources: the build
+# fails unless the ctypes Structures lay out parrot_ops.h's structs as the compiler does.
+_LAYOUT_CHECK = "parrot_layout_check.c"
 
 _lock = threading.Lock()
 _loaded: ctypes.CDLL | None = None
@@ -104,52 +113,99 @@ def _cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "parrot" / "kernels"
 
 
-def _compile(sources: dict[str, str], cc: str, flags: tuple[str, ...]) -> Path:
-    """The shared library of ``sources`` (name -> text), compiled unless an identical
-    build is cached."""
+def _key(sources: dict[str, str], cc: str, flags: tuple[str, ...], link: tuple[str, ...]) -> str:
+    """What a build depends on, hashed: sources, compiler, flags, link arguments, and the
+    CPU for ``-march=native``."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60, check=True)
     parts = [t for pair in sorted(sources.items()) for t in pair]
-    key = hashlib.sha256("\0".join((*parts, cc, version.stdout, *flags, _cpu_signature())).encode())
+    cpu = _cpu_signature() if "-march=native" in flags else ""
+    return hashlib.sha256("\0".join((*parts, cc, version.stdout, *flags, *link, cpu)).encode()).hexdigest()
+
+
+def _run(cmd: list[str], cwd: Path) -> None:
+    """Run a compiler command; raises RuntimeError with its messages when it fails."""
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd)
+    if run.returncode != 0:
+        raise RuntimeError(f"{cmd[0]} failed: {run.stderr.strip()[-2000:]}")
+
+
+def _objects(sources: dict[str, str], cc: str, flags: tuple[str, ...], tmp: Path) -> list[str]:
+    """Write ``sources`` into ``tmp`` and compile each .c file there; the object files."""
+    for name, text in sources.items():
+        (tmp / name).write_text(text)
+    c_files = [name for name in sources if name.endswith(".c")]
+    _run([cc, *flags, "-c", *c_files], tmp)
+    return [str(tmp / (name[:-2] + ".o")) for name in c_files]
+
+
+def _link(cc: str, objects: list[str], out: Path, runtime: openmp_runtime.OpenMPRuntime) -> None:
+    """Link the shared library against ``runtime``; if that fails, against the compiler's
+    default OpenMP runtime (logged: the ops may then run on a second thread pool)."""
+    try:
+        _run([cc, "-shared", *objects, "-o", str(out), *runtime.link_args(), "-lm"], out.parent)
+    except RuntimeError as exc:
+        if runtime.path is None:
+            raise
+        log.warning(
+            "linking Parrot's C ops against %s failed (%s); using -fopenmp's runtime", runtime.path, exc
+        )
+        _run([cc, "-shared", *objects, "-o", str(out), "-fopenmp", "-lm"], out.parent)
+
+
+def _compile(
+    sources: dict[str, str], cc: str, flags: tuple[str, ...], runtime: openmp_runtime.OpenMPRuntime
+) -> Path:
+    """The shared library of ``sources`` (name -> text) linked against ``runtime``,
+    built unless an identical build is cached."""
     out_dir = _cache_dir()
-    target = out_dir / f"parrot-ops-{key.hexdigest()[:16]}.so"
+    target = out_dir / f"parrot-ops-{_key(sources, cc, flags, runtime.link_args())[:16]}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        paths = []
-        for name, text in sources.items():
-            path = Path(tmp) / name
-            path.write_text(text)
-            if name.endswith(".c"):
-                paths.append(str(path))
         built = Path(tmp) / "ops.so"
-        run = subprocess.run(
-            [cc, *flags, *paths, "-o", str(built), "-lm"], capture_output=True, text=True, timeout=300
-        )
-        if run.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {run.stderr.strip()[-2000:]}")
+        _link(cc, _objects(sources, cc, flags, Path(tmp)), built, runtime)
         os.replace(built, target)  # atomic: concurrent builders leave one complete file
     return target
 
 
+def compile_flags(*, portable: bool = False) -> tuple[str, ...]:
+    """The compiler flags of the native build (``-march=native``) or the portable one
+    (the compiler's default target, no intrinsics code); the strict ones in both."""
+    return _FLAGS + (_PORTABLE_FLAGS if portable else _NATIVE_FLAGS)
+
+
 def build(*, portable: bool = False) -> ctypes.CDLL:
     """Compile (or take from the cache) and load the library; raises if that fails.
-    ``portable``: without the AVX-512 code (what other CPUs run)."""
+    ``portable``: the portable build (see :func:`compile_flags`), else the native one."""
     folder = resources.files(__package__).joinpath("csrc")
     sources = {name: folder.joinpath(name).read_text() for name in SOURCES + HEADERS}
-    flags = _FLAGS + (_PORTABLE_FLAGS if portable else ())
-    lib = ctypes.CDLL(str(_compile(sources, os.environ.get("CC") or "cc", flags)))
-    for name, (args, ret) in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, ret
-    return lib
+    sources[_LAYOUT_CHECK] = c_boundary.layout_check_source()
+    runtime = openmp_runtime.find()
+    (log.info if runtime.path else log.warning)("OpenMP runtime for Parrot's C ops: %s", runtime.reason)
+    before = openmp_runtime.loaded()
+    path = _compile(sources, os.environ.get("CC") or "cc", compile_flags(portable=portable), runtime)
+    lib = ctypes.CDLL(str(path))
+    _check_one_runtime(before)
+    return c_boundary.bind(lib)
+
+
+def _check_one_runtime(before: list[str]) -> None:
+    """Warn when loading the library brought another OpenMP runtime into a process that
+    already had one (``before``): two thread pools would compete for the cores."""
+    added = [p for p in openmp_runtime.loaded() if p not in before]
+    if before and added:
+        log.warning(
+            "Parrot's C ops loaded the OpenMP runtime %s beside %s", ", ".join(added), ", ".join(before)
+        )
 
 
 def library() -> ctypes.CDLL | None:
     """The loaded library, building it on the first call; None when unavailable
     (then :func:`status` gives the reason)."""
     global _loaded, _status, _tried
-    if os.environ.get("PARROT_CPU_KERNEL", "1") == "0":
+    switch = os.environ.get("PARROT_CPU_KERNEL", "1")
+    if switch == "0":
         _status = "disabled by PARROT_CPU_KERNEL=0"
         return None
     if _tried:
@@ -157,8 +213,9 @@ def library() -> ctypes.CDLL | None:
     with _lock:
         if not _tried:
             try:
-                _loaded = build()
-                _status = "ready"
+                portable = switch == "portable"
+                _loaded = build(portable=portable)
+                _status = "ready (portable build)" if portable else "ready"
             except Exception as exc:  # any build or load failure leaves the PyTorch paths
                 _status = f"unavailable: {exc}"
                 log.warning("Parrot's C ops are %s; the engine uses its PyTorch paths", _status)
@@ -177,5 +234,5 @@ def require(lib: ctypes.CDLL | None = None) -> ctypes.CDLL:
 
 
 def status() -> str:
-    """'ready', 'not built yet', or why the library is not used."""
+    """'ready', 'ready (portable build)', 'not built yet', or why the library is not used."""
     return _status

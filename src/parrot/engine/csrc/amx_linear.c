@@ -28,6 +28,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "parrot_ops.h"
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && !defined(PARROT_PORTABLE)
 #define HAVE_AMX 1
 #include <immintrin.h>

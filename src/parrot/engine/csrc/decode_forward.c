@@ -30,58 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-int parrot_f32_linear_supported(void);
-int parrot_amx_ready(void);
-int parrot_amx_linear(const void *x, int x_bf16, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
-                      const float *bias, void *y, int threads);
-int parrot_f32_linear(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *bias,
-                      float *y, int threads);
-int parrot_shared_rows_supported(int64_t dim);
-int parrot_decode_rows(const float *q, int64_t q_stride, const int64_t *seqs, const void *k, const void *v,
-                       int kv_bf16, const int64_t *tok, const int64_t *lens, int64_t rows, int64_t width,
-                       int64_t kv_heads, int64_t group, int64_t dim, float *out, float *lse, int threads);
-int parrot_shared_rows(const float *q, int64_t q_stride, const int64_t *seqs, int64_t m, const void *k,
-                       const void *v, int kv_bf16, const int64_t *tok, int64_t n, int64_t kv_heads, int64_t group,
-                       int64_t dim, float *out, float *lse, int threads);
-void parrot_merge_lse(const float *out, const float *lse, const int64_t *starts, const int64_t *slots,
-                      int64_t batch, int64_t heads, int64_t dim, float *result, int threads);
-void parrot_add_rms_norm(float *h, const void *delta, int delta_bf16, const float *weight, float eps,
-                         int64_t rows, int64_t dim, void *out, int out_bf16, int threads);
-void parrot_rope(float *x, int64_t rows, int64_t heads, int64_t dim, int64_t row_stride, const float *cos_t,
-                 const float *sin_t, int threads);
-void parrot_silu_mul(const void *gu, int gu_bf16, int64_t rows, int64_t inter, void *out, int out_bf16,
-                     int threads);
-
-/* One layer's weights: norms [D]; projections packed by parrot_f32_pack (fp32) or
- * parrot_amx_pack (bf16); the q/k/v bias fp32 or NULL. */
-typedef struct {
-    const float *in_norm, *post_norm;
-    float in_eps, post_eps;
-    const void *qkv;
-    const float *qkv_bias;
-    const void *o, *gate_up, *down;
-} ParrotDecodeLayer;
-
-typedef struct {
-    int64_t tokens, hidden, heads, kv_heads, head_dim, inter;
-    float scale, final_eps;
-    const float *final_norm;
-    int weights_bf16, kv_bf16;
-} ParrotDecodeShape;
-
-/* Single-query rows r < rows: the query of sequence row_seqs[r] over keys
- * row_tok[r * width .. + row_lens[r]); shared rows s < shared: the queries seqs[seq_off[s]
- * .. seq_off[s + 1]) over keys tok[tok_off[s] .. tok_off[s + 1]).  Partial slots: the
- * single rows first, then each shared row's queries.  merge_starts / merge_slots: each
- * sequence's slots (CSR), or NULL when slot b is sequence b's only one (direct). */
-typedef struct {
-    int64_t rows, width;
-    const int64_t *row_seqs, *row_tok, *row_lens;
-    int64_t shared;
-    const int64_t *seq_off, *seqs, *tok_off, *tok;
-    int64_t slots;
-    const int64_t *merge_starts, *merge_slots;
-} ParrotDecodeAttention;
+#include "parrot_ops.h"
 
 /* PyTorch's fp32 -> bf16 conversion: round to nearest even, NaN to the canonical NaN. */
 static inline uint16_t to_bf16(float f) {

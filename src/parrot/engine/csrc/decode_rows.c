@@ -22,6 +22,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "parrot_ops.h"
+
 #define TILE 16
 
 /* ------------------------------------------------------------ portable C */

@@ -28,6 +28,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "parrot_ops.h"
+
 #define PANEL 32
 #define ROWS 256
 

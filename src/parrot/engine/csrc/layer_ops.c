@@ -10,6 +10,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "parrot_ops.h"
+
 #if defined(__AVX512F__) && !defined(PARROT_PORTABLE)
 #define LAYER_AVX512 1
 #include "simd.h"

@@ -29,6 +29,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "parrot_ops.h"
+
 #if defined(__AVX512F__) && !defined(PARROT_PORTABLE)
 #include "simd.h"
 #define SHARED_AVX512 1
