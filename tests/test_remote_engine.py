@@ -425,3 +425,20 @@ def test_engine_reports_its_latency_cap_and_the_manager_learns_it_at_once(procs:
             lambda: f"no heartbeat with the cap yet: {engines(mgr)}",
         )
         assert seen == cap  # (an idle engine does not refit)
+
+
+def test_servers_answer_a_keep_alive_client_without_nagles_delay(procs: Procs):
+    """``parrot serve`` and ``parrot engine`` set TCP_NODELAY on their connections: on a
+    reused connection a small answer comes in about a millisecond.  With Nagle's algorithm
+    on (a listening socket made with protocol 0) each one waited ~40 ms for the client's
+    delayed ACK."""
+    mgr = procs.manager()
+    eng = procs.engine(mgr)
+    for url in (mgr.url, eng.url):
+        with httpx.Client(base_url=str(url), timeout=10) as http:
+            took = []
+            for _ in range(15):
+                started = time.perf_counter()
+                assert http.get("/healthz").status_code == 200
+                took.append(time.perf_counter() - started)
+        assert sorted(took)[len(took) // 2] < 0.02, (url, took)

@@ -326,7 +326,12 @@ def _load_engine(args: argparse.Namespace):
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    """The listening socket, made with protocol IPPROTO_TCP: asyncio then sets TCP_NODELAY
+    on every connection it accepts (it checks the protocol number, and a socket made with
+    protocol 0 keeps Nagle's algorithm: a keep-alive client waited ~40 ms for each small
+    answer, its body held back until the client's delayed ACK of the headers)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.set_inheritable(True)
