@@ -328,6 +328,7 @@ class Manager:
         other requests run between passes."""
         source = TokenSource(self.config.inline_tokenize_bytes)
         for _ in range(MAX_TOKENIZING_PASSES):
+            source.start_pass()
             self._tokens = source
             try:
                 return op()
