@@ -28,7 +28,7 @@ import pytest
 from parrot.engine.local import LocalEngine
 from parrot.manager.batch import apply_batch
 from parrot.manager.service import Manager, ManagerConfig
-from parrot.manager.tokens import TokenSource
+from parrot.manager.tokens import INLINE_PASS_BYTES, TokenSource
 from parrot.protocol.errors import ContextTooLong, NotFound
 from parrot.protocol.schemas import BatchRequest, SubmitCall
 from parrot.protocol.tokenizer import TextTokenizer
@@ -474,6 +474,27 @@ def test_token_source_defers_long_text_and_resolves_it_off_the_loop() -> None:
     got = source.get(tok, "a long text", keep_ids=100)
     assert got is not None and got.count == 11 and got.ids == tok.encode("a long text")
     assert TokenSource(None).get(tok, "x" * 1000, keep_ids=0) is not None  # never defers
+
+
+def test_a_pass_tokenizes_at_most_its_budget_of_short_texts_on_the_loop() -> None:
+    """Many short texts (a batch of thousands of calls) cost a pass at most
+    INLINE_PASS_BYTES of tokenizing on the loop; the rest is deferred like long text,
+    and the next pass, its budget whole again, finds every text's tokens."""
+    tok = counting_tiny()
+    source = TokenSource()
+    texts = [f"{i:04d}" + "x" * 1020 for i in range(100)]  # 1 KiB each, all different
+    source.start_pass()
+    got = [source.get(tok, t, keep_ids=2048) for t in texts]
+    inline = sum(g is not None for g in got)
+    assert inline == INLINE_PASS_BYTES // 1024 and sum(tok.on_loop) <= INLINE_PASS_BYTES
+    assert source.pending
+    asyncio.run(source.resolve())
+    assert not source.pending
+    tok.on_loop.clear()
+    source.start_pass()
+    again = [source.get(tok, t, keep_ids=2048) for t in texts]
+    assert all(g is not None for g in again) and sum(tok.on_loop) <= INLINE_PASS_BYTES
+    assert [g.ids for g in again] == [tok.encode(t) for t in texts]
 
 
 # -------------------------------------------------- the tokenizer's bound

@@ -561,6 +561,7 @@ class Executor:
         if cached is None:
             if ticket.token_source is None:
                 ticket.token_source = TokenSource(self.inline_tokenize_bytes)
+            ticket.token_source.start_pass()
             cached = render(ticket.call, handle.api.tokenizer, handle.max_seq_len, ticket.token_source)
             ticket.rendered[handle.model] = cached
             ticket.token_source = None  # its tokens are in the steps now

@@ -328,6 +328,7 @@ class Manager:
         other requests run between passes."""
         source = TokenSource(self.config.inline_tokenize_bytes)
         for _ in range(MAX_TOKENIZING_PASSES):
+            source.start_pass()
             self._tokens = source
             try:
                 return op()
@@ -610,7 +611,7 @@ class Manager:
 
 def value_bytes(value: str | None) -> int:
     """What a client-supplied value counts against its tenant's quota: its UTF-8 bytes."""
-    return 0 if value is None else len(value.encode("utf-8", "surrogatepass"))
+    return 0 if value is None else utf8_len(value)
 
 
 def inline_bytes(req: SubmitCall) -> int:

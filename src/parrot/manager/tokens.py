@@ -14,7 +14,10 @@ part (about 0.6 µs per byte with SmolLM2's BPE: seconds for a value near the
   prompt over ``max_seq_len * L`` bytes is ``context_too_long`` at once.
 * **Short text is tokenized where it is needed**: at most ``inline_bytes`` UTF-8
   bytes (:data:`INLINE_TOKENIZE_BYTES`, 32 KiB: ~20 ms with SmolLM2's BPE or
-  the tiny model's, leaving room for the rest of a request's work).
+  the tiny model's, leaving room for the rest of a request's work), and at most
+  :data:`INLINE_PASS_BYTES` in all per pass of an operation: a batch of
+  thousands of short texts tokenizes the first 64 KiB of them where they are
+  needed and the rest off the loop, like one long text.
 * **Longer text is tokenized in a worker thread, ahead of the code that needs
   it.**  That code is synchronous (the manager validates a request completely
   before it changes anything, with nothing awaited in between), so it runs with
@@ -45,6 +48,9 @@ from parrot.protocol.tokenizer import TextTokenizer
 INLINE_TOKENIZE_BYTES = 32 * 1024
 """Text of at most this many UTF-8 bytes is tokenized on the event loop; longer text in a
 worker thread (``ManagerConfig.inline_tokenize_bytes``)."""
+INLINE_PASS_BYTES = 64 * 1024
+"""At most this many bytes of text are tokenized on the event loop in one pass of an
+operation (a batch's many short texts: ~40 ms), the rest in the worker threads."""
 TOKENIZE_THREADS = 2
 """Worker threads tokenizing long text, shared by every manager of the process."""
 
@@ -95,6 +101,7 @@ class TokenSource:
 
     def __init__(self, inline_bytes: int | None = INLINE_TOKENIZE_BYTES) -> None:
         self.inline_bytes = inline_bytes
+        self._inline_left = INLINE_PASS_BYTES  # of this pass (start_pass)
         self._known: dict[_Key, Tokenized] = {}
         self._needed: dict[_Key, _Need] = {}
 
@@ -103,11 +110,20 @@ class TokenSource:
         """Whether some text was deferred and is not tokenized yet."""
         return bool(self._needed)
 
+    def start_pass(self) -> None:
+        """A new pass of the operation: its budget of text tokenized on the loop is whole again."""
+        self._inline_left = INLINE_PASS_BYTES
+
     def get(self, tokenizer: TextTokenizer, text: str, keep_ids: int) -> Tokenized | None:
         """The tokens of ``text`` (ids kept when there are at most ``keep_ids``), or
-        None when the text is long and not tokenized yet: it is then recorded, for
-        :meth:`resolve`."""
-        if self.inline_bytes is None or utf8_len(text) <= self.inline_bytes:
+        None when the text is long, or the pass's budget of inline tokenizing is
+        spent, and it is not tokenized yet: it is then recorded, for :meth:`resolve`."""
+        if self.inline_bytes is None:
+            ids = tokenizer.encode(text)
+            return Tokenized(len(ids), ids)
+        size = utf8_len(text)
+        if size <= self.inline_bytes and size <= self._inline_left:
+            self._inline_left -= size
             ids = tokenizer.encode(text)
             return Tokenized(len(ids), ids)
         key = (tokenizer, _digest(text))
