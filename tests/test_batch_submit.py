@@ -17,7 +17,8 @@ import pytest
 
 import parrot as P
 from parrot.protocol.schemas import MAX_BATCH_OPS
-from tests.api_client import WAIT, Bystander, Raw, engine_work, expect_error, inp, out
+from tests.api_client import WAIT, Bystander, Raw, engine_work, expect_error, healthz_stalls, inp, out
+from tests.conftest import LiveServer
 
 T1 = "Q: {{input:x}} A: {{output:y}}"
 
@@ -439,3 +440,22 @@ def test_a_batch_needs_the_session_token(live, raw: Raw) -> None:
     )
     expect_error(resp, 403, "forbidden")
     assert raw.graph() == {"calls": [], "variables": []}
+
+
+def test_the_largest_batch_holds_the_event_loop_briefly(live: LiveServer) -> None:
+    """A batch of MAX_BATCH_OPS calls, each with a 1,000-character template, is staged
+    while /healthz keeps answering at once (4,096 such ops held the loop for ~0.5 s)."""
+    raw = Raw(live)
+    try:
+        template = "Q" + "x" * 1000 + " {{input:a}} {{output:y}}"
+        bindings = [{"name": "a", "ref": "p"}, {"name": "y", "sampling": {"max_tokens": 1}}]
+        call = {"op": "submit_call", "template": template, "placeholders": bindings}
+        ops = [{"op": "create_variable", "ref": "p"}] + [call] * (MAX_BATCH_OPS - 1)
+        with healthz_stalls(live.url) as stalls:
+            resp = raw.http.post(f"{raw.path}/batch", json={"ops": ops}, headers=raw.auth)
+        assert resp.status_code == 200, resp.text[:500]
+        assert len(resp.json()["results"]) == MAX_BATCH_OPS
+        assert stalls and max(stalls) < 0.5, max(stalls)
+    finally:
+        raw.http.delete(raw.path, headers=raw.auth)
+        raw.close()
