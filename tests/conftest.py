@@ -78,19 +78,16 @@ def start_server(manager: Manager, *, record: bool = True) -> LiveServer:
     return serve_asgi(RequestLog(app, live.requests) if record else app, live)
 
 
-def serve_asgi(asgi, live: LiveServer, *, nodelay: bool = False, **tls: str) -> LiveServer:
+def serve_asgi(asgi, live: LiveServer, *, nodelay: bool = True, **tls: str) -> LiveServer:
     """Serve ``asgi`` with uvicorn on a free loopback port, on a thread of its own (HTTPS
     with ``ssl_certfile`` and ``ssl_keyfile`` in ``tls``); fills in and returns ``live``
     (its ``url``, server, thread and loop).
 
-    ``nodelay``: answer without Nagle's delay, as ``parrot serve`` and ``parrot engine``
-    do (:func:`parrot.cli._bind`).  By default the socket is made with protocol 0, and
-    asyncio then leaves Nagle's algorithm on: a keep-alive client waits ~40 ms for every
-    small answer (the body waits for the client's delayed ACK of the headers).  Most tests
-    keep that default: some read a session's graph right after a call's value arrives,
-    which the slower answers leave time to settle (a race to fix before switching).
-    Named IPPROTO_TCP, asyncio sets TCP_NODELAY on each connection and answers come
-    in ~1 ms."""
+    ``nodelay`` (default): answer without Nagle's delay, as ``parrot serve`` and
+    ``parrot engine`` do (:func:`parrot.cli._bind`: a listening socket made as
+    IPPROTO_TCP, so asyncio sets TCP_NODELAY on each connection).  False makes it with
+    protocol 0, as they did before: a keep-alive client then waits ~40 ms for every
+    small answer (the body waits for the client's delayed ACK of the headers)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP if nodelay else 0)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]

@@ -194,3 +194,38 @@ def test_multibyte_value_over_the_context_is_rejected(live, tiny_engine):
         else:
             raise AssertionError("a value longer than the context was accepted")
         assert step1("ok").get(timeout=60)  # the session still works
+
+
+def test_a_call_reads_done_as_soon_as_its_value_is_ready(tiny_engine):
+    """The call is marked done when its last output is set, before the manager frees its
+    engine context (an await): a client that reads the value and then the call (or the
+    session's graph) never sees the producer still running.  Served without Nagle's
+    delay, as ``parrot serve`` is, so the second request comes right after the first."""
+    from parrot.manager.app import create_app
+    from parrot.manager.service import Manager
+    from tests.conftest import LiveServer, serve_asgi
+
+    manager = Manager()
+    manager.pool.register(tiny_engine, name="tiny")
+    live = serve_asgi(create_app(manager), LiveServer(url="", manager=manager), nodelay=True)
+    try:
+        with httpx.Client(base_url=live.url, timeout=30) as http:
+            created = http.post("/v1/sessions").json()
+            path = f"/v1/sessions/{created['session_id']}"
+            auth = {"Authorization": f"Bearer {created['token']}"}
+            seen = []
+            for i in range(20):
+                body = {
+                    "template": "Q {{input:x}} A:{{output:y}}",
+                    "placeholders": [
+                        {"name": "x", "value": str(i)},
+                        {"name": "y", "sampling": {"max_tokens": 1, "ignore_eos": True}},
+                    ],
+                }
+                ids = http.post(f"{path}/calls", json=body, headers=auth).json()
+                var = http.get(f"{path}/variables/{ids['outputs']['y']}", params={"wait": 30}, headers=auth)
+                assert var.json()["state"] == "ready"
+                seen.append(http.get(f"{path}/calls/{ids['call_id']}", headers=auth).json()["state"])
+        assert seen == ["done"] * 20, seen
+    finally:
+        live.stop()

@@ -736,8 +736,6 @@ class Executor:
             call.state = "running"
             call.started_at, call.first_token_at = time.time(), None
             await self._drive(call, handle, rendered)
-            call.state = "done"
-            call.finished_at = time.time()
         except asyncio.CancelledError as exc:
             lost = exc.args[0] if exc.args and isinstance(exc.args[0], _EngineLost) else None
             if lost is None or call.state in ("done", "failed"):
@@ -789,6 +787,10 @@ class Executor:
                     value = await asyncio.to_thread(out.transform.apply, value)
                 for ready in materialise(out.var, value):
                     self.dispatch(ready)
+            # done as its last value is set, before the await below: whoever reads that
+            # value (a get, a stream's end) and then the call sees it done, never running
+            call.state = "done"
+            call.finished_at = time.time()
         finally:
             if opened and handle.alive:
                 with contextlib.suppress(Exception):
