@@ -78,16 +78,19 @@ def start_server(manager: Manager, *, record: bool = True) -> LiveServer:
     return serve_asgi(RequestLog(app, live.requests) if record else app, live)
 
 
-def serve_asgi(asgi, live: LiveServer, *, nodelay: bool = True, **tls: str) -> LiveServer:
+def serve_asgi(asgi, live: LiveServer, *, nodelay: bool = False, **tls: str) -> LiveServer:
     """Serve ``asgi`` with uvicorn on a free loopback port, on a thread of its own (HTTPS
     with ``ssl_certfile`` and ``ssl_keyfile`` in ``tls``); fills in and returns ``live``
     (its ``url``, server, thread and loop).
 
-    ``nodelay`` (default): answer without Nagle's delay, as ``parrot serve`` and
-    ``parrot engine`` do (:func:`parrot.cli._bind`: a listening socket made as
-    IPPROTO_TCP, so asyncio sets TCP_NODELAY on each connection).  False makes it with
-    protocol 0, as they did before: a keep-alive client then waits ~40 ms for every
-    small answer (the body waits for the client's delayed ACK of the headers)."""
+    ``nodelay``: answer without Nagle's delay, as ``parrot serve`` and ``parrot engine``
+    do (:func:`parrot.cli._bind`: a listening socket made as IPPROTO_TCP, so asyncio sets
+    TCP_NODELAY on each connection).  By default the socket is made with protocol 0: a
+    keep-alive client then waits ~40 ms for every small answer (the body waits for the
+    client's delayed ACK of the headers).  The default stays so because the stall tests'
+    /healthz probes, run from a thread of the test process itself, poll several times
+    more often without the delay and then catch GIL hand-offs of the server's process
+    (one probe waited 0.62 s in a CI run); tests of the transport pass ``nodelay=True``."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP if nodelay else 0)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
