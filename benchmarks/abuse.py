@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -126,6 +126,16 @@ async def open_session(http: httpx.AsyncClient, key: str) -> tuple[str, dict[str
     resp.raise_for_status()
     body = resp.json()
     return f"/v1/sessions/{body['session_id']}", bearer(body["token"])
+
+
+@contextlib.asynccontextmanager
+async def attacker_session(http: httpx.AsyncClient) -> AsyncIterator[tuple[str, dict[str, str]]]:
+    """Mallory's session (its path and token header), closed however the attack ends."""
+    path, auth = await open_session(http, MALLORY)
+    try:
+        yield path, auth
+    finally:
+        await http.delete(path, headers=auth)
 
 
 async def run_call(
@@ -255,32 +265,25 @@ async def many_placeholders(c: Cluster, http: httpx.AsyncClient, row: Row) -> No
     names = [f"v{i}" for i in range(1023)]
     template = "".join(f"{{{{input:{names[i % len(names)]}}}}}" for i in range(66_000)) + "{{output:y}}"
     bindings = [{"name": n, "direction": "input", "value": "x"} for n in names] + [output()]
-    path, auth = await open_session(http, MALLORY)
-    try:
+    async with attacker_session(http) as (path, auth):
         started = time.monotonic()
         resp = await http.post(
             f"{path}/calls", json={"template": template, "placeholders": bindings}, headers=auth
         )
         row.statuses.append(resp.status_code)
         row.note = f"answered in {time.monotonic() - started:.2f} s"
-    finally:
-        await http.delete(path, headers=auth)
 
 
 async def huge_value(c: Cluster, http: httpx.AsyncClient, row: Row) -> None:
-    path, auth = await open_session(http, MALLORY)
-    try:
+    async with attacker_session(http) as (path, auth):
         value = "lorem ipsum dolor sit amet " * 290_000  # 7.8 MB
         resp = await http.post(f"{path}/variables", json={"value": value}, headers=auth)
         row.statuses.append(resp.status_code)
         row.note = f"{len(value) / 1e6:.1f} MB value"
-    finally:
-        await http.delete(path, headers=auth)
 
 
 async def malformed_bodies(c: Cluster, http: httpx.AsyncClient, row: Row) -> None:
-    path, auth = await open_session(http, MALLORY)
-    try:
+    async with attacker_session(http) as (path, auth):
         lone = '{"template": "x \\ud800 {{output:y}}", "placeholders": []}'
         headers = {**auth, "content-type": "application/json"}
         row.statuses.append((await http.post(f"{path}/calls", content=lone, headers=headers)).status_code)
@@ -293,8 +296,6 @@ async def malformed_bodies(c: Cluster, http: httpx.AsyncClient, row: Row) -> Non
         big = b"{" + b" " * (9 * 1024 * 1024) + b"}"
         row.statuses.append((await http.post(f"{path}/calls", content=big, headers=headers)).status_code)
         row.note = "lone surrogate, chat: 'yes', 10^6 stop token ids, a 9 MiB body"
-    finally:
-        await http.delete(path, headers=auth)
 
 
 def rss_mb(pid: int) -> float:
@@ -305,22 +306,18 @@ def rss_mb(pid: int) -> float:
 
 
 async def rejected_templates(c: Cluster, http: httpx.AsyncClient, row: Row) -> None:
-    path, auth = await open_session(http, MALLORY)
-    try:
+    async with attacker_session(http) as (path, auth):
         before = rss_mb(c.manager_pid)
         for i in range(40):
             template = f"{i} " + "{{bad " * 170_000  # ~1 MB, never a valid template
             body = {"template": template, "placeholders": [output()]}
             row.statuses.append((await http.post(f"{path}/calls", json=body, headers=auth)).status_code)
         row.note = f"manager RSS {before:.0f} -> {rss_mb(c.manager_pid):.0f} MB"
-    finally:
-        await http.delete(path, headers=auth)
 
 
 async def call_flood(c: Cluster, http: httpx.AsyncClient, row: Row) -> None:
     """Mallory queues more calls than its quota in batches; alice's call runs meanwhile."""
-    path, auth = await open_session(http, MALLORY)
-    try:
+    async with attacker_session(http) as (path, auth):
         call = {"op": "submit_call", "template": "Q: {{input:x}}\nA:{{output:y}}", "placeholders": []}
         accepted = 0
         for b in range(QUOTA_CALLS // 50 * 2):
@@ -333,8 +330,6 @@ async def call_flood(c: Cluster, http: httpx.AsyncClient, row: Row) -> None:
                 accepted += 50
             elif resp.status_code == 429:
                 row.note = f"{accepted} calls accepted; Retry-After {resp.headers.get('retry-after')}"
-    finally:
-        await http.delete(path, headers=auth)
 
 
 async def session_and_value_quotas(c: Cluster, http: httpx.AsyncClient, row: Row) -> None:

@@ -32,7 +32,7 @@ from parrot.manager.tokens import INLINE_PASS_BYTES, TokenSource
 from parrot.protocol.errors import ContextTooLong, NotFound
 from parrot.protocol.schemas import BatchRequest, SubmitCall
 from parrot.protocol.tokenizer import TextTokenizer
-from tests.api_client import WAIT, expect_error, inp, out
+from tests.api_client import WAIT, expect_error, healthz_stalls, inp, out
 from tests.conftest import LiveServer, start_server
 from tests.fake_engine import GatedEngine
 
@@ -97,29 +97,6 @@ def unbounded_tiny() -> TextTokenizer:
     )
     assert tok.max_token_bytes is None
     return tok
-
-
-@contextmanager
-def healthz_probe(url: str) -> Iterator[list[float]]:
-    """Poll ``/healthz`` from a thread while the block runs; yields the answer times."""
-    stalls: list[float] = []
-    stop = threading.Event()
-
-    def probe() -> None:
-        with httpx.Client(base_url=url, timeout=30) as http:
-            while not stop.is_set():
-                started = time.monotonic()
-                assert http.get("/healthz").status_code == 200
-                stalls.append(time.monotonic() - started)
-                time.sleep(0.01)
-
-    prober = threading.Thread(target=probe)
-    prober.start()
-    try:
-        yield stalls
-    finally:
-        stop.set()
-        prober.join()
 
 
 class Client:
@@ -229,7 +206,7 @@ def _attack(live: LiveServer, attacker: Client, alone: str) -> None:
         ),
     ]
     results: dict[str, str] = {}
-    with healthz_probe(live.url) as stalls:
+    with healthz_stalls(live.url, every_s=0.01) as stalls:
         bystander = threading.Thread(target=lambda: results.update(during=bystander_value(live.url)))
         bystander.start()
         for name, attack, status, code in attacks:
@@ -251,7 +228,7 @@ def test_a_value_without_a_byte_bound_is_tokenized_off_the_loop() -> None:
     live.manager.pool.register(GatedEngine(unbounded_tiny(), max_seq_len=2048), name="unbounded")
     client = Client(live.url)
     try:
-        with healthz_probe(live.url) as stalls:
+        with healthz_stalls(live.url, every_s=0.01) as stalls:
             err = expect_error(client.post("/variables", {"value": "b" * (1 << 20)}), 400, "context_too_long")
             time.sleep(0.1)
         assert err["detail"] == {"tokens": 1 << 20, "max_seq_len": 2048}

@@ -3,11 +3,9 @@ the manager keeps answering everyone else."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import AsyncIterator
 
-import httpx
 import pytest
 
 import parrot as P
@@ -35,36 +33,21 @@ class FixedTextEngine(GatedEngine):
 def test_a_backtracking_transform_fails_its_call_and_never_stalls_the_manager() -> None:
     live = start_server(Manager(ManagerConfig()))
     live.manager.pool.register(FixedTextEngine(), name="fixed")
-    stalls: list[float] = []
-    stop = threading.Event()
-
-    def probe() -> None:
-        with httpx.Client(base_url=live.url, timeout=30) as http:
-            while not stop.is_set():
-                started = time.monotonic()
-                assert http.get("/healthz").status_code == 200
-                stalls.append(time.monotonic() - started)
-                time.sleep(0.02)
-
-    prober = threading.Thread(target=probe)
-    prober.start()
     try:
-        evil = P.template_function(
-            "x {{input:a}} {{output:b}}", b=P.Output(max_tokens=4, transform=P.transforms.regex(r"(a|aa)+$"))
-        )
-        plain = P.template_function("y {{input:a}} {{output:b}}", b=P.Output(max_tokens=4))
-        with P.connect(live.url):
-            started = time.monotonic()
-            bad = [evil(a=str(i)) for i in range(3)]
-            good = plain(a="fine")
-            assert good.get(timeout=30) == EVIL_OUTPUT
-            for out in bad:
-                with pytest.raises(P.TransformFailed, match="budget"):
-                    out.get(timeout=30)
-            assert time.monotonic() - started < 3 * T.MAX_REGEX_SECONDS + 5
+        with healthz_stalls(live.url) as stalls:
+            backtracking = P.Output(max_tokens=4, transform=P.transforms.regex(r"(a|aa)+$"))
+            evil = P.template_function("x {{input:a}} {{output:b}}", b=backtracking)
+            plain = P.template_function("y {{input:a}} {{output:b}}", b=P.Output(max_tokens=4))
+            with P.connect(live.url):
+                started = time.monotonic()
+                bad = [evil(a=str(i)) for i in range(3)]
+                good = plain(a="fine")
+                assert good.get(timeout=30) == EVIL_OUTPUT
+                for out in bad:
+                    with pytest.raises(P.TransformFailed, match="budget"):
+                        out.get(timeout=30)
+                assert time.monotonic() - started < 3 * T.MAX_REGEX_SECONDS + 5
     finally:
-        stop.set()
-        prober.join()
         live.stop()
     assert stalls and max(stalls) < 1.0, max(stalls)
 

@@ -399,9 +399,10 @@ class Manager:
     def set_variable(self, session: Session, var_id: str, value: str) -> Variable:
         var = self.variable(session, var_id)
         self.check_settable(var, value)
-        self.check_room(session, value_bytes=value_bytes(value))
+        size = value_bytes(value)
+        self.check_room(session, value_bytes=size)
         self.settle_tokens()
-        self.charge(session, value_bytes=value_bytes(value))
+        self.charge(session, value_bytes=size)
         for call in materialise(var, value):
             self.executor.dispatch(call)
         return var
