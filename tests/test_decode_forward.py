@@ -18,8 +18,8 @@ from parrot.engine.attention import cpu_kernel
 from parrot.engine.loader import LoadedModel
 from parrot.engine.model import LlamaModel, ModelConfig
 from parrot.engine.paged import PagedStepAttention
-from parrot.engine.step_planner import SeqSlice
 from parrot.engine.runner import EngineRunner, Job
+from parrot.engine.step_planner import SeqSlice
 from parrot.protocol.sampling import SamplingParams
 from parrot.protocol.tokenizer import TINY_VOCAB_SIZE, TextTokenizer
 

@@ -147,7 +147,9 @@ class FakeManager:
             if self.vars[vid]["call"] is not None:
                 return self.error(409, "variable_has_producer", f"variable {vid} is produced by a call")
             if self.vars[vid]["state"] != "pending":
-                return self.error(409, "variable_not_pending", f"variable {vid} is already {self.vars[vid]['state']}")
+                return self.error(
+                    409, "variable_not_pending", f"variable {vid} is already {self.vars[vid]['state']}"
+                )
             self.vars[vid].update(state="ready", value=body.value)
             return httpx.Response(200, json=self.info(vid))
         if method == "GET" and not var_match.group(2):
@@ -816,12 +818,26 @@ def _answers(client: httpx.Client) -> list[tuple[int, str | None]]:
     auth = {"Authorization": f"Bearer {token}"}
     out.append(seen(client.get("/v1/sessions/no-such-session/variables/v1", headers=auth)))
     out.append(seen(client.post(f"/v1/sessions/{sid}/variables", json={"name": "a"})))  # no token
-    out.append(seen(client.post(f"/v1/sessions/{sid}/variables", json={"name": "a"}, headers={"Authorization": "Bearer x"})))
+    out.append(
+        seen(
+            client.post(
+                f"/v1/sessions/{sid}/variables", json={"name": "a"}, headers={"Authorization": "Bearer x"}
+            )
+        )
+    )
     made = client.post(f"/v1/sessions/{sid}/variables", json={"name": "a", "value": "x"}, headers=auth)
     out.append(seen(made))
     vid = made.json()["var_id"]
     out.append(seen(client.put(f"/v1/sessions/{sid}/variables/{vid}", json={"value": "y"}, headers=auth)))
-    out.append(seen(client.get(f"/v1/sessions/{sid}/variables/v-missing", params={"wait": 0, "criteria": "LATENCY"}, headers=auth)))
+    out.append(
+        seen(
+            client.get(
+                f"/v1/sessions/{sid}/variables/v-missing",
+                params={"wait": 0, "criteria": "LATENCY"},
+                headers=auth,
+            )
+        )
+    )
     call = {
         "template": "hi {{input:a}} {{output:b}}",
         "placeholders": [
@@ -832,8 +848,13 @@ def _answers(client: httpx.Client) -> list[tuple[int, str | None]]:
     submitted = client.post(f"/v1/sessions/{sid}/calls", json=call, headers=auth)
     out.append(seen(submitted))
     produced = submitted.json()["outputs"]["b"]
-    out.append(seen(client.put(f"/v1/sessions/{sid}/variables/{produced}", json={"value": "y"}, headers=auth)))
-    ghost = {**call, "placeholders": [{**call["placeholders"][0], "var_id": "v-missing"}, call["placeholders"][1]]}
+    out.append(
+        seen(client.put(f"/v1/sessions/{sid}/variables/{produced}", json={"value": "y"}, headers=auth))
+    )
+    ghost = {
+        **call,
+        "placeholders": [{**call["placeholders"][0], "var_id": "v-missing"}, call["placeholders"][1]],
+    }
     out.append(seen(client.post(f"/v1/sessions/{sid}/calls", json=ghost, headers=auth)))
     out.append(seen(client.delete(f"/v1/sessions/{sid}", headers=auth)))
     return out

@@ -356,9 +356,9 @@ def test_executor_snapshots_follow_every_kind_of_change():
         remote = pool.register(SlowishEngine(tokenizer), url="http://fake")
         assert in_sync()
         executor.prefixes.record(local.engine_id, ["k"])  # a call with prefix key k was placed there
-        assert in_sync() and {s.engine_id: s.prefixes for s in executor.loads.sched.engines}[local.engine_id] == {
-            "k"
-        }
+        assert in_sync() and {s.engine_id: s.prefixes for s in executor.loads.sched.engines}[
+            local.engine_id
+        ] == {"k"}
         executor.prefixes.forget_engine(local.engine_id)
         assert in_sync()
         pool.heartbeat(remote.engine_id, EngineStats(token_capacity=777))  # a new capacity

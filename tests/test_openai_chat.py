@@ -55,7 +55,9 @@ def no_sessions_soon(live: conftest.LiveServer) -> None:
 
 
 HELLO = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
-HELLO_PROMPT = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+HELLO_PROMPT = (
+    "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+)
 
 
 # ------------------------------------------------------------------ rendering
@@ -68,7 +70,9 @@ def test_the_model_template_renders_the_conversation() -> None:
     turns = [*messages, ChatMessage("assistant", "Hello."), ChatMessage("user", "Bye")]
     rendered = render_chat(tiny, turns)
     assert rendered.startswith(HELLO_PROMPT[: -len("<|im_start|>assistant\n")])
-    assert rendered.endswith("<|im_start|>assistant\nHello.<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n")
+    assert rendered.endswith(
+        "<|im_start|>assistant\nHello.<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert not render_chat(tiny, messages, add_generation_prompt=False).endswith("assistant\n")
 
 
@@ -79,7 +83,9 @@ def test_without_a_template_the_chat_format_marks_the_turns() -> None:
         "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
     )
     tiny.chat = ChatFormat.chatml("You help.")  # a default system turn when none is given
-    assert render_chat(tiny, [ChatMessage("user", "Q")]).startswith("<|im_start|>system\nYou help.<|im_end|>\n")
+    assert render_chat(tiny, [ChatMessage("user", "Q")]).startswith(
+        "<|im_start|>system\nYou help.<|im_end|>\n"
+    )
     tiny.chat = None
     with pytest.raises(BadRequest, match="no chat format") as info:
         render_chat(tiny, [ChatMessage("user", "Q")])
@@ -138,7 +144,9 @@ def test_streamed_chat_gives_the_role_the_pieces_the_end_and_the_usage(
     live: conftest.LiveServer, client: httpx.Client
 ) -> None:
     whole = chat(client, messages=HELLO, max_tokens=12, ignore_eos=True)
-    got = events(client, messages=HELLO, max_tokens=12, ignore_eos=True, stream_options={"include_usage": True})
+    got = events(
+        client, messages=HELLO, max_tokens=12, ignore_eos=True, stream_options={"include_usage": True}
+    )
     assert got[-1] == "[DONE]"
     chunks = got[:-1]
     assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
@@ -152,7 +160,9 @@ def test_streamed_chat_gives_the_role_the_pieces_the_end_and_the_usage(
 
 
 def test_text_parts_and_max_completion_tokens(client: httpx.Client) -> None:
-    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}
+    ]
     a = chat(client, messages=parts, max_completion_tokens=5, ignore_eos=True)
     b = chat(client, messages=[{"role": "user", "content": "Hi there"}], max_tokens=5, ignore_eos=True)
     assert a["choices"][0]["message"] == b["choices"][0]["message"]

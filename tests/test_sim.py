@@ -52,8 +52,13 @@ def test_virtual_time_jumps_to_the_next_timer_and_runs_threads_inline() -> None:
 
 
 def test_the_simulator_needs_no_torch() -> None:
-    code = "import sys, parrot.sim.engine, parrot.sim.clock, parrot.manager.service; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    code = (
+        "import sys, parrot.sim.engine, parrot.sim.clock, parrot.manager.service; "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
     assert out.stdout.strip() == "False"
 
 
@@ -66,16 +71,18 @@ def _requests(seed: int) -> list[Job]:
     shared = [rng.randrange(3, 250) for _ in range(40)]
     jobs: list[Job] = []
     for i in range(6):
-        tokens = shared + [rng.randrange(3, 250) for _ in range(rng.randrange(5, 60))]
+        tokens = shared + [rng.randrange(3, 250) for _ in range(rng.randrange(5, 30))]
         jobs.append(Job(100 + i, None, tokens))
-        jobs.append(Job(100 + i, None, sampling=SamplingParams(max_tokens=rng.randrange(5, 30), ignore_eos=True)))
+        jobs.append(
+            Job(100 + i, None, sampling=SamplingParams(max_tokens=rng.randrange(30, 60), ignore_eos=True))
+        )
     for i in range(4):  # forks of the first contexts, generating at once
         jobs.append(Job(200 + i, 100 + i, [rng.randrange(3, 250) for _ in range(7)]))
         jobs.append(Job(200 + i, None, sampling=SamplingParams(max_tokens=12, ignore_eos=True)))
     return jobs
 
 
-OPTIONS = {"max_step_tokens": 64, "kv_cache_tokens": 512, "token_capacity": 400}
+OPTIONS = {"max_step_tokens": 64, "kv_cache_tokens": 256, "token_capacity": 4096}
 
 
 def _runner_plans(tiny_model: LoadedModel, jobs: list[Job], token: int) -> tuple[list, dict]:
@@ -118,7 +125,15 @@ def test_the_simulated_engine_admits_preempts_and_forks_as_the_real_one(tiny_mod
     sim_plans, sim_counters, elapsed = _sim_plans(_requests(1))
     assert real_counters["preemptions"] > 0 and real_counters["cached_tokens"] > 0  # the test covers them
     assert sim_plans == real_plans
-    for key in ("fills", "filled_tokens", "generates", "generated_tokens", "steps", "preemptions", "cached_tokens"):
+    for key in (
+        "fills",
+        "filled_tokens",
+        "generates",
+        "generated_tokens",
+        "steps",
+        "preemptions",
+        "cached_tokens",
+    ):
         assert sim_counters[key] == real_counters[key], key
     assert elapsed > COST.base * len(sim_plans)  # each step took its modelled time
 
@@ -148,8 +163,13 @@ def _run_apps(seed: int) -> list[tuple]:
             session = manager.create_session()[0]
             doc = "Some document text. " * rng.randrange(5, 20)
             maps = [
-                _submit(manager, session, "Summarise {{input:d}} part " + str(i) + ": {{output:s}}", d=doc,
-                        s={"sampling": {"max_tokens": rng.randrange(10, 40), "ignore_eos": True}})
+                _submit(
+                    manager,
+                    session,
+                    "Summarise {{input:d}} part " + str(i) + ": {{output:s}}",
+                    d=doc,
+                    s={"sampling": {"max_tokens": rng.randrange(10, 40), "ignore_eos": True}},
+                )
                 for i in range(1 + app)
             ]
             parts = " ".join(f"{{{{input:p{i}}}}}" for i in range(len(maps)))
@@ -168,7 +188,15 @@ def _run_apps(seed: int) -> list[tuple]:
         for e in engines:
             await e.close()
         return [
-            (c.state, c.engine_id, c.objective, c.submitted_at, c.dispatched_at, c.first_token_at, c.finished_at)
+            (
+                c.state,
+                c.engine_id,
+                c.objective,
+                c.submitted_at,
+                c.dispatched_at,
+                c.first_token_at,
+                c.finished_at,
+            )
             for c in calls
         ]
 

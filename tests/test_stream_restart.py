@@ -31,7 +31,9 @@ def test_a_stream_without_restart_yields_every_delta() -> None:
 
 
 def test_a_rerun_that_repeats_the_text_yields_only_what_is_new() -> None:
-    events = text("The cat ", "sat") + RESTART + text("The ", "cat sat on", " the mat") + [StreamEvent(done=True)]
+    events = (
+        text("The cat ", "sat") + RESTART + text("The ", "cat sat on", " the mat") + [StreamEvent(done=True)]
+    )
     assert run(events) == "The cat sat on the mat"
 
 
@@ -39,7 +41,9 @@ def test_a_rerun_that_ends_on_other_text_raises() -> None:
     with pytest.raises(ParrotError) as info:
         run(text("The cat sat") + RESTART + text("The dog") + [StreamEvent(done=True)])
     assert info.value.code == "stream_restarted" and "11 characters already streamed" in info.value.message
-    assert run(text("The cat sat") + RESTART + text("The cat sat") + [StreamEvent(done=True)]) == "The cat sat"
+    assert (
+        run(text("The cat sat") + RESTART + text("The cat sat") + [StreamEvent(done=True)]) == "The cat sat"
+    )
 
 
 def test_a_rerun_that_writes_other_text_raises_instead_of_yielding_it() -> None:

@@ -239,4 +239,6 @@ def test_gguf_tokenizer_specials_and_chat(smol: TextTokenizer) -> None:
     assert smol.chat.default_system and "SmolLM" in smol.chat.default_system
     copy = TextTokenizer.from_dict(json.loads(json.dumps(smol.to_dict())))
     assert copy.encode(UNICODE) == smol.encode(UNICODE) and copy.chat == smol.chat
-    assert smol.chat_template and "im_start" in smol.chat_template and copy.chat_template == smol.chat_template
+    assert (
+        smol.chat_template and "im_start" in smol.chat_template and copy.chat_template == smol.chat_template
+    )

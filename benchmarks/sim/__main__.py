@@ -17,6 +17,7 @@ from pathlib import Path
 
 from benchmarks.sim.driver import SYSTEMS, simulate
 from benchmarks.suite.workloads import FIGURES, generate
+
 from parrot.protocol.tokenizer import TextTokenizer
 from parrot.sim.cost import SMOLLM2_BF16_XEON2
 
@@ -34,7 +35,9 @@ def _tokenizer(name: str) -> TextTokenizer:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.sim", description=__doc__)
     parser.add_argument("--figures", nargs="+", default=["fig11", "fig14"], choices=[*FIGURES, "all"])
-    parser.add_argument("--systems", nargs="+", default=["parrot", "parrot-baseline-latency"], choices=list(SYSTEMS))
+    parser.add_argument(
+        "--systems", nargs="+", default=["parrot", "parrot-baseline-latency"], choices=list(SYSTEMS)
+    )
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cost", default="smollm2-bf16-xeon2", choices=list(COSTS))
@@ -53,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
             means = []
             for system in args.systems:
                 started = time.perf_counter()
-                run = simulate(workload, system, cost, tokenizer, seed=args.seed, latency_cap=args.latency_cap)
+                run = simulate(
+                    workload, system, cost, tokenizer, seed=args.seed, latency_cap=args.latency_cap
+                )
                 run.extra["sim_wall_s"] = time.perf_counter() - started
                 runs.append(run)
                 latencies = [a.latency_s for a in run.apps if a.error is None]

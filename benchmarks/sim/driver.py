@@ -28,6 +28,7 @@ from typing import Any
 
 from benchmarks.suite.clients import Delay, render_prompt
 from benchmarks.suite.spec import AppRecord, AppSpec, CallRecord, RunRecord, Workload
+
 from parrot.manager.openai_api import Completion
 from parrot.manager.service import Manager, ManagerConfig
 from parrot.protocol.sampling import SamplingParams
@@ -71,16 +72,24 @@ async def _parrot_app(manager: Manager, app: AppSpec, delay: Delay) -> AppRecord
     session, _ = manager.create_session()
     calls = {}
     for spec in app.calls:  # all at once: nothing runs before the last is linked
-        placeholders = [PlaceholderBinding(name=k, direction="input", value=v) for k, v in spec.consts.items()]
+        placeholders = [
+            PlaceholderBinding(name=k, direction="input", value=v) for k, v in spec.consts.items()
+        ]
         placeholders += [
             PlaceholderBinding(name=k, direction="input", var_id=calls[dep].outputs[dep].var.var_id)
             for k, dep in spec.deps.items()
         ]
-        criteria = ("LATENCY" if app.criteria == "latency" else "THROUGHPUT") if spec.name in app.outputs else None
-        placeholders.append(
-            PlaceholderBinding(name=spec.name, direction="output", sampling=_sampling(spec.max_tokens), criteria=criteria)
+        criteria = (
+            ("LATENCY" if app.criteria == "latency" else "THROUGHPUT") if spec.name in app.outputs else None
         )
-        calls[spec.name] = manager.submit_call(session, SubmitCall(template=spec.template, placeholders=placeholders))
+        placeholders.append(
+            PlaceholderBinding(
+                name=spec.name, direction="output", sampling=_sampling(spec.max_tokens), criteria=criteria
+            )
+        )
+        calls[spec.name] = manager.submit_call(
+            session, SubmitCall(template=spec.template, placeholders=placeholders)
+        )
 
     async def fetch(name: str) -> float:
         var = calls[name].outputs[name].var
@@ -168,21 +177,24 @@ async def _run(workload: Workload, system: SimSystem, cost: StepCost, tokenizer:
     config = ManagerConfig(policy=system.policy, latency_cap_tokens=latency_cap, inline_tokenize_bytes=None)
     manager = Manager(config)
     engines = [
-        SimEngine(tokenizer, cost, model_name=MODEL, prefix_cache=system.prefix_cache) for _ in range(workload.engines)
+        SimEngine(tokenizer, cost, model_name=MODEL, prefix_cache=system.prefix_cache)
+        for _ in range(workload.engines)
     ]
-    for engine in engines:
-        manager.pool.register(engine)
+    # engines named by their place in the run (the pool's ids count on across runs)
+    names = {manager.pool.register(engine).engine_id: f"engine {i}" for i, engine in enumerate(engines)}
     await manager.poll_engine_stats()
     run_app = _baseline_app if system.request_level else _parrot_app
     try:
-        return list(
-            await asyncio.gather(
-                *(
-                    run_app(manager, app, Delay(*delay_ms, seed=f"{seed}/{workload.name}/{app.app_id}"))
-                    for app in workload.apps
-                )
+        apps = await asyncio.gather(
+            *(
+                run_app(manager, app, Delay(*delay_ms, seed=f"{seed}/{workload.name}/{app.app_id}"))
+                for app in workload.apps
             )
         )
+        for record in apps:
+            for call in record.calls:
+                call.engine = names.get(call.engine or "", call.engine)
+        return list(apps)
     finally:
         await manager.executor.drain()
         for engine in engines:

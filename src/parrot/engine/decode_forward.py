@@ -4,8 +4,9 @@ On the fused path a decode step is a few hundred calls of Parrot's C ops (four
 projections, two norms, RoPE, SiLU and the attention kernels per layer), each
 wrapped in Python and PyTorch glue: views, argument checks, output allocation, the
 KV write, the partials' buffers.  At SmolLM2's size that glue is a sizeable share
-of a step (``docs/engine.md``, "Why the kernels exist").  :func:`run` makes the same calls from C in one go, with the step's attention plan
-converted once into index arrays, and returns the same bits as the Python path
+of a step (``docs/engine.md``, "Why the kernels exist").  :func:`run` makes the
+same calls from C in one go, with the step's attention plan converted once into
+index arrays, and returns the same bits as the Python path
 (every op is the same function with the same arguments, in the same order).
 
 It applies to a step when all of these hold (else :func:`run` returns None and the

@@ -3,6 +3,7 @@ to Hugging Face ``config.json`` dictionaries.  No torch."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any

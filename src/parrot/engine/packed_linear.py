@@ -14,9 +14,10 @@ cannot apply: oneDNN missing, a non-CPU weight, or a dtype other than fp32 / bf1
 The packed copy doubles the weights' memory (adds half as much as bf16).
 
 ``dtype=torch.bfloat16`` packs bf16 copies of fp32 weights: the GEMMs then read
-half the bytes and use the CPU's bf16 dot products, with inputs rounded to bf16 and fp32 accumulation; the residual stream, norms,
-attention and KV cache stay fp32.  That is a precision choice (greedy outputs
-can differ from fp32's), so it is opt-in: ``parrot serve --weight-dtype bfloat16``.
+half the bytes and use the CPU's bf16 dot products, with inputs rounded to bf16
+and fp32 accumulation; the residual stream, norms, attention and KV cache stay fp32.
+That is a precision choice (greedy outputs can differ from fp32's), so it is opt-in:
+``parrot serve --weight-dtype bfloat16``.
 Where Parrot's AMX kernel runs (:mod:`parrot.engine.amx_linear`), a bf16 layer
 also keeps the kernel's packed copy and sends calls of at most
 ``amx_linear.MAX_ROWS`` rows (decode steps) there; likewise an fp32 layer where

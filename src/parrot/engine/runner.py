@@ -92,12 +92,22 @@ class EngineRunner:
         if kv_dtype not in (torch.float32, torch.bfloat16, param.dtype):
             raise ValueError(f"kv_dtype must be float32, bfloat16 or the weights' dtype, not {kv_dtype}")
         num_blocks = kv_cache_blocks(
-            mcfg, block_size, kv_cache_tokens=cfg.kv_cache_tokens, kv_cache_bytes=cfg.kv_cache_bytes, dtype=kv_dtype
+            mcfg,
+            block_size,
+            kv_cache_tokens=cfg.kv_cache_tokens,
+            kv_cache_bytes=cfg.kv_cache_bytes,
+            dtype=kv_dtype,
         )
         # the prefix cache may keep a quarter of the pool in released blocks (see BlockPool)
         self.pool = BlockPool(num_blocks, block_size, max_cached=num_blocks // 4)
         self.cache = PagedKVCache(
-            mcfg.num_layers, num_blocks, block_size, mcfg.num_kv_heads, mcfg.head_dim, kv_dtype, str(param.device)
+            mcfg.num_layers,
+            num_blocks,
+            block_size,
+            mcfg.num_kv_heads,
+            mcfg.head_dim,
+            kv_dtype,
+            str(param.device),
         )
         self.contexts = ContextTable(
             mcfg.max_seq_len, on_release=self._on_release, pool=self.pool, prefix_cache=cfg.prefix_cache
@@ -132,7 +142,11 @@ class EngineRunner:
         log.info("engine steps: %s", self.step_forward.name)
         # the job queues and each step's admission, plan and KV reservation
         self.planner = StepPlanner(
-            self.contexts, self.memory, self.cache.copy_blocks, max_step_tokens=max_step_tokens, counters=self.counters
+            self.contexts,
+            self.memory,
+            self.cache.copy_blocks,
+            max_step_tokens=max_step_tokens,
+            counters=self.counters,
         )
 
     # ------------------------------------------------------------ threading
@@ -388,7 +402,9 @@ class EngineRunner:
                 finishing.append((job, row - 1))
         if self.on_step is not None and not self._probing:
             self.on_step(
-                StepInfo(len(plan), num_tokens, len(self.planner.running), self.token_load(), self.pool.num_used)
+                StepInfo(
+                    len(plan), num_tokens, len(self.planner.running), self.token_load(), self.pool.num_used
+                )
             )
         if not finishing:
             return [], None

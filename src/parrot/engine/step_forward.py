@@ -38,7 +38,12 @@ class StepForward:
     c_forward: bool  # try the C forward first
 
     def __call__(
-        self, model: LlamaModel, input_ids: Tensor, positions: Tensor, attn: PagedStepAttention, cache: PagedKVCache
+        self,
+        model: LlamaModel,
+        input_ids: Tensor,
+        positions: Tensor,
+        attn: PagedStepAttention,
+        cache: PagedKVCache,
     ) -> Tensor:
         """The step's final hidden states [T, D]."""
         if self.c_forward:
@@ -55,6 +60,8 @@ def choose(model: LlamaModel, cache: PagedKVCache) -> StepForward:
         return StepForward(f"c-forward/{mode}", c_forward=True)
     packed = len(model.model.layers) > 0 and model.model.layers[0].self_attn.qkv is not None
     residual = model.model.embed_tokens.weight  # the residual stream has its dtype and device
-    if packed and fused.applies(torch.empty(1, model.config.hidden_size, dtype=residual.dtype, device=residual.device)):
+    if packed and fused.applies(
+        torch.empty(1, model.config.hidden_size, dtype=residual.dtype, device=residual.device)
+    ):
         return StepForward("pytorch/fused", c_forward=False)
     return StepForward("pytorch/packed" if packed else "pytorch", c_forward=False)

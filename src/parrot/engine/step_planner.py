@@ -167,7 +167,9 @@ class StepPlanner:
                 still_waiting.append(job)
                 continue
             if job.is_generate and job.parent_context_id is None and job.context_id not in self.contexts:
-                out.rejected.append((job, BadRequest(f"context {job.context_id} has no tokens to generate from")))
+                out.rejected.append(
+                    (job, BadRequest(f"context {job.context_id} has no tokens to generate from"))
+                )
                 continue
             held, computed, pending, blocks = self._prospective(job)
             if not self._fits(job, load.extra(held, computed, pending), blocks, load.total, token_capacity):

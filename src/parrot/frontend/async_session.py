@@ -79,7 +79,9 @@ class AsyncSession(SessionBase):
         self._transport = transport
         self._defer_open = defer_open
         self._http: httpx.AsyncClient | None = None
-        self._queue: asyncio.Queue[tuple[QueuedRequest, Callable[[], Coroutine[Any, Any, None]]] | None] | None = None
+        self._queue: (
+            asyncio.Queue[tuple[QueuedRequest, Callable[[], Coroutine[Any, Any, None]]] | None] | None
+        ) = None
         self._worker: asyncio.Task[None] | None = None
         self._failed: list[ParrotError] = []
         self._observed: list[ParrotError] = []
@@ -206,7 +208,9 @@ class AsyncSession(SessionBase):
         return decode_json(response, f"{method} {path}")
 
     # -------------------------------------------------------------- queue
-    def _enqueue(self, make: Callable[[QueuedRequest], Coroutine[Any, Any, None]], job: QueuedRequest | None = None) -> QueuedRequest:
+    def _enqueue(
+        self, make: Callable[[QueuedRequest], Coroutine[Any, Any, None]], job: QueuedRequest | None = None
+    ) -> QueuedRequest:
         self._require_open()
         if self._queue is None:
             raise NoSession(f"session to {self.url} is not open")

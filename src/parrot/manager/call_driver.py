@@ -18,16 +18,18 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 
-from parrot.protocol import clock
 from parrot.manager.engines import EngineHandle
 from parrot.manager.graph import Call, materialise
 from parrot.manager.render import FillStep, Rendered
+from parrot.protocol import clock
 from parrot.protocol.errors import CallFailed
 
 __all__ = ["drive"]
 
 
-async def drive(call: Call, handle: EngineHandle, rendered: Rendered, on_ready: Callable[[Call], None]) -> None:
+async def drive(
+    call: Call, handle: EngineHandle, rendered: Rendered, on_ready: Callable[[Call], None]
+) -> None:
     """Run ``rendered``'s steps for ``call`` on ``handle`` (see the module docstring).
     Engine failures propagate (an EngineError); the caller decides about re-running."""
     api = handle.api

@@ -31,6 +31,7 @@ materialised is queued again and re-run elsewhere (waiting up to
 ``engine_wait_s`` for an engine); the engine context of a call is freed
 however the call ends.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -40,7 +41,6 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from parrot.protocol import clock
 from parrot.manager.call_driver import drive
 from parrot.manager.engine_loads import EngineLoads, PlacedShare
 from parrot.manager.engines import EngineHandle, EnginePool
@@ -51,6 +51,7 @@ from parrot.manager.queue_order import QueueOrder
 from parrot.manager.render import Rendered, render
 from parrot.manager.scheduler import EngineSnapshot, QueuedCall, SchedulerConfig
 from parrot.manager.tokens import INLINE_TOKENIZE_BYTES, NeedsTokenizing, TokenSource
+from parrot.protocol import clock
 from parrot.protocol.errors import CallFailed, ContextTooLong, EngineError, NoEngine, ParrotError, Timeout
 
 log = logging.getLogger(__name__)
@@ -497,4 +498,3 @@ class Executor:
             log.exception("call %s failed", call.call_id)
             fail_call(call, CallFailed(f"internal error while running the call: {exc!r}"))
         return None
-

@@ -52,10 +52,10 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import Field
 
-from parrot.protocol import clock
 from parrot.manager.graph import Call, Session, Variable
 from parrot.manager.service import Manager
 from parrot.manager.views import error_info
+from parrot.protocol import clock
 from parrot.protocol.asgi import OffLoopJsonRoute, bearer_token
 from parrot.protocol.errors import BadRequest, CallFailed, EngineError, NoEngine, ParrotError
 from parrot.protocol.sampling import SamplingParams
@@ -176,7 +176,14 @@ class Completion:
 
     @classmethod
     async def open(
-        cls, manager: Manager, prompt: str, sampling: SamplingParams, model: str | None, tenant: str, *, chat: bool
+        cls,
+        manager: Manager,
+        prompt: str,
+        sampling: SamplingParams,
+        model: str | None,
+        tenant: str,
+        *,
+        chat: bool,
     ) -> Completion:
         """Submit ``prompt``'s call in an internal session of ``tenant``'s (the prompt
         tokenized off the event loop when long: :meth:`Manager.run_tokenized`)."""
@@ -331,7 +338,9 @@ def openai_router(manager: Manager) -> APIRouter:
     return router
 
 
-async def answer(comp: Completion, request: Request, stream: bool, stream_options: dict[str, Any] | None) -> Any:
+async def answer(
+    comp: Completion, request: Request, stream: bool, stream_options: dict[str, Any] | None
+) -> Any:
     """The response to a submitted completion: SSE chunks when ``stream``, else the whole
     answer once ready; the internal session is closed however it ends."""
     if stream:

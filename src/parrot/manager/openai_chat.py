@@ -101,9 +101,9 @@ def _check_supported(req: ChatCompletionRequest) -> None:
         raise unsupported(f"response_format {req.response_format!r} (only {{'type': 'text'}})")
     if req.stream_options is not None and not req.stream:
         raise BadRequest("stream_options needs stream=true", code="invalid_request")
-    if req.max_tokens is not None and req.max_completion_tokens is not None:
-        if req.max_tokens != req.max_completion_tokens:
-            raise BadRequest("max_tokens and max_completion_tokens disagree", code="invalid_request")
+    both = req.max_tokens is not None and req.max_completion_tokens is not None
+    if both and req.max_tokens != req.max_completion_tokens:
+        raise BadRequest("max_tokens and max_completion_tokens disagree", code="invalid_request")
 
 
 def _messages(req: ChatCompletionRequest) -> list[ChatMessage]:

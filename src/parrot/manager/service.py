@@ -27,7 +27,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from parrot.protocol import clock
 from parrot.manager.config import ManagerConfig
 from parrot.manager.engines import EngineHandle, EnginePool
 from parrot.manager.executor import Executor
@@ -49,6 +48,7 @@ from parrot.manager.render import check_chat_shape, check_starts_with_text, rend
 from parrot.manager.scheduler import SchedulerConfig
 from parrot.manager.tenants import ANONYMOUS, ApiKeys, TenantBook, cache_salt
 from parrot.manager.tokens import NeedsTokenizing, TokenSource, utf8_len
+from parrot.protocol import clock
 from parrot.protocol.errors import (
     BindingError,
     CallFailed,

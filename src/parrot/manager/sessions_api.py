@@ -159,9 +159,7 @@ def sessions_router(manager: Manager) -> APIRouter:
         session = manager.authorize(session_id, bearer_token(authorization))
         return {
             "calls": [call_info(c).model_dump() for c in session.calls.values()],
-            "variables": [
-                var_info(v).model_dump(exclude={"value"}) for v in session.variables.values()
-            ],
+            "variables": [var_info(v).model_dump(exclude={"value"}) for v in session.variables.values()],
         }
 
     return router

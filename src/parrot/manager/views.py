@@ -32,9 +32,7 @@ def call_info(call: Call) -> CallInfo:
         call_id=call.call_id,
         name=call.name,
         state=call.state,
-        inputs={
-            n: (v.var_id if isinstance(v, Variable) else "<constant>") for n, v in call.inputs.items()
-        },
+        inputs={n: (v.var_id if isinstance(v, Variable) else "<constant>") for n, v in call.inputs.items()},
         outputs={n: o.var.var_id for n, o in call.outputs.items()},
         engine_id=call.engine_id,
         objective=call.objective,  # type: ignore[arg-type]

@@ -81,7 +81,9 @@ def render_chat(
     raise BadRequest("this model has no chat format; use /v1/completions", code="no_chat_format")
 
 
-def _render_template(tokenizer: TextTokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> str:
+def _render_template(
+    tokenizer: TextTokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool
+) -> str:
     from jinja2 import TemplateError
 
     assert tokenizer.chat_template is not None
@@ -95,9 +97,13 @@ def _render_template(tokenizer: TextTokenizer, messages: Sequence[ChatMessage], 
             eos_token=_token_text(tokenizer, eos),
         )
     except _TemplateError as exc:
-        raise BadRequest(f"the model's chat template refused the messages: {exc}", code="invalid_messages") from None
+        raise BadRequest(
+            f"the model's chat template refused the messages: {exc}", code="invalid_messages"
+        ) from None
     except (TemplateError, TypeError, ValueError) as exc:
-        raise BadRequest(f"the model's chat template failed on the messages: {exc}", code="invalid_messages") from None
+        raise BadRequest(
+            f"the model's chat template failed on the messages: {exc}", code="invalid_messages"
+        ) from None
     if tokenizer.add_bos and bos and text.startswith(bos):
         text = text[len(bos) :]  # the engine puts the BOS token in front of every prompt itself
     return text

@@ -297,7 +297,10 @@ class TextTokenizer:
         eot = tok.token_to_id("<|endoftext|>")
         im_end = tok.token_to_id("<|im_end|>")
         return cls(
-            tok.to_str(), eos_token_ids=(eot, im_end), chat=ChatFormat.chatml(), chat_template=TINY_CHAT_TEMPLATE
+            tok.to_str(),
+            eos_token_ids=(eot, im_end),
+            chat=ChatFormat.chatml(),
+            chat_template=TINY_CHAT_TEMPLATE,
         )
 
     @classmethod

@@ -86,10 +86,23 @@ class SimEngine:
         self.token_capacity = token_capacity or max(max_seq_len, 4 * max_step_tokens, num_blocks * block_size)
         self.share_prefix = share_prefix
         self.counters = dict.fromkeys(
-            ("fills", "filled_tokens", "generates", "generated_tokens", "steps", "preemptions", "cached_tokens"), 0
+            (
+                "fills",
+                "filled_tokens",
+                "generates",
+                "generated_tokens",
+                "steps",
+                "preemptions",
+                "cached_tokens",
+            ),
+            0,
         )
         self.planner = StepPlanner(
-            self.contexts, self.memory, lambda copies: None, max_step_tokens=max_step_tokens, counters=self.counters
+            self.contexts,
+            self.memory,
+            lambda copies: None,
+            max_step_tokens=max_step_tokens,
+            counters=self.counters,
         )
         self.steps: list[StepRecord] | None = [] if record_steps else None
         # the token every generate samples: one that decodes to visible text
@@ -114,7 +127,11 @@ class SimEngine:
         return self._tokenizer
 
     async def fill(
-        self, tokens: Sequence[int], context_id: int, parent_context_id: int | None = None, cache_salt: str = ""
+        self,
+        tokens: Sequence[int],
+        context_id: int,
+        parent_context_id: int | None = None,
+        cache_salt: str = "",
     ) -> None:
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         job = Job(
@@ -210,7 +227,9 @@ class SimEngine:
         out = [int(t) for t in tokens]
         bad = [t for t in out if not 0 <= t < vocab]
         if bad:
-            raise BadRequest(f"token id(s) {bad[:5]} outside the vocabulary [0, {vocab})", code="invalid_tokens")
+            raise BadRequest(
+                f"token id(s) {bad[:5]} outside the vocabulary [0, {vocab})", code="invalid_tokens"
+            )
         return out
 
     def enqueue(self, job: Job) -> None:
@@ -224,7 +243,9 @@ class SimEngine:
         self.enqueue(job)
         self._work.set()
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"sim engine {self._model_name}")
+            self._task = asyncio.get_running_loop().create_task(
+                self._loop(), name=f"sim engine {self._model_name}"
+            )
 
     def _cancel(self, job: Job) -> None:
         job.cancelled = True
@@ -252,8 +273,7 @@ class SimEngine:
         self._reap_cancelled()
         self.memory.tick()
         admission = self.planner.admit(self.token_capacity)
-        for job in admission.started:
-            self.counters["generates"] += 1
+        self.counters["generates"] += len(admission.started)
         for job, error in admission.rejected:
             _finish(job, error)
         jobs = await self._forward() if self.planner.running else []
@@ -273,7 +293,9 @@ class SimEngine:
         loop = asyncio.get_running_loop()
         start = loop.time()
         if self.steps is not None:
-            self.steps.append(StepRecord(start, seconds, tuple((s.ctx.context_id, s.start, s.n) for _, s in plan)))
+            self.steps.append(
+                StepRecord(start, seconds, tuple((s.ctx.context_id, s.start, s.n) for _, s in plan))
+            )
         await asyncio.sleep(seconds)
         self.counters["steps"] += 1
         generates: list[Job] = []
