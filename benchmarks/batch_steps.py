@@ -63,7 +63,7 @@ def main() -> None:
             runner._enqueue(Job(base + i, None, [rng.randrange(100, vocab) for _ in range(args.context)]))
             runner._enqueue(Job(base + i, None, sampling=sp))
         steps.clear()
-        while runner._running or runner._waiting:
+        while runner.has_work():
             runner._step()
         prefill_steps = -(-b * args.context // runner.max_step_tokens)
         prefill_s = sum(s for _, s in steps[:prefill_steps])

@@ -61,7 +61,7 @@ def run_once(runner: EngineRunner, args: argparse.Namespace, rng: random.Random,
         return [rng.randrange(100, vocab) for _ in range(n)]
 
     def drain() -> None:
-        while runner._running or runner._waiting:
+        while runner.has_work():
             runner._step()
 
     runner._enqueue(Job(base, None, tokens(args.prefix_tokens)))

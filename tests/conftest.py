@@ -19,12 +19,20 @@ from dataclasses import dataclass, field
 
 import pytest
 import uvicorn
+from hypothesis import settings
 
 from parrot.engine.loader import LoadedModel, load_model
 from parrot.engine.local import LocalEngine
 from parrot.manager.app import create_app
 from parrot.manager.service import Manager, ManagerConfig
 from tests.api_client import Bystander, Raw
+
+# Property tests draw the same examples on every run (CI stays reproducible: a
+# failure seen once is seen again); ``PARROT_HYPOTHESIS=explore`` draws new ones
+# and prints the seed of any failure (``@reproduce_failure``) to replay it.
+settings.register_profile("reproducible", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("PARROT_HYPOTHESIS", "reproducible"))
 
 
 @pytest.fixture(scope="session")

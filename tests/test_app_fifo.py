@@ -112,4 +112,4 @@ def test_an_application_whose_work_ended_gives_up_its_place():
         server.set_gate(True)
         server.live.stop()
     assert [c.name for c in sorted(calls, key=lambda c: c.dispatched_at)] == ["a1", "c1", "b1", "a2"]
-    assert not manager.executor._app_ranks and not manager.executor._app_active
+    assert not manager.executor.order.app_ranks and not manager.executor.order.app_active

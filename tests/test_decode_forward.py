@@ -17,8 +17,9 @@ from parrot.engine import amx_linear, decode_forward, f32_linear, native
 from parrot.engine.attention import cpu_kernel
 from parrot.engine.loader import LoadedModel
 from parrot.engine.model import LlamaModel, ModelConfig
-from parrot.engine.paged import PagedStepAttention, SeqSlice
+from parrot.engine.paged import PagedStepAttention
 from parrot.engine.runner import EngineRunner, Job
+from parrot.engine.step_planner import SeqSlice
 from parrot.protocol.sampling import SamplingParams
 from parrot.protocol.tokenizer import TINY_VOCAB_SIZE, TextTokenizer
 
@@ -48,7 +49,7 @@ def _workload(runner: EngineRunner, seed: int) -> None:
     rng = random.Random(seed)
 
     def drain() -> None:
-        while runner._running or runner._waiting:
+        while runner.has_work():
             runner._step()
 
     runner._enqueue(Job(1, None, _tokens(rng, 70)))
@@ -86,7 +87,7 @@ def _logits_per_step(
     took = _spy_run(monkeypatch)
     _workload(runner, seed)
     monkeypatch.undo()
-    return got, took
+    return got, took, runner.step_forward.name
 
 
 def test_the_c_forward_gives_the_python_paths_bits(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -99,15 +100,17 @@ def test_the_c_forward_gives_the_python_paths_bits(monkeypatch: pytest.MonkeyPat
         return real_attention(plan, batch)
 
     monkeypatch.setattr(decode_forward, "_attention", attention)
-    on, took = _logits_per_step(monkeypatch, loaded, True)
-    off, took_off = _logits_per_step(monkeypatch, loaded, False)
+    on, took, path = _logits_per_step(monkeypatch, loaded, True)
+    off, took_off, path_off = _logits_per_step(monkeypatch, loaded, False)
     assert len(on) == len(off) > 20
     assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
-    assert not any(took_off)
-    # every decode step took the C forward where its kernels are built; prefill steps never
+    assert not any(took_off) and not path_off.startswith("c-forward/")
+    # the engine chose the C forward where its projection kernel is built ...
+    assert path.startswith("c-forward/") == (f32_linear.available() and native.library() is not None)
+    # ... and every decode step took it where its attention kernels are built too; prefill never
     built = f32_linear.available() and cpu_kernel.shared_built(CONFIG.head_dim)
     assert sum(took) >= (19 if built else 0) and (any(took) == built)
-    assert len(took) - sum(took) >= 3  # the three prefill steps ran in Python
+    assert not path.startswith("c-forward/") or len(took) - sum(took) >= 3  # three prefill steps in Python
     # the C forward's steps had the batch's shared rows: A's root, its nested fork, B
     assert not built or max(shared_rows) == 3
 
@@ -117,7 +120,7 @@ def test_it_declines_steps_it_does_not_cover(monkeypatch: pytest.MonkeyPatch) ->
     runner = EngineRunner(loaded, kv_cache_tokens=1024)
     rng = random.Random(3)
     runner._enqueue(Job(1, None, _tokens(rng, 20)))
-    while runner._running or runner._waiting:
+    while runner.has_work():
         runner._step()
     ctx = runner.contexts.get(1)
     ctx.own_tokens.append(5)  # one pending decode token, as a generate leaves it
@@ -160,9 +163,11 @@ def test_bf16_weights_and_caches_give_the_python_paths_bits(
     add), a bf16 cache gets its new rows rounded to nearest even: as in Python."""
     loaded = _loaded(4)
     options = {"weight_dtype": weight_dtype, "kv_dtype": kv_dtype}
-    on, took = _logits_per_step(monkeypatch, loaded, True, 5, **options)
-    off, _ = _logits_per_step(monkeypatch, loaded, False, 5, **options)
+    on, took, path = _logits_per_step(monkeypatch, loaded, True, 5, **options)
+    off, _, _ = _logits_per_step(monkeypatch, loaded, False, 5, **options)
     assert len(on) == len(off) > 20
     assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
     kernels = amx_linear.available() if weight_dtype == torch.bfloat16 else f32_linear.available()
     assert any(took) == (kernels and cpu_kernel.shared_built(CONFIG.head_dim))
+    expected = "c-forward/amx-bf16" if weight_dtype == torch.bfloat16 else "c-forward/f32"
+    assert (path == expected) == (kernels and native.library() is not None)

@@ -34,7 +34,7 @@ def scheduler_capacities(live: LiveServer) -> dict[str, int]:
     """Engine id -> the token capacity in the scheduler's snapshot of it."""
 
     async def read() -> dict[str, int]:
-        sched = live.manager.executor._sync_engines()
+        sched = live.manager.executor.loads.sync(live.manager.executor.scheduler)
         return {s.engine_id: s.token_capacity for s in sched.engines}
 
     return live.run_on_loop(read())

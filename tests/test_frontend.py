@@ -5,6 +5,8 @@ HTTP API from :mod:`parrot.protocol.schemas`: it validates request bodies
 against the schemas, records every request, and computes each output as
 ``"<fn>(<input values>)"`` from the values its inputs resolve to *on the
 server*, so a chain's final value proves the wiring happened server-side.
+Its statuses and error codes are the real manager's: the last test sends the
+same requests to both and compares the answers.
 """
 
 import asyncio
@@ -112,9 +114,12 @@ class FakeManager:
             return self.error(404, "not_found", f"no route {path}")
         sid, rest = match.group(1), match.group(2) or ""
         if sid not in self.sessions:
-            return self.error(404, "not_found", f"no session {sid}")
-        if request.headers.get("authorization") != f"Bearer {self.sessions[sid]}":
-            return self.error(401, "unauthorized", "missing or wrong token")
+            return self.error(404, "session_not_found", f"session {sid} does not exist")
+        presented = request.headers.get("authorization")
+        if presented is None:
+            return self.error(401, "unauthorized", "missing session token")
+        if presented != f"Bearer {self.sessions[sid]}":
+            return self.error(403, "forbidden", f"the token does not open session {sid}")
         if method == "DELETE" and rest == "":
             self.deleted.append(sid)
             return httpx.Response(204)
@@ -135,12 +140,16 @@ class FakeManager:
             return httpx.Response(201, json=self.info(vid))
         var_match = re.fullmatch(r"/variables/([^/]+)(/stream)?", rest)
         if var_match is None or var_match.group(1) not in self.vars:
-            return self.error(404, "not_found", f"no variable at {rest}")
+            return self.error(404, "variable_not_found", f"variable at {rest} does not exist in this session")
         vid = var_match.group(1)
         if method == "PUT" and not var_match.group(2):
             body = SetVariable.model_validate(json.loads(request.content))
-            if self.vars[vid]["state"] != "pending" or self.vars[vid]["call"] is not None:
-                return self.error(409, "conflict", f"variable {vid} already has a value or a producer")
+            if self.vars[vid]["call"] is not None:
+                return self.error(409, "variable_has_producer", f"variable {vid} is produced by a call")
+            if self.vars[vid]["state"] != "pending":
+                return self.error(
+                    409, "variable_not_pending", f"variable {vid} is already {self.vars[vid]['state']}"
+                )
             self.vars[vid].update(state="ready", value=body.value)
             return httpx.Response(200, json=self.info(vid))
         if method == "GET" and not var_match.group(2):
@@ -162,7 +171,7 @@ class FakeManager:
             else:
                 lines = [{"text": "partial"}, {"done": True, "state": "failed", "error": var["error"]}]
             return httpx.Response(200, text="\n".join(json.dumps(x) for x in lines) + "\n\n")
-        return self.error(405, "bad_request", f"{method} {path}")
+        return self.error(405, "method_not_allowed", f"{method} {path}")
 
     def submit(self, raw: dict[str, Any]) -> httpx.Response:
         if self.submit_error is not None:
@@ -175,7 +184,9 @@ class FakeManager:
                 if (binding.var_id is None) == (binding.value is None):
                     return self.error(400, "invalid_binding", f"input {binding.name} needs var_id xor value")
                 if binding.var_id is not None and binding.var_id not in self.vars:
-                    return self.error(404, "not_found", f"no variable {binding.var_id}")
+                    return self.error(
+                        404, "variable_not_found", f"variable {binding.var_id} does not exist in this session"
+                    )
                 inputs.append(binding.model_dump(exclude_none=True))
         cid = f"c{next(self._ids)}"
         record = {"call_id": cid, "name": call.name, "inputs": inputs}
@@ -192,7 +203,7 @@ class FakeManager:
                 }
                 outputs[binding.name] = vid
         self.calls.append(record)
-        return httpx.Response(200, json={"call_id": cid, "outputs": outputs})
+        return httpx.Response(201, json={"call_id": cid, "outputs": outputs})
 
 
 @pytest.fixture
@@ -550,8 +561,9 @@ def test_http_errors_become_the_matching_class(fake, status, body, error, code):
 def test_get_of_unknown_variable_raises_not_found(fake):
     with session(fake) as s:
         ghost = P.SemanticVariable(s, name="ghost", var_id="v-missing")
-        with pytest.raises(P.NotFound, match="no variable"):
+        with pytest.raises(P.NotFound, match="does not exist") as info:
             ghost.get()
+        assert info.value.code == "variable_not_found"
 
 
 def test_connection_failure_names_the_url():
@@ -790,3 +802,75 @@ def test_public_namespace_is_complete_and_light():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def _answers(client: httpx.Client) -> list[tuple[int, str | None]]:
+    """(status, error code) of one sequence of requests covering the fake's routes."""
+
+    def seen(r: httpx.Response) -> tuple[int, str | None]:
+        body = r.json() if r.content else {}
+        return r.status_code, (body.get("error") or {}).get("code") if isinstance(body, dict) else None
+
+    out = []
+    opened = client.post("/v1/sessions")
+    out.append(seen(opened))
+    sid, token = opened.json()["session_id"], opened.json()["token"]
+    auth = {"Authorization": f"Bearer {token}"}
+    out.append(seen(client.get("/v1/sessions/no-such-session/variables/v1", headers=auth)))
+    out.append(seen(client.post(f"/v1/sessions/{sid}/variables", json={"name": "a"})))  # no token
+    out.append(
+        seen(
+            client.post(
+                f"/v1/sessions/{sid}/variables", json={"name": "a"}, headers={"Authorization": "Bearer x"}
+            )
+        )
+    )
+    made = client.post(f"/v1/sessions/{sid}/variables", json={"name": "a", "value": "x"}, headers=auth)
+    out.append(seen(made))
+    vid = made.json()["var_id"]
+    out.append(seen(client.put(f"/v1/sessions/{sid}/variables/{vid}", json={"value": "y"}, headers=auth)))
+    out.append(
+        seen(
+            client.get(
+                f"/v1/sessions/{sid}/variables/v-missing",
+                params={"wait": 0, "criteria": "LATENCY"},
+                headers=auth,
+            )
+        )
+    )
+    call = {
+        "template": "hi {{input:a}} {{output:b}}",
+        "placeholders": [
+            {"name": "a", "direction": "input", "var_id": vid},
+            {"name": "b", "direction": "output", "sampling": {"max_tokens": 2}},
+        ],
+    }
+    submitted = client.post(f"/v1/sessions/{sid}/calls", json=call, headers=auth)
+    out.append(seen(submitted))
+    produced = submitted.json()["outputs"]["b"]
+    out.append(
+        seen(client.put(f"/v1/sessions/{sid}/variables/{produced}", json={"value": "y"}, headers=auth))
+    )
+    ghost = {
+        **call,
+        "placeholders": [{**call["placeholders"][0], "var_id": "v-missing"}, call["placeholders"][1]],
+    }
+    out.append(seen(client.post(f"/v1/sessions/{sid}/calls", json=ghost, headers=auth)))
+    out.append(seen(client.delete(f"/v1/sessions/{sid}", headers=auth)))
+    return out
+
+
+def test_the_fake_manager_answers_as_the_real_one_does(fake, live):
+    with httpx.Client(transport=fake.transport(), base_url=URL) as client:
+        from_fake = _answers(client)
+    with httpx.Client(base_url=live.url, timeout=30) as client:
+        from_real = _answers(client)
+    assert from_fake == from_real
+    assert {code for _, code in from_real} >= {
+        "session_not_found",
+        "unauthorized",
+        "forbidden",
+        "variable_not_found",
+        "variable_not_pending",
+        "variable_has_producer",
+    }

@@ -18,6 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from parrot.manager.engine_loads import PlacedShare
 from parrot.manager.objectives import CallObjective
 from parrot.manager.scheduler import (
     POLICIES,
@@ -316,7 +317,7 @@ def test_executor_fast_path_matches_the_pure_scheduler(policy, monkeypatch):
 
     def checked_schedule(self: Scheduler, queue):
         got = pure_schedule(self, queue)
-        if self is executor._sched:  # the executor's state, not schedule()'s fresh one
+        if self is executor.loads.sched:  # the executor's state, not schedule()'s fresh one
             fresh = executor.snapshots()
             if {s.engine_id: s for s in self.engines} != {s.engine_id: s for s in fresh}:
                 problems.append(f"round {len(rounds)}: snapshots differ")
@@ -348,16 +349,16 @@ def test_executor_snapshots_follow_every_kind_of_change():
         tokenizer = TextTokenizer.byte_level_tiny()
 
         def in_sync() -> bool:
-            sched = executor._sync_engines()
+            sched = executor.loads.sync(executor.scheduler)
             return {s.engine_id: s for s in sched.engines} == {s.engine_id: s for s in executor.snapshots()}
 
         local = pool.register(SlowishEngine(tokenizer))
         remote = pool.register(SlowishEngine(tokenizer), url="http://fake")
         assert in_sync()
         executor.prefixes.record(local.engine_id, ["k"])  # a call with prefix key k was placed there
-        assert in_sync() and {s.engine_id: s.prefixes for s in executor._sched.engines}[local.engine_id] == {
-            "k"
-        }
+        assert in_sync() and {s.engine_id: s.prefixes for s in executor.loads.sched.engines}[
+            local.engine_id
+        ] == {"k"}
         executor.prefixes.forget_engine(local.engine_id)
         assert in_sync()
         pool.heartbeat(remote.engine_id, EngineStats(token_capacity=777))  # a new capacity
@@ -368,17 +369,17 @@ def test_executor_snapshots_follow_every_kind_of_change():
         assert in_sync()
         session = manager.create_session()[0]
         call = submit(manager, session, SYSTEM + "{{input:x}} {{output:y}}", x="1", y={"sampling": {}})
-        ticket = executor._queue[call.call_id]
-        ticket.tokens, ticket.engine = 50, local  # placed by hand: its load shows
-        executor._account(ticket, +1)
-        assert in_sync() and {s.token_load for s in executor._sched.engines} == {50, 0}
-        executor._account(ticket, -1)
+        assert call.call_id in executor._queue
+        share = PlacedShare(50, None, "latency", None)  # a call placed by hand: its load shows
+        executor.loads.account(local.engine_id, share, +1)
+        assert in_sync() and {s.token_load for s in executor.loads.sched.engines} == {50, 0}
+        executor.loads.account(local.engine_id, share, -1)
         assert in_sync()
         pool.drop(local.engine_id, "test")  # gone
         pool.register(SlowishEngine(tokenizer))  # and a new one
-        assert in_sync() and len(executor._sched.engines) == 2
+        assert in_sync() and len(executor.loads.sched.engines) == 2
         executor.scheduler = SchedulerConfig("no-affinity")  # reconfigured: state rebuilt
-        assert in_sync() and executor._sched.config.policy == "no-affinity"
+        assert in_sync() and executor.loads.sched.config.policy == "no-affinity"
         await executor.drain()
 
     asyncio.run(main())
@@ -411,7 +412,7 @@ def test_a_call_whose_task_is_cancelled_before_it_starts_is_not_lost():
         assert call.call_id in executor._placed
         manager.close_session(other)
         assert call.state == "failed" and not executor._placed and not executor._tasks
-        assert executor._usage[second.engine_id].load == 0
+        assert executor.loads.usage[second.engine_id].load == 0
         await executor.drain()
 
     asyncio.run(main())

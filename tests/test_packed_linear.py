@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from parrot.engine.model import LlamaModel, ModelConfig
-from parrot.engine.packed_linear import PackedLinear, packed_linear_available, prepack_linears
+from parrot.engine.packed_linear import PackedLinear, Projection, packed_linear_available, prepack_linears
 
 pytestmark = pytest.mark.skipif(
     not packed_linear_available(torch.empty(2, 2)), reason="this torch build has no oneDNN CPU ops"
@@ -43,12 +43,12 @@ def test_prepacked_model_gives_the_plain_models_logits_and_greedy_tokens() -> No
     assert packed.prepack() is True and packed.prepack() is True  # idempotent
     layers = packed.model.layers
     alone = [m for layer in layers for m in (layer.self_attn.o_proj, layer.mlp.down_proj)]
-    assert all(isinstance(m.__dict__.get("forward"), PackedLinear) for m in alone)
+    assert all(isinstance(m.packed, PackedLinear) for m in alone)
     fused_parts = []
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         fused_parts += [attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj]
-    assert fused_parts and not any("forward" in m.__dict__ for m in fused_parts)  # no second copy
+    assert fused_parts and not any(m.packed is not None for m in fused_parts)  # no second copy
     assert all(layer.self_attn.qkv is not None and layer.mlp.gate_up is not None for layer in layers)
 
     ids = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
@@ -67,7 +67,7 @@ def test_prepacked_model_gives_the_plain_models_logits_and_greedy_tokens() -> No
 def test_prepack_is_skipped_where_it_cannot_apply() -> None:
     model = LlamaModel.random_init(ModelConfig.tiny(), 0).double()
     assert model.prepack() is False
-    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert not any(isinstance(m, Projection) and m.packed is not None for m in model.modules())
     assert not packed_linear_available(torch.empty(2, 2, dtype=torch.float64))
     assert not packed_linear_available(torch.empty(2, 2, 2))
 
@@ -87,27 +87,27 @@ def test_bf16_packed_weights_keep_fp32_activations() -> None:
 def test_a_model_repacks_when_asked_for_another_dtype() -> None:
     model = LlamaModel.random_init(ModelConfig.tiny(), 1)
     assert model.prepack() and model.prepack(torch.bfloat16)
-    packed = [m.__dict__["forward"] for m in model.modules() if "forward" in m.__dict__]
+    packed = [m.packed for m in model.modules() if isinstance(m, Projection) and m.packed is not None]
     packed += [f for layer in model.model.layers for f in (layer.self_attn.qkv, layer.mlp.gate_up)]
     assert {p.dtype for p in packed} == {torch.bfloat16}
     assert model._packed_logits is not None and model._packed_logits.dtype == torch.bfloat16
     assert all(p.dtype == torch.float32 for p in model.parameters())  # the checkpoint is untouched
     model.prepack(torch.float32)
-    packed = [m.__dict__["forward"] for m in model.modules() if "forward" in m.__dict__]
+    packed = [m.packed for m in model.modules() if isinstance(m, Projection) and m.packed is not None]
     packed += [f for layer in model.model.layers for f in (layer.self_attn.qkv, layer.mlp.gate_up)]
     assert {p.dtype for p in packed} == {torch.float32}
 
 
 def test_prepack_linears_leaves_the_excluded_unpacked_and_drops_their_copies() -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    model = nn.Sequential(Projection(8, 8), Projection(8, 4), nn.Linear(4, 2))
     x = torch.randn(3, 8)
     with torch.no_grad():
         expected = model(x)
-        assert prepack_linears(model) == 2
+        assert prepack_linears(model) == 2  # a plain nn.Linear is left alone
         assert prepack_linears(model, exclude=[model[0]]) == 1
-        assert "forward" not in model[0].__dict__
-        assert isinstance(model[1].__dict__["forward"], PackedLinear)
+        assert model[0].packed is None
+        assert isinstance(model[1].packed, PackedLinear)
         assert rel_err(model(x), expected) < 1e-5
 
 

@@ -368,10 +368,10 @@ def test_a_tenant_idle_while_others_were_served_gains_no_credit():
         return Call("c", "s", None, parse_template("x {{output:y}}"), {}, {}, tenant=tenant)
 
     for _ in range(5):
-        executor._served(call("alice"))
-    now = executor._virtual_time
-    assert executor._tenant_finish["alice"] == now + 1
-    executor._served(call("bob"))  # bob starts at the current virtual time, not at 0
-    assert executor._tenant_finish["bob"] == now + 1
-    executor._served(call("alice"))
-    assert executor._tenant_finish == {"alice": now + 2, "bob": now + 1}
+        executor.order.served(call("alice"))
+    now = executor.order.virtual_time
+    assert executor.order.tenant_finish["alice"] == now + 1
+    executor.order.served(call("bob"))  # bob starts at the current virtual time, not at 0
+    assert executor.order.tenant_finish["bob"] == now + 1
+    executor.order.served(call("alice"))
+    assert executor.order.tenant_finish == {"alice": now + 2, "bob": now + 1}

@@ -85,6 +85,7 @@ def test_dict_round_trip_through_json(tiny: TextTokenizer) -> None:
         tiny.chat,
         tiny.vocab_size,
     )
+    assert copy.chat_template == tiny.chat_template and "im_start" in (copy.chat_template or "")
 
 
 @pytest.mark.parametrize(
@@ -95,6 +96,7 @@ def test_dict_round_trip_through_json(tiny: TextTokenizer) -> None:
         (lambda d: d.update(eos_token_ids=[10_000]), "eos_token_ids"),
         (lambda d: d.update(add_bos=True), "bos_token_id"),
         (lambda d: d.update(chat={"user_prefix": "x"}), "chat"),
+        (lambda d: d.update(chat_template=["not", "a", "string"]), "chat_template"),
     ],
 )
 def test_from_dict_rejects(tiny: TextTokenizer, mutate, needle: str) -> None:
@@ -237,3 +239,6 @@ def test_gguf_tokenizer_specials_and_chat(smol: TextTokenizer) -> None:
     assert smol.chat.default_system and "SmolLM" in smol.chat.default_system
     copy = TextTokenizer.from_dict(json.loads(json.dumps(smol.to_dict())))
     assert copy.encode(UNICODE) == smol.encode(UNICODE) and copy.chat == smol.chat
+    assert (
+        smol.chat_template and "im_start" in smol.chat_template and copy.chat_template == smol.chat_template
+    )

@@ -21,6 +21,8 @@ DEFAULT_MODEL = "smollm2"
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine's options, shared by ``serve`` and ``engine`` (a list of declarations:
+    its length is the number of options)."""
     p.add_argument(
         "--model",
         default=DEFAULT_MODEL,
@@ -82,7 +84,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-shared-attention",
         action="store_true",
-        help="plain per-sequence decode attention (forks still share KV blocks); for A/B runs",
+        help="plain per-sequence decode attention (forks still share KV blocks); to compare",
     )
 
 
@@ -191,6 +193,7 @@ def _tenant_config(args: argparse.Namespace) -> dict:
 
 
 def _parser() -> argparse.ArgumentParser:
+    """The command line (a list of declarations: its length is the number of options)."""
     parser = argparse.ArgumentParser(prog="parrot", description=__doc__)
     parser.add_argument("--log-level", default="info")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -298,6 +301,7 @@ def _parser() -> argparse.ArgumentParser:
 def _load_engine(args: argparse.Namespace):
     import torch
 
+    from parrot.engine.config import EngineConfig
     from parrot.engine.loader import LoadedModel, load_model
     from parrot.engine.local import LocalEngine
 
@@ -310,8 +314,7 @@ def _load_engine(args: argparse.Namespace):
         logging.getLogger("parrot").info("model %s loaded in %.2fs", loaded.name, time.perf_counter() - t0)
         return loaded
 
-    return LocalEngine(
-        load,
+    config = EngineConfig(
         max_step_tokens=args.max_step_tokens,
         token_capacity=args.token_capacity,
         kv_cache_tokens=args.kv_cache_tokens,
@@ -323,6 +326,7 @@ def _load_engine(args: argparse.Namespace):
         latency_target_ms=args.latency_target_ms,
         latency_cap=args.latency_cap,
     )
+    return LocalEngine(load, config)
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -9,7 +9,7 @@ bf16 weights when a call has at most :data:`MAX_ROWS` rows (prefill keeps oneDNN
 
 Available only where Parrot's C ops are built with AMX-BF16 (``-march=native`` on
 a CPU that has it) and Linux grants the tile state; ``PARROT_AMX=0`` turns it off
-(for A/B runs).  Results: x rounded to bf16, products accumulated in fp32, bias
+(to compare).  Results: x rounded to bf16, products accumulated in fp32, bias
 added in fp32, written in x's dtype.
 """
 

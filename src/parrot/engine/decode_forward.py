@@ -3,11 +3,10 @@
 On the fused path a decode step is a few hundred calls of Parrot's C ops (four
 projections, two norms, RoPE, SiLU and the attention kernels per layer), each
 wrapped in Python and PyTorch glue: views, argument checks, output allocation, the
-KV write, the partials' buffers.  At SmolLM2's size the C forward took the median
-decode step of ``benchmarks/shared_prompt_steps.py`` from 77.3 ms to 67.7 ms
-(``docs/engine.md``).
-:func:`run` makes the same calls from C in one go, with the step's attention plan
-converted once into index arrays, and returns the same bits as the Python path
+KV write, the partials' buffers.  At SmolLM2's size that glue is a sizeable share
+of a step (``docs/engine.md``, "Why the kernels exist").  :func:`run` makes the
+same calls from C in one go, with the step's attention plan converted once into
+index arrays, and returns the same bits as the Python path
 (every op is the same function with the same arguments, in the same order).
 
 It applies to a step when all of these hold (else :func:`run` returns None and the
@@ -19,7 +18,7 @@ weights, the AMX kernel (:mod:`parrot.engine.amx_linear`, at most its
 ``MAX_ROWS``), with fp32 norms; the attention plan runs on the C kernels only
 (:class:`~parrot.engine.attention.torch_impl.TorchDecodePlan` with ``kernel``, and
 ``shared_kernel`` if it has shared rows); and ``PARROT_DECODE_FORWARD`` is not
-``0`` (for A/B runs).
+``0`` (to compare).
 """
 
 from __future__ import annotations
@@ -70,7 +69,7 @@ class _Weights:
             entry.qkv, entry.o, entry.gate_up, entry.down = (
                 _kernel_copy(p, bf16).data_ptr() for p in (qkv, o, gate_up, down)
             )
-            bias = qkv._amx_bias if bf16 else qkv.bias  # what each kernel gets from Python
+            bias = qkv.amx_bias if bf16 else qkv.bias  # what each kernel gets from Python
             entry.qkv_bias = None if bias is None else self._hold(bias.contiguous())
         final = model.model.norm
         self.final_norm, self.final_eps = self._hold(final.weight.detach().contiguous()), final.eps
@@ -97,9 +96,9 @@ def _packed_layers(model: LlamaModel) -> tuple[list[PackedLinear], bool] | None:
         attn, mlp = layer.self_attn, layer.mlp
         parts = (
             attn.qkv,
-            attn.o_proj.__dict__.get("forward"),
+            attn.o_proj.packed,
             mlp.gate_up,
-            mlp.down_proj.__dict__.get("forward"),
+            mlp.down_proj.packed,
         )
         for p in parts:
             if not isinstance(p, PackedLinear) or (p.f32 is None) == (p.amx is None):
@@ -119,14 +118,14 @@ def _weights(model: LlamaModel) -> _Weights | None:
     if found is None or model.model.norm.weight.dtype != torch.float32:
         return None
     packed, bf16 = found
-    cached: _Weights | None = model.__dict__.get("_decode_forward_weights")
+    cached = model.decode_tables if isinstance(model.decode_tables, _Weights) else None
     if (
         cached is None
         or len(cached.packed) != len(packed)
         or any(a is not b for a, b in zip(cached.packed, packed, strict=True))
     ):
         cached = _Weights(model, packed, bf16)
-        model.__dict__["_decode_forward_weights"] = cached
+        model.decode_tables = cached
     return cached
 
 
@@ -167,12 +166,27 @@ def _attention(plan: TorchDecodePlan, batch: int) -> tuple[_Attention, list[Tens
     return a, keep
 
 
+def c_forward_mode(model: LlamaModel, cache: PagedKVCache) -> str | None:
+    """The kernels the C forward would run this model's decode steps on over ``cache``
+    (``"f32"``: Parrot's fp32 kernel; ``"amx-bf16"``: the AMX kernel), or None when it
+    cannot run them at all (not built, switched off, weights or cache it does not take)."""
+    if os.environ.get("PARROT_DECODE_FORWARD", "1") == "0" or native.library() is None:
+        return None
+    if cache.k.dtype not in (torch.float32, torch.bfloat16) or cache.k.device.type != "cpu":
+        return None
+    weights = _weights(model)
+    if weights is None:
+        return None
+    return "amx-bf16" if weights.bf16 else "f32"
+
+
 def run(
     model: LlamaModel, input_ids: Tensor, positions: Tensor, attn: PagedStepAttention, cache: PagedKVCache
 ) -> Tensor | None:
     """The step's final hidden states [T, D] through the C forward, or None when it does
     not apply (see the module docstring); ``attn`` is the step's attention backend
-    and ``cache`` its KV cache."""
+    and ``cache`` its KV cache.  Its length is the applicability checks and the C
+    call's arguments, in order."""
     if os.environ.get("PARROT_DECODE_FORWARD", "1") == "0":
         return None
     if attn.chunks or not attn.num_decode or input_ids.numel() != attn.num_decode:

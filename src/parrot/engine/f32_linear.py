@@ -6,14 +6,12 @@ other at those sizes; the C kernel reads each weight from a panel layout packed
 for it (:func:`pack`) and prefetches the next panel while it computes, so the two
 overlap.  :class:`~parrot.engine.packed_linear.PackedLinear` keeps this copy
 beside oneDNN's and sends fp32 calls of at most :data:`MAX_ROWS` rows here
-(``benchmarks/linear_step.py``: all of SmolLM2's projections of one step, on the
-2-core Xeon of this project, with the packed weights on 2 MiB pages
-(:mod:`parrot.engine.hugepages`): 1.32x faster than oneDNN at 32 rows, 1.36x at
-64, 1.20x at 128; in an inline run with the row limit raised, 1.03x at 256 and
-0.96x at 512 rows, so larger calls keep oneDNN; ``docs/engine.md``).
+(it is faster than oneDNN up to about that many rows and no faster beyond, so
+prefill chunks keep oneDNN: ``docs/engine.md``, "Why the kernels exist").  Its
+packed weights sit on 2 MiB pages (:mod:`parrot.engine.hugepages`).
 
 Available where Parrot's C ops are built with AVX-512F (``-march=native`` on a CPU
-that has it); ``PARROT_F32_LINEAR=0`` turns it off (for A/B runs).  Each output is
+that has it); ``PARROT_F32_LINEAR=0`` turns it off (to compare).  Each output is
 one fp32 sum over the input features in order plus the bias, the same whatever
 the number of rows or threads.
 """
@@ -32,7 +30,8 @@ from parrot.engine.linear_args import check_linear_args
 
 __all__ = ["MAX_ROWS", "F32Weight", "available", "linear", "pack"]
 
-# Calls with more rows (prefill chunks) go to oneDNN, which is as fast or faster there.
+# Calls with more rows (prefill chunks) go to oneDNN, which is as fast or faster there
+# (``benchmarks/linear_step.py``).
 MAX_ROWS = 256
 
 

@@ -7,9 +7,8 @@ dtype), RoPE on q and k inside the fused q/k/v output, and SwiGLU's
 fp32 like the PyTorch chains (results differ only by rounding order) and take
 only what :func:`applies` accepts: contiguous CPU tensors, with
 :mod:`parrot.engine.native` built.  The model checks that once per forward and
-otherwise runs its PyTorch code.  (A first fused ``silu(gate) * up`` with a scalar
-``expf`` made prefill slower than PyTorch's vectorised SiLU; this one uses the
-vector ``exp`` of ``csrc/simd.h`` on AVX-512.)
+otherwise runs its PyTorch code.  SiLU uses the vector ``exp`` of ``csrc/simd.h``
+on AVX-512: a scalar ``expf`` would be slower than PyTorch's vectorised SiLU.
 """
 
 from __future__ import annotations

@@ -40,7 +40,8 @@ def create_engine_app(
     engine: LocalEngine, *, cluster_secret: str | None, max_body_bytes: int = 64 * 1024 * 1024
 ) -> FastAPI:
     """The engine's app.  ``cluster_secret`` None leaves the engine API open: only for an
-    engine that nothing but its own process can reach (``parrot engine`` always has one)."""
+    engine that nothing but its own process can reach (``parrot engine`` always has one).
+    Its length is its routes, each a few lines."""
 
     async def require_secret(
         presented: Annotated[str | None, Header(alias=CLUSTER_SECRET_HEADER)] = None,

@@ -4,13 +4,10 @@ A decode step reads every weight once (hundreds of MiB) and the KV cache at
 scattered rows; with 4 KiB pages each few KiB of that is a TLB miss and a page
 walk.  Linux's transparent huge pages are commonly in ``madvise`` mode: memory gets
 2 MiB pages only when asked with ``madvise(MADV_HUGEPAGE)`` before it is first
-touched.  On the 2-core Xeon of this project they made the decode steps of
-``benchmarks/shared_prompt_steps.py`` about 2% faster (median 77.3 ms against
-79.0-79.3 ms with ``PARROT_HUGEPAGES=0``, two runs each).  The chunks below also
-keep many weights contiguous: the fp32 kernel's weights, first allocated one by
-one, measured bimodal (0.97x-1.83x of oneDNN's time at 64 rows in
-``benchmarks/linear_step.py``) and steady once carved from chunks, with or
-without huge pages (``docs/engine.md``).
+touched.  The chunks below also keep many weights contiguous: weights allocated
+one by one land wherever the allocator puts them, and the fp32 kernel's speed
+then varied from run to run; carved from chunks it is steady, with or without
+huge pages (measurements: ``docs/engine.md``, "Why the kernels exist").
 
 * :func:`advise` asks for the 2 MiB-aligned interior of a tensor not yet touched
   (e.g. the KV cache right after ``torch.empty``);
@@ -19,7 +16,7 @@ without huge pages (``docs/engine.md``).
   each are all on huge pages without padding each one to 2 MiB.
 
 Elsewhere (no Linux ``madvise``, a non-CPU tensor) and with ``PARROT_HUGEPAGES=0``
-(for A/B runs) both fall back to plain memory: huge pages are an optimisation,
+(to compare) both fall back to plain memory: huge pages are an optimisation,
 never required.  Invariant: a tensor from
 :func:`empty` never overlaps another one; a chunk is freed when the last tensor
 carved from it is.

@@ -72,9 +72,8 @@ the evaluation's workloads (a prompt of a few hundred tokens and its output) mus
 MIN_GROWTH = 0.05
 """A fit must show the step time growing by at least this fraction across the loads it saw, which
 must span an octave at least: otherwise the timings cannot place the cap (it would lie far beyond
-them) and nothing is fitted.  Flat timings also mean something else dominated every step: on a
-2-core machine shared with a busy process, every step of the tiny model took ~150 ms whatever its
-load."""
+them) and nothing is fitted.  Flat timings also mean something else dominated every step (a
+busy process sharing the cores makes every step slow whatever its load)."""
 
 WINDOW = 32
 """Decode steps kept per load bucket (the most recent)."""
@@ -301,6 +300,8 @@ def _settled(times: dict[int, list[float]]) -> bool:
 
 def probe(runner: EngineRunner) -> StepFit | None:
     """Measure decode steps at a few loads on fabricated contexts; fit them (worker thread, idle engine).
+    One sequence of steps (fabricate, step, clean up in a ``finally``), kept in one
+    function so that the clean-up sees everything made.
 
     Nothing is prefilled: each fabricated context gets token ids, KV blocks
     for all but its last token (zeroed, so they are committed memory) and is
@@ -321,7 +322,7 @@ def probe(runner: EngineRunner) -> StepFit | None:
     """
     started = time.perf_counter()
     latency = runner.latency
-    if runner._running or runner._waiting:
+    if runner.has_work():
         return latency.fit
     most = max(PROBE_SEQS)
     pool, contexts, cache = runner.pool, runner.contexts, runner.cache
@@ -339,7 +340,7 @@ def probe(runner: EngineRunner) -> StepFit | None:
     try:
         import torch
 
-        from parrot.engine.runner import Job
+        from parrot.engine.jobs import Job
 
         for i in range(most):
             cid = _PROBE_CONTEXT_BASE - i
@@ -365,15 +366,13 @@ def probe(runner: EngineRunner) -> StepFit | None:
                 if not ctx.num_pending:
                     contexts.append(ctx, [(3 * i + ctx.length) % vocab])
                 ctx.busy = True
-                runner._running.append(Job(ctx.context_id, None, internal=True, ctx=ctx))
+                runner.planner.running.append(Job(ctx.context_id, None, internal=True, ctx=ctx))
             latency.last = None
             runner._forward()
             if latency.last is not None:
                 times[n].append(latency.last[1])
-            if runner._running:  # not expected: every fabricated job finishes in its step
-                for job in runner._running:
-                    job.ctx.busy = False  # type: ignore[union-attr]
-                runner._running = []
+            if runner.planner.running:  # not expected: every fabricated job finishes in its step
+                runner.planner.take_all()
                 return latency.fit
     finally:
         for cid in made:

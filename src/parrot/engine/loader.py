@@ -44,7 +44,7 @@ from parrot.protocol.tokenizer import TextTokenizer
 logger = logging.getLogger(__name__)
 
 DEFAULT_ALIAS = "smollm2"
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2  # 2: the tokenizer keeps the chat template
 _CACHE_WEIGHTS = "model.safetensors"
 _CACHE_TOKENIZER = "parrot_tokenizer.json"
 _TINY = re.compile(r"tiny(?::(-?\d+))?\Z")

@@ -22,10 +22,7 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-import torch
-
-from parrot.engine.block_pool import DEFAULT_BLOCK_SIZE
-from parrot.engine.latency_probe import LATENCY_FACTOR
+from parrot.engine.config import EngineConfig
 from parrot.engine.loader import LoadedModel
 from parrot.engine.runner import EngineRunner, Job
 from parrot.protocol.errors import BadRequest, ParrotError
@@ -66,24 +63,19 @@ class _LoopMailbox:
 
 
 class LocalEngine:
-    """See :class:`~parrot.engine.runner.EngineRunner` for the options: ``max_step_tokens``
-    (tokens per forward step), ``token_capacity`` (sum of running contexts' lengths;
-    see :meth:`set_token_capacity`), ``share_prefix`` (shared-prefix decode attention;
-    False for baselines), ``prefix_cache`` (automatic prefix caching), ``block_size``,
-    and the KV pool's size as ``kv_cache_tokens`` or ``kv_cache_bytes`` (default: 2 GiB worth of tokens, see
-    :mod:`parrot.engine.kv_store`), ``weight_dtype`` (bf16 packed GEMM weights) and
-    ``kv_dtype`` (a bf16 KV cache).
+    """An engine in this process: an :class:`~parrot.engine.runner.EngineRunner` on its
+    own thread, configured by an :class:`~parrot.engine.config.EngineConfig` (``config``,
+    with keyword ``options`` naming its fields replacing them).
 
     The latency cap the engine reports (:mod:`parrot.engine.latency_probe`):
     with ``latency_probe`` the engine's thread times nine or more decode steps
     on fabricated contexts right after building the runner, before the
-    constructor returns (no prefill; tens of milliseconds on the tiny model,
-    under a second on SmolLM2 on 2 cores, at most ``PROBE_BUDGET_S``).  It
-    runs while nothing else in the process does, so its timings are as clean
-    as the machine allows (run while the server started, it measured nothing
-    usable).  Real decode steps refine the fit.  ``latency_factor`` /
-    ``latency_target_ms`` set the step time the cap keeps to; ``latency_cap``
-    fixes the reported cap instead (no probe then).
+    constructor returns (no prefill; at most ``PROBE_BUDGET_S``).  It runs
+    while nothing else in the process does, so its timings are as clean as the
+    machine allows (run while the server started, it measured nothing usable).
+    Real decode steps refine the fit.  ``latency_factor`` / ``latency_target_ms``
+    set the step time the cap keeps to; ``latency_cap`` fixes the reported cap
+    instead (no probe then).
 
     ``loaded`` may be a function that loads the model: it then runs on the engine's
     own thread, like everything else the engine does with torch (see
@@ -93,39 +85,15 @@ class LocalEngine:
     def __init__(
         self,
         loaded: LoadedModel | Callable[[], LoadedModel],
-        *,
-        max_step_tokens: int = 512,
-        token_capacity: int | None = None,
-        share_prefix: bool = True,
-        prefix_cache: bool = True,
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        kv_cache_tokens: int | None = None,
-        kv_cache_bytes: int | None = None,
-        weight_dtype: torch.dtype | None = None,
-        kv_dtype: torch.dtype | None = None,
-        latency_probe: bool = True,
-        latency_factor: float = LATENCY_FACTOR,
-        latency_target_ms: float | None = None,
-        latency_cap: int | None = None,
+        config: EngineConfig | None = None,
+        **options: Any,
     ):
+        cfg = EngineConfig.of(config, options)
+
         def make() -> EngineRunner:
             model = loaded if isinstance(loaded, LoadedModel) else loaded()
-            runner = EngineRunner(
-                model,
-                max_step_tokens=max_step_tokens,
-                token_capacity=token_capacity,
-                share_prefix=share_prefix,
-                prefix_cache=prefix_cache,
-                block_size=block_size,
-                kv_cache_tokens=kv_cache_tokens,
-                kv_cache_bytes=kv_cache_bytes,
-                weight_dtype=weight_dtype,
-                kv_dtype=kv_dtype,
-                latency_factor=latency_factor,
-                latency_target_ms=latency_target_ms,
-                latency_cap=latency_cap,
-            )
-            if latency_probe and latency_cap is None:
+            runner = EngineRunner(model, cfg)
+            if cfg.latency_probe and cfg.latency_cap is None:
                 try:
                     runner.probe_latency()
                 except Exception:  # never fatal: the cap stays unknown until real steps are timed

@@ -2,24 +2,22 @@
 
 ``F.linear`` on CPU hands an fp32 weight to MKL in its plain ``[out, in]``
 layout on every call.  oneDNN can instead reorder a weight once into the
-blocked layout its GEMM kernels read directly; on the 2-core EPYC of this
-project that is ~3x faster at decode sizes (16 rows: 0.24 -> 0.08 ms for a
-576 x 1536 weight) and ~2.4x at prefill sizes (512 rows), with fp32 accuracy
-(relative error vs float64 ~4e-7, like the plain path's ~3e-7; results differ
-from the plain path only by rounding order).
+blocked layout its GEMM kernels read directly, which is several times faster at
+decode and prefill sizes (``docs/engine.md``, "Why the kernels exist"), with
+fp32 accuracy (results differ from the plain path only by rounding order).
 
-:func:`prepack_linears` packs every ``nn.Linear`` of a model (and the logits
-projection, tied or not) in place: each module keeps its ``weight`` (checkpoints,
-other devices and tests still see the plain tensor) and gets a packed copy that
-its ``forward`` uses.  Packing is idempotent and is skipped (returns 0) where it
+:func:`prepack_linears` packs every :class:`Projection` (the ``nn.Linear`` the
+model is built of) in place: each keeps its ``weight`` (checkpoints, other
+devices and tests still see the plain tensor) and gets a packed copy that its
+``forward`` uses.  Packing is idempotent and is skipped (returns 0) where it
 cannot apply: oneDNN missing, a non-CPU weight, or a dtype other than fp32 / bf16.
 The packed copy doubles the weights' memory (adds half as much as bf16).
 
 ``dtype=torch.bfloat16`` packs bf16 copies of fp32 weights: the GEMMs then read
-half the bytes and use the CPU's bf16 dot products (2-4x faster again here),
-with inputs rounded to bf16 and fp32 accumulation; the residual stream, norms,
-attention and KV cache stay fp32.  That is a precision choice (greedy outputs
-can differ from fp32's), so it is opt-in: ``parrot serve --weight-dtype bfloat16``.
+half the bytes and use the CPU's bf16 dot products, with inputs rounded to bf16
+and fp32 accumulation; the residual stream, norms, attention and KV cache stay fp32.
+That is a precision choice (greedy outputs can differ from fp32's), so it is opt-in:
+``parrot serve --weight-dtype bfloat16``.
 Where Parrot's AMX kernel runs (:mod:`parrot.engine.amx_linear`), a bf16 layer
 also keeps the kernel's packed copy and sends calls of at most
 ``amx_linear.MAX_ROWS`` rows (decode steps) there; likewise an fp32 layer where
@@ -32,11 +30,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from parrot.engine import amx_linear, f32_linear, native
 
-__all__ = ["PackedLinear", "packed_linear_available", "prepack_linears"]
+__all__ = ["PackedLinear", "Projection", "packed_linear_available", "prepack_linears"]
 
 # The batch size oneDNN tunes the packed layout for; measured on this machine, a
 # hint of 16 is as fast as the exact size from 4 to 512 rows (1 row: the same).
@@ -80,11 +79,11 @@ class PackedLinear:
         if self._f32_lib is not None:
             self.f32 = f32_linear.pack(weight, lib=self._f32_lib)
         self.amx: amx_linear.AmxWeight | None = None  # the AMX kernel's copy (bf16 only)
-        self._amx_bias: Tensor | None = None
+        self.amx_bias: Tensor | None = None  # the bias as the AMX kernel takes it (fp32)
         self._amx_lib = native.library() if self.dtype == torch.bfloat16 and amx_linear.available() else None
         if self._amx_lib is not None:
             self.amx = amx_linear.pack(weight, lib=self._amx_lib)
-            self._amx_bias = None if bias is None else bias.detach().float()
+            self.amx_bias = None if bias is None else bias.detach().float()
 
     def __call__(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.in_features:
@@ -98,32 +97,49 @@ class PackedLinear:
             and x.shape[0] <= amx_linear.MAX_ROWS
             and x.dtype in (torch.float32, torch.bfloat16)
         ):
-            return amx_linear.linear(x, self.amx, self._amx_bias, lib=self._amx_lib)
+            return amx_linear.linear(x, self.amx, self.amx_bias, lib=self._amx_lib)
         if x.dtype == self.dtype:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         y = torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.packed, self.bias, "none", [], "")
         return y.to(x.dtype)
 
 
+class Projection(nn.Linear):
+    """An ``nn.Linear`` that runs through its packed copy when it has one (``packed``,
+    set by :func:`prepack_linears`).  Its parameters, and so its checkpoint entries, are
+    ``nn.Linear``'s: the packed copy is derived from them and never saved."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.packed: PackedLinear | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        packed = self.packed
+        return F.linear(x, self.weight, self.bias) if packed is None else packed(x)
+
+
 def prepack_linears(
     model: nn.Module, dtype: torch.dtype | None = None, *, exclude: Iterable[nn.Module] = ()
 ) -> int:
-    """Pack every ``nn.Linear`` in ``model`` whose weight allows it, as ``dtype``
-    (default: the weight's); returns how many modules now run packed.  Safe to call
-    again: a module already packed as ``dtype`` is kept, one packed otherwise is
-    repacked.  Modules in ``exclude`` (e.g. ones the caller packs fused) are left
-    unpacked, and a packed copy they had is dropped."""
+    """Pack every :class:`Projection` in ``model`` whose weight allows it, as ``dtype``
+    (default: the weight's); returns how many now run packed.  Safe to call again: a
+    projection already packed as ``dtype`` is kept, one packed otherwise is repacked.
+    Projections in ``exclude`` (e.g. ones the caller packs fused) are left unpacked,
+    and a packed copy they had is dropped.  Plain ``nn.Linear`` modules are left as
+    they are."""
     skip = {id(m) for m in exclude}
     count = 0
     for module in model.modules():
-        if id(module) in skip:
-            module.__dict__.pop("forward", None)
+        if not isinstance(module, Projection):
             continue
-        if not isinstance(module, nn.Linear) or not packed_linear_available(module.weight):
+        if id(module) in skip:
+            module.packed = None
+            continue
+        if not packed_linear_available(module.weight):
             continue
         want = module.weight.dtype if dtype is None else dtype
-        current = module.__dict__.get("forward")
-        if not (isinstance(current, PackedLinear) and current.dtype == want):
-            module.forward = PackedLinear(module.weight, module.bias, dtype=want)  # instance attribute wins
+        current = module.packed
+        if current is None or current.dtype != want:
+            module.packed = PackedLinear(module.weight, module.bias, dtype=want)
         count += 1
     return count

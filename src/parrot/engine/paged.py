@@ -31,20 +31,11 @@ from dataclasses import dataclass
 import torch
 
 from parrot.engine.attention import DecodePlan, Segment, paged_decode_attention, plan_decode_attention
-from parrot.engine.contexts import Context
 from parrot.engine.kv_store import PagedKVCache
 from parrot.engine.prefill_attention import prefill_attention
 from parrot.engine.prefill_sharing import SharedPrefill, plan_shared_prefill
 from parrot.engine.prefix_tree import decode_runs
-
-
-@dataclass
-class SeqSlice:
-    """The new tokens of one sequence in a step: absolute positions [start, start + n)."""
-
-    ctx: Context
-    start: int
-    n: int
+from parrot.engine.step_planner import SeqSlice
 
 
 @dataclass
@@ -154,7 +145,7 @@ class PagedStepAttention:
             return out
         kv_heads, dim = k.shape[1], k.shape[2]
         # A bf16 cache on CPU: prefill attention runs in bf16 (the keys and values are
-        # bf16 already; the queries are rounded), 2-3x faster than fp32 here.
+        # bf16 already; the queries are rounded): faster than widening them to fp32.
         adt = torch.bfloat16 if k_layer.dtype == torch.bfloat16 and q.device.type == "cpu" else q.dtype
         for c in self.chunks:
             kk = k_layer.index_select(0, c.blocks).view(-1, kv_heads, dim)[: c.total].to(adt)

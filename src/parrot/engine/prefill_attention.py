@@ -3,8 +3,8 @@
 The chunk's queries sit at absolute positions ``[start, start + n)`` and read
 keys ``[0, start + n)``: every key before ``start`` fully, the chunk's own keys
 causally.  A single masked attention over all ``start + n`` keys materialises
-an ``[n, start + n]`` score matrix per head (158 ms a layer for a 2,000-token
-prompt on this 2-core CPU).  On CPU this module instead makes two calls to
+an ``[n, start + n]`` score matrix per head, which for long prompts costs more
+than the attention itself.  On CPU this module instead makes two calls to
 PyTorch's fused flash-attention kernel, which never materialises the scores and
 also returns each row's log-sum-exp:
 
@@ -15,8 +15,9 @@ also returns each row's log-sum-exp:
   top-left, which is right for a square block);
 
 and merges them exactly: with ``m = max(lse_a, lse_b)``,
-``out = (out_a e^(lse_a - m) + out_b e^(lse_b - m)) / (e^(lse_a - m) + e^(lse_b - m))``.
-(33 ms a layer for the 2,000-token prompt; the same result up to fp32 rounding.)
+``out = (out_a e^(lse_a - m) + out_b e^(lse_b - m)) / (e^(lse_a - m) + e^(lse_b - m))``
+(the same result up to fp32 rounding, several times faster on long prompts:
+``docs/engine.md``, "Why the kernels exist").
 Elsewhere (CUDA, other dtypes, a PyTorch without the kernel) it falls back to
 the masked :func:`~parrot.engine.kv_store.grouped_attention`.
 """

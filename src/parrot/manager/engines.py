@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import itertools
 import secrets
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from parrot.protocol import clock
 from parrot.protocol.engine_api import EngineAPI
 from parrot.protocol.errors import NotFound
 from parrot.protocol.schemas import EngineStats
@@ -36,7 +36,7 @@ class EngineHandle:
     name: str | None = None
     url: str | None = None  # None: in-process
     alive: bool = True
-    last_heartbeat: float = field(default_factory=time.monotonic)
+    last_heartbeat: float = field(default_factory=clock.monotonic)
     stats: EngineStats = field(default_factory=EngineStats)
 
     @property
@@ -88,7 +88,7 @@ class EnginePool:
         """Record an engine's stats (a remote engine's heartbeat, or a poll of an
         in-process one); raises NotFound for an engine that is not registered."""
         handle = self.get(engine_id)
-        handle.last_heartbeat = time.monotonic()
+        handle.last_heartbeat = clock.monotonic()
         handle.stats = stats
         handle.alive = True  # it answers again, if it had been suspected
         return handle
@@ -110,7 +110,7 @@ class EnginePool:
 
     def drop_stale(self, now: float | None = None) -> list[str]:
         """Drop remote engines whose last heartbeat is too old; returns their ids."""
-        now = time.monotonic() if now is None else now
+        now = clock.monotonic() if now is None else now
         stale = [
             h.engine_id
             for h in self._engines.values()

@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
+from parrot.protocol import clock
 from parrot.protocol.errors import CallFailed, Conflict, CycleError, ParrotError
 from parrot.protocol.sampling import SamplingParams
 from parrot.protocol.template import Template
+
+if TYPE_CHECKING:
+    from parrot.manager.render import Rendered
 
 VarState = Literal["pending", "ready", "failed"]
 CallState = Literal["waiting", "ready", "running", "done", "failed"]
@@ -43,6 +46,17 @@ class _Paths:
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{next(_ids):x}"
+
+
+@dataclass(frozen=True)
+class PreRendered:
+    """A call's engine steps rendered at submit for ``model`` on the engine of that model
+    with the longest context (``max_seq_len``), so that the prompt's length is checked
+    before the call is accepted and not tokenized again when it is placed there."""
+
+    model: str
+    rendered: Rendered
+    max_seq_len: int
 
 
 @dataclass(eq=False)
@@ -114,16 +128,16 @@ class Call:
     objective: str | None = None  # deduced: "latency" | "throughput"
     task_group: str | None = None
     placement: str | None = None  # the scheduler's reason for its engine
-    # (model, Rendered, that engine's max_seq_len) when rendered at submit; dropped once the
-    # call ends (the executor has its own copy while it runs)
-    rendered: tuple[str, object, int] | None = None
+    # its prompt when rendered at submit (inputs already known); dropped once the call
+    # ends (the executor has its own copy while it runs)
+    rendered: PreRendered | None = None
     # its prefix keys, once final (see parrot.manager.prefix.prefix_keys)
     prefix_cache: tuple[str, ...] | None = field(default=None, repr=False)
     # (_Paths.epoch, effective_producers()) as last computed
     fanin_cache: tuple[int, tuple[str, ...]] | None = field(default=None, repr=False)
     prompt_tokens: int | None = None
     generated_tokens: int = 0
-    submitted_at: float = field(default_factory=time.time)
+    submitted_at: float = field(default_factory=clock.wall)
     # submission order, process-wide (a batch's calls in op order): a session's program order
     seq: int = field(default_factory=lambda: next(_seqs), repr=False)
     dispatched_at: float | None = None  # placed on an engine
@@ -169,10 +183,10 @@ class Session:
     token_hash: bytes
     variables: dict[str, Variable] = field(default_factory=dict)
     calls: dict[str, Call] = field(default_factory=dict)
-    created_at: float = field(default_factory=time.time)
+    created_at: float = field(default_factory=clock.wall)
     closed: bool = False
-    # time.monotonic() of the last request that presented its token (idle sessions expire)
-    last_active: float = field(default_factory=time.monotonic)
+    # clock.monotonic() of the last request that presented its token (idle sessions expire)
+    last_active: float = field(default_factory=clock.monotonic)
     tenant: str = "anonymous"  # whose API key opened it (parrot.manager.tenants)
     value_bytes: int = 0  # client-supplied values it holds (counted against its tenant's quota)
 
@@ -268,7 +282,7 @@ def fail_call(call: Call, error: ParrotError) -> None:
             continue
         c.state = "failed"
         c.error = err
-        c.finished_at = time.time()
+        c.finished_at = clock.wall()
         for out in c.outputs.values():
             var = out.var
             if var.state != "pending":

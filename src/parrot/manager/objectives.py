@@ -175,7 +175,9 @@ _DEFAULT_OBJECTIVE = CallObjective("latency", None, DEFAULT_REASON)  # immutable
 
 
 def deduce(calls: Iterable[CallLike | CallNode]) -> dict[str, CallObjective]:
-    """Label every call of a downward-closed set (see the module docstring).
+    """Label every call of a downward-closed set (see the module docstring).  One
+    function on purpose: it runs in every scheduling round for each changed session,
+    and its local lists and closures keep it fast (``docs/manager_overhead.md``).
 
     Returns ``{call_id: CallObjective}`` for every given call.  Raises
     ValueError on a duplicate call id, an unknown criteria value, or a cycle.

@@ -45,7 +45,6 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
@@ -54,7 +53,9 @@ from fastapi.responses import StreamingResponse
 from pydantic import Field
 
 from parrot.manager.graph import Call, Session, Variable
-from parrot.manager.service import Manager, error_info
+from parrot.manager.service import Manager
+from parrot.manager.views import error_info
+from parrot.protocol import clock
 from parrot.protocol.asgi import OffLoopJsonRoute, bearer_token
 from parrot.protocol.errors import BadRequest, CallFailed, EngineError, NoEngine, ParrotError
 from parrot.protocol.sampling import SamplingParams
@@ -128,8 +129,9 @@ def _check_supported(req: CompletionRequest) -> None:
         raise BadRequest("stream_options needs stream=true", code="invalid_request")
 
 
-def sampling_of(req: CompletionRequest) -> SamplingParams:
-    """Parrot sampling settings for an OpenAI request (raises InvalidSampling, 400)."""
+def sampling_of(req: Any, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> SamplingParams:
+    """Parrot sampling settings for an OpenAI request (a completion's or a chat's, which
+    share these fields; raises InvalidSampling, 400)."""
     top_k = req.top_k
     if top_k is None or top_k == -1:  # vLLM's "disabled"
         top_k = 0
@@ -139,7 +141,7 @@ def sampling_of(req: CompletionRequest) -> SamplingParams:
     elif isinstance(stop, str):
         stop = (stop,)
     return SamplingParams(
-        max_tokens=DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens,
+        max_tokens=default_max_tokens if req.max_tokens is None else req.max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=top_k,
@@ -150,33 +152,42 @@ def sampling_of(req: CompletionRequest) -> SamplingParams:
     )
 
 
-def _check_model(manager: Manager, model: str | None) -> None:
+def check_model(manager: Manager, model: str | None) -> None:
     if not manager.pool.candidates(model):
         known = sorted({h.model for h in manager.pool if h.alive})
         what = f"model {model!r}" if model else "any model"
         raise NoEngine(f"no live engine serves {what}; served models: {known or 'none'}")
 
 
-class _Completion:
-    """One completion: its internal session and call; closes the session exactly once."""
+class Completion:
+    """One completion (``chat``: a chat completion): its internal session and call, and its
+    answers in OpenAI's shapes; closes the session exactly once."""
 
-    def __init__(self, manager: Manager, req: CompletionRequest, session: Session, call: Call):
+    def __init__(self, manager: Manager, model: str | None, session: Session, call: Call, *, chat: bool):
         self.manager = manager
-        self.requested_model = req.model
-        self.max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-        self.created = int(time.time())
+        self.requested_model = model
+        self.max_tokens = call.outputs["text"].sampling.max_tokens
+        self.created = int(clock.wall())
         self.session: Session | None = session
         self.call = call
         self.var: Variable = call.outputs["text"].var
-        self.id = f"cmpl-{call.call_id}"
+        self.chat = chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{call.call_id}"
 
     @classmethod
-    async def open(cls, manager: Manager, req: CompletionRequest, tenant: str) -> _Completion:
-        """Validate ``req``, then submit its call in an internal session of ``tenant``'s (the
-        prompt tokenized off the event loop when long: :meth:`Manager.run_tokenized`)."""
-        sampling = sampling_of(req)  # validate before creating anything
-        prompt = _prompt_text(req)
-        _check_model(manager, req.model)
+    async def open(
+        cls,
+        manager: Manager,
+        prompt: str,
+        sampling: SamplingParams,
+        model: str | None,
+        tenant: str,
+        *,
+        chat: bool,
+    ) -> Completion:
+        """Submit ``prompt``'s call in an internal session of ``tenant``'s (the prompt
+        tokenized off the event loop when long: :meth:`Manager.run_tokenized`)."""
+        check_model(manager, model)
         session, token = manager.create_session(tenant)
         submit = SubmitCall(
             template=COMPLETION_TEMPLATE,
@@ -184,8 +195,8 @@ class _Completion:
                 PlaceholderBinding(name="prompt", direction="input", value=prompt),
                 PlaceholderBinding(name="text", direction="output", sampling=sampling.to_dict()),
             ],
-            name="openai.completion",
-            model=req.model,
+            name="openai.chat" if chat else "openai.completion",
+            model=model,
         )
         try:
             call = await manager.run_tokenized(
@@ -194,7 +205,7 @@ class _Completion:
         except BaseException:
             manager.close_session(session)
             raise
-        return cls(manager, req, session, call)
+        return cls(manager, model, session, call, chat=chat)
 
     @property
     def model(self) -> str:
@@ -232,13 +243,41 @@ class _Completion:
         completion = self.call.generated_tokens
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    def chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def chunk(self, text: str, finish_reason: str | None, *, role: bool = False) -> dict[str, Any]:
+        """A streamed piece of the answer (``role``: a chat stream's first, naming the role)."""
+        if not self.chat:
+            choice = {"text": text, "index": 0, "finish_reason": finish_reason, "logprobs": None}
+            return self._envelope("text_completion", choice)
+        delta: dict[str, str] = {"role": "assistant"} if role else {}
+        if text or role:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        return self._envelope("chat.completion.chunk", choice)
+
+    def body(self, text: str) -> dict[str, Any]:
+        """The whole answer, when not streamed."""
+        if not self.chat:
+            out = self.chunk(text, self.finish_reason())
+        else:
+            message = {"role": "assistant", "content": text}
+            choice = {"index": 0, "message": message, "finish_reason": self.finish_reason(), "logprobs": None}
+            out = self._envelope("chat.completion", choice)
+        out["usage"] = self.usage()
+        return out
+
+    def usage_chunk(self) -> dict[str, Any]:
+        """The last chunk of a stream with ``stream_options.include_usage``: no choices."""
+        out = self._envelope("chat.completion.chunk" if self.chat else "text_completion", None)
+        out["usage"] = self.usage()
+        return out
+
+    def _envelope(self, kind: str, choice: dict[str, Any] | None) -> dict[str, Any]:
         return {
             "id": self.id,
-            "object": "text_completion",
+            "object": kind,
             "created": self.created,
             "model": self.model,
-            "choices": [{"text": text, "index": 0, "finish_reason": finish_reason, "logprobs": None}],
+            "choices": [] if choice is None else [choice],
         }
 
     def close(self) -> None:
@@ -291,27 +330,35 @@ def openai_router(manager: Manager) -> APIRouter:
     async def completions(req: CompletionRequest, request: Request) -> Any:
         tenant = manager.api_keys.tenant(bearer_token(request.headers.get("authorization")))
         _check_supported(req)
-        comp = await _Completion.open(manager, req, tenant)
-        if req.stream:
-            include_usage = bool((req.stream_options or {}).get("include_usage"))
-            return StreamingResponse(
-                _stream(comp, include_usage),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        try:
-            if not await _unless_disconnected(request, comp.wait_value()):
-                return Response(status_code=499)  # nobody reads it; closing the session cancels the call
-            await comp.wait_call()
-            if comp.var.state != "ready":
-                raise comp.error()
-            body = comp.chunk(comp.var.value or "", comp.finish_reason())
-            body["usage"] = comp.usage()
-            return body
-        finally:
-            comp.close()
+        sampling = sampling_of(req)  # validate before creating anything
+        prompt = _prompt_text(req)
+        comp = await Completion.open(manager, prompt, sampling, req.model, tenant, chat=False)
+        return await answer(comp, request, req.stream, req.stream_options)
 
     return router
+
+
+async def answer(
+    comp: Completion, request: Request, stream: bool, stream_options: dict[str, Any] | None
+) -> Any:
+    """The response to a submitted completion: SSE chunks when ``stream``, else the whole
+    answer once ready; the internal session is closed however it ends."""
+    if stream:
+        include_usage = bool((stream_options or {}).get("include_usage"))
+        return StreamingResponse(
+            _stream(comp, include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    try:
+        if not await _unless_disconnected(request, comp.wait_value()):
+            return Response(status_code=499)  # nobody reads it; closing the session cancels the call
+        await comp.wait_call()
+        if comp.var.state != "ready":
+            raise comp.error()
+        return comp.body(comp.var.value or "")
+    finally:
+        comp.close()
 
 
 DISCONNECT_POLL_S = 0.25
@@ -336,7 +383,7 @@ async def _unless_disconnected(request: Request, work: Awaitable[None]) -> bool:
                 await task
 
 
-async def _stream(comp: _Completion, include_usage: bool) -> AsyncIterator[bytes]:
+async def _stream(comp: Completion, include_usage: bool) -> AsyncIterator[bytes]:
     """SSE chunks of the output as it is generated; the session is closed however it ends
     (including the client going away, which cancels the call).
 
@@ -346,6 +393,8 @@ async def _stream(comp: _Completion, include_usage: bool) -> AsyncIterator[bytes
     with an ``engine_error`` event otherwise."""
     try:
         var = comp.var
+        if comp.chat:
+            yield _sse(comp.chunk("", None, role=True))
         sent = ""  # text already sent
         failed: ParrotError | None = None
         while True:
@@ -370,10 +419,7 @@ async def _stream(comp: _Completion, include_usage: bool) -> AsyncIterator[bytes
                     yield _sse(comp.chunk(value[len(sent) :], None))
                 yield _sse(comp.chunk("", comp.finish_reason()))
                 if include_usage:
-                    usage = comp.chunk("", None)
-                    usage["choices"] = []
-                    usage["usage"] = comp.usage()
-                    yield _sse(usage)
+                    yield _sse(comp.usage_chunk())
         elif failed is None:
             failed = comp.error()
         if failed is not None:

@@ -74,6 +74,17 @@ def prefix_keys(call: Call) -> list[str]:
     return keys
 
 
+def leading_text_key(call: Call) -> str | None:
+    """The key of the call's leading constant text (its first boundary), when its
+    prompt starts with text followed by another piece; None otherwise.  This text
+    is the same for every call of the template, whatever its inputs, so it is the
+    prefix the executor counts once per engine."""
+    pieces = user_pieces(call)
+    if len(pieces) < 2 or not isinstance(pieces[0], Text):
+        return None
+    return prefix_keys(call)[0]  # a text piece's boundary needs no input value
+
+
 class PrefixIndex:
     """Per engine, the prefix keys of the calls placed there most recently (at most
     ``keys_per_engine``, least recently placed dropped first)."""

@@ -26,7 +26,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from parrot.manager.graph import Call, OutputSpec, Variable
-from parrot.manager.prefix import prefix_keys, user_pieces
+from parrot.manager.prefix import leading_text_key, user_pieces
 from parrot.manager.tokens import NeedsTokenizing, TokenSource, utf8_len
 from parrot.protocol.errors import BadRequest, ContextTooLong
 from parrot.protocol.template import Piece, Placeholder, Template, Text
@@ -86,7 +86,7 @@ class Rendered:
     steps: list[Step]
     # (prefix key, its tokens) of the leading constant text (a system prompt), when the
     # template starts with one: the part of the prompt that calls of the same template
-    # share whatever their inputs; key as the first of parrot.manager.prefix.prefix_keys
+    # share whatever their inputs; key: parrot.manager.prefix.leading_text_key
     constant_prefix: tuple[str, int] | None = None
 
     @property
@@ -210,12 +210,11 @@ def _leading_constant(
 ) -> tuple[str, int] | None:
     """(key, tokens) of the template's leading constant text, if it starts with one;
     raises NeedsTokenizing when ``tokens`` deferred its tokenization."""
-    if not pieces or not isinstance(pieces[0], Text) or len(pieces) < 2:
+    key = leading_text_key(call)
+    first = pieces[0] if pieces else None
+    if key is None or not isinstance(first, Text):
         return None
-    keys = prefix_keys(call)
-    if not keys:
-        return None
-    count = _constant_tokens(tokenizer, before + pieces[0].text, tokens)
+    count = _constant_tokens(tokenizer, before + first.text, tokens)
     if count is None:
         raise NeedsTokenizing(f"call {call.call_id}: its system prompt is being tokenized")
-    return keys[0], count
+    return key, count

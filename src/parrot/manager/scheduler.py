@@ -109,6 +109,10 @@ keeps them between rounds and is told which engines changed, so a round of
 a busy manager (few calls, a few changed engines, many engines) costs
 O(changed engines · log E) before its first decision.  It runs the same code
 and returns the same placements.
+
+Length: this module is one algorithm, the pure function and the class that keeps
+its state between rounds (property tests hold them to each other); its
+vocabulary lives in :mod:`parrot.manager.scheduler_types`.
 """
 
 from __future__ import annotations
@@ -116,138 +120,39 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
 
-from parrot.manager.objectives import CallObjective
-
-Mode = Literal["latency", "throughput"]
-Policy = Literal["parrot", "no-affinity", "no-deduction", "baseline-latency", "baseline-throughput"]
-POLICIES: tuple[Policy, ...] = (
-    "parrot",
-    "no-affinity",
-    "no-deduction",
-    "baseline-latency",
-    "baseline-throughput",
+from parrot.manager.scheduler_types import (  # the scheduler's vocabulary, re-exported
+    CAP_SCOPES,
+    DEFAULT_LATENCY_CAP_TOKENS,
+    IN_ROUND,
+    MODES,
+    POLICIES,
+    CapScope,
+    EngineSnapshot,
+    Mode,
+    Placement,
+    Policy,
+    QueuedCall,
+    Reason,
+    SchedulerConfig,
 )
-Reason = Literal[
-    "task-group",
-    "task-group-spill",
-    "prefix-spill",
-    "prefix-queued",
-    "prefix-engine",
-    "find-engine",
-    "find-engine-mixed",
-    "fifo",
+
+__all__ = [
+    "CAP_SCOPES",
+    "DEFAULT_LATENCY_CAP_TOKENS",
+    "POLICIES",
+    "CapScope",
+    "EngineSnapshot",
+    "Mode",
+    "Placement",
+    "Policy",
+    "QueuedCall",
+    "Reason",
+    "Scheduler",
+    "SchedulerConfig",
+    "schedule",
+    "unservable",
 ]
-CapScope = Literal["mixed", "all"]
-CAP_SCOPES: tuple[CapScope, ...] = ("mixed", "all")
-_MODES = ("latency", "throughput", None)
-
-DEFAULT_LATENCY_CAP_TOKENS = 6144
-"""An engine's latency cap when it reports none: the paper's figure (LLaMA-13B, A100)."""
-
-_IN_ROUND = 1 << 62
-"""Recency of the first placement of a round: above every snapshot's ``last_assigned``."""
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSnapshot:
-    """What the scheduler knows of one engine at the start of a round.
-
-    ``mode`` is the kind of work it runs now: ``"latency"`` if any running
-    call is latency-sensitive (its cap is then ``cap_L``), ``"throughput"`` if
-    it runs only throughput work, None if idle.  ``token_load`` counts KV
-    tokens of work running or already assigned there.  ``latency_cap_tokens``
-    is the engine's own latency cap (measured by the engine; the paper's
-    6,144 for one that reports none).  ``last_assigned``: when the engine was
-    last given a call, on the caller's monotone clock (0: never; must stay
-    below 2**62); of two equally loaded engines the smaller value wins.
-    """
-
-    engine_id: str
-    model: str
-    max_seq_len: int
-    token_capacity: int
-    token_load: int = 0
-    mode: Mode | None = None
-    task_groups: frozenset[str] = frozenset()
-    prefixes: frozenset[object] = frozenset()
-    alive: bool = True
-    latency_cap_tokens: int = DEFAULT_LATENCY_CAP_TOKENS
-    last_assigned: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.engine_id:
-            raise ValueError("engine_id must be non-empty")
-        if self.max_seq_len <= 0 or self.token_capacity <= 0:
-            raise ValueError(f"engine {self.engine_id}: max_seq_len and token_capacity must be positive")
-        if self.token_load < 0:
-            raise ValueError(f"engine {self.engine_id}: token_load must be >= 0")
-        if self.mode not in _MODES:
-            raise ValueError(f"engine {self.engine_id}: mode must be one of {_MODES}, got {self.mode!r}")
-        if self.latency_cap_tokens <= 0:
-            raise ValueError(f"engine {self.engine_id}: latency_cap_tokens must be positive")
-        if not 0 <= self.last_assigned < _IN_ROUND:
-            raise ValueError(f"engine {self.engine_id}: last_assigned must lie in [0, 2**62)")
-
-
-@dataclass(frozen=True, slots=True)
-class QueuedCall:
-    """A ready call waiting for an engine.
-
-    ``model`` None: any engine.  ``prefix_hashes``: hashes of the prompt's
-    prefixes at variable boundaries, outermost (shortest) first.  ``tokens``:
-    estimated KV tokens (prompt + max new tokens).  ``topo_rank``: an integer
-    order in which producers come before consumers (then arrival).
-    """
-
-    call_id: str
-    model: str | None
-    objective: CallObjective
-    prefix_hashes: tuple[object, ...] = ()
-    tokens: int = 1
-    topo_rank: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.call_id:
-            raise ValueError("call_id must be non-empty")
-        if self.tokens <= 0:
-            raise ValueError(f"call {self.call_id}: tokens must be positive, got {self.tokens}")
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    """``latency_cap_tokens``: the operator's latency cap for every engine (None: each
-    engine's own, ``EngineSnapshot.latency_cap_tokens``); ``throughput_cap``: the same
-    for throughput work (None: each engine's token capacity).  ``latency_cap_scope``:
-    what the latency cap bounds under the non-baseline policies, ``"all"`` (every engine
-    running latency work: the paper's rule, the default) or ``"mixed"`` (only latency and
-    throughput work meeting on an engine).  ``affinity_spill``: a task group or the sharers
-    of a prefix may spread to a less loaded engine (steps 1 and 2 of the module docstring)."""
-
-    policy: Policy = "parrot"
-    latency_cap_tokens: int | None = None
-    throughput_cap: int | None = None
-    latency_cap_scope: CapScope = "all"
-    affinity_spill: bool = False
-
-    def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.latency_cap_scope not in CAP_SCOPES:
-            raise ValueError(f"latency_cap_scope must be one of {CAP_SCOPES}, got {self.latency_cap_scope!r}")
-        if self.latency_cap_tokens is not None and self.latency_cap_tokens <= 0:
-            raise ValueError("latency_cap_tokens must be positive (or None)")
-        if self.throughput_cap is not None and self.throughput_cap <= 0:
-            raise ValueError("throughput_cap must be positive (or None)")
-
-
-@dataclass(frozen=True, slots=True)
-class Placement:
-    call_id: str
-    engine_id: str
-    reason: Reason
 
 
 # ------------------------------------------------------------------ helpers
@@ -380,7 +285,7 @@ class Scheduler:
         self._round_groups: dict[object, dict[str, _Eng]] = {}
         self._round_prefixes: dict[object, dict[str, _Eng]] = {}
         self._touched: list[_Eng] = []
-        self._recency = _IN_ROUND  # the next placement's recency within the running round
+        self._recency = IN_ROUND  # the next placement's recency within the running round
 
     # -- what it knows of the engines
     @property
@@ -670,7 +575,7 @@ class Scheduler:
             e.version = next(self._versions)
             self._push(e)
         self._touched.clear()
-        self._recency = _IN_ROUND
+        self._recency = IN_ROUND
         self._round_groups.clear()
         self._round_prefixes.clear()
         if self._pushes > 4 * len(self._engs) + 64:
@@ -714,7 +619,7 @@ class Scheduler:
         else None."""
         if not self.affinity_spill:
             return None
-        other = self._least_loaded(c, kind, _MODES)
+        other = self._least_loaded(c, kind, MODES)
         if other is None or other is home:
             return None
         bound = home.load if kind == "latency" else min(home.load, self._lat(other.snap))

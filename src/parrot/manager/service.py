@@ -10,6 +10,10 @@ check and its last change.  Long text they must tokenize (a value's length, a
 prompt rendered at submit) is tokenized off the event loop when they are run
 through :meth:`Manager.run_tokenized` (see :mod:`parrot.manager.tokens`); called
 directly they tokenize everything themselves.
+
+(Over 500 lines: one class of operations on sessions, variables and calls that
+share one validation discipline; its settings are in :mod:`parrot.manager.config`,
+what clients see of the graph in :mod:`parrot.manager.views`.)
 """
 
 from __future__ import annotations
@@ -19,17 +23,18 @@ import hashlib
 import hmac
 import logging
 import secrets
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar
 
+from parrot.manager.config import ManagerConfig
 from parrot.manager.engines import EngineHandle, EnginePool
 from parrot.manager.executor import Executor
 from parrot.manager.graph import (
     Call,
     Criteria,
     OutputSpec,
+    PreRendered,
     Session,
     Variable,
     fail_call,
@@ -41,8 +46,9 @@ from parrot.manager.graph import (
 from parrot.manager.prefix import PrefixIndex
 from parrot.manager.render import check_chat_shape, check_starts_with_text, render
 from parrot.manager.scheduler import SchedulerConfig
-from parrot.manager.tenants import ANONYMOUS, ApiKeys, Quotas, TenantBook, cache_salt
-from parrot.manager.tokens import INLINE_TOKENIZE_BYTES, NeedsTokenizing, TokenSource, utf8_len
+from parrot.manager.tenants import ANONYMOUS, ApiKeys, TenantBook, cache_salt
+from parrot.manager.tokens import NeedsTokenizing, TokenSource, utf8_len
+from parrot.protocol import clock
 from parrot.protocol.errors import (
     BindingError,
     CallFailed,
@@ -54,14 +60,7 @@ from parrot.protocol.errors import (
     Unauthorized,
 )
 from parrot.protocol.sampling import SamplingParams
-from parrot.protocol.schemas import (
-    CallInfo,
-    EngineStats,
-    ErrorInfo,
-    PlaceholderBinding,
-    SubmitCall,
-    VariableInfo,
-)
+from parrot.protocol.schemas import EngineStats, PlaceholderBinding, SubmitCall
 from parrot.protocol.template import parse_template
 from parrot.protocol.tokenizer import TextTokenizer
 from parrot.protocol.transforms import parse_transforms
@@ -88,63 +87,8 @@ class StagedCall:
     criteria: dict[str, Criteria]  # output name -> criteria to put on its variable when added
 
 
-@dataclass
-class ManagerConfig:
-    max_body_bytes: int = 8 * 1024 * 1024
-    heartbeat_interval_s: float = 2.0
-    heartbeat_timeout_s: float = 10.0
-    # a template's leading constant text (a system prompt) of at least this many tokens
-    # counts once in an engine's load however many calls there share it
-    min_prefix_tokens: int = 32
-    # prefix keys remembered per engine, to place calls where their prefix is cached
-    affinity_keys_per_engine: int = 4096
-    # a call whose engine is lost is re-run elsewhere (at most this many tries), waiting up to
-    # engine_wait_s for another engine of its model
-    max_attempts: int = 3
-    engine_wait_s: float = 30.0
-    # scheduling (the paper's Algorithm 1): policy, the token load under which every engine
-    # keeps per-token latency low (None: each engine's own measured cap), an engine's
-    # capacity when it does not report one, and how long a ready call may wait for an engine
-    policy: str = "parrot"
-    latency_cap_tokens: int | None = None
-    # what the latency cap bounds ("all": every engine running latency work, the paper's rule;
-    # "mixed": latency and throughput work meeting on an engine) and whether a task group or
-    # the sharers of a prefix may spread to a less loaded engine (scheduler.SchedulerConfig)
-    latency_cap_scope: str = "all"
-    # the secret engines and operators present (parrot.protocol.cluster); None: no remote
-    # engines can register, and GET /v1/engines shows everyone the public view only
-    cluster_secret: str | None = None
-    # a CA bundle that verifies https engines' certificates (None: the system's trust store)
-    tls_ca_file: str | None = None
-    affinity_spill: bool = False
-    engine_token_capacity: int = 32768
-    queue_timeout_s: float | None = 600.0
-    # a session nobody used for this long (seconds) with no call queued or running is
-    # closed, its variables dropped and its engine contexts freed; None: never
-    session_ttl_s: float | None = 3600.0
-    # application-level FIFO: a queued call ranks by its session's first queued call (a
-    # chain's next step keeps its application's place); False ranks each call by its own
-    # arrival, as the request-level baseline policies always do
-    app_fifo: bool = True
-    # tenants (parrot.manager.tenants): API key -> tenant name (None or empty: no keys, every
-    # client is the anonymous tenant), what each tenant may hold at once, and who may share
-    # cached prompt prefixes ("tenant": calls of one tenant; "global": everyone's)
-    api_keys: dict[str, str] | None = None
-    quotas: Quotas = field(default_factory=Quotas)
-    prefix_sharing: str = "tenant"
-    # text of at most this many UTF-8 bytes is tokenized on the event loop, longer text in a
-    # worker thread (parrot.manager.tokens); None: everything on the loop
-    inline_tokenize_bytes: int | None = INLINE_TOKENIZE_BYTES
-
-
 def _hash_token(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
-
-
-def error_info(err: ParrotError | None) -> ErrorInfo | None:
-    if err is None:
-        return None
-    return ErrorInfo(code=err.code, message=err.message, detail=err.detail)
 
 
 class Manager:
@@ -263,7 +207,7 @@ class Manager:
             raise Unauthorized("missing session token: send 'Authorization: Bearer <token>'")
         if not hmac.compare_digest(session.token_hash, _hash_token(token)):
             raise Forbidden(f"the token does not open session {session_id}")
-        session.last_active = time.monotonic()
+        session.last_active = clock.monotonic()
         return session
 
     def expire_idle_sessions(self, now: float | None = None) -> list[str]:
@@ -274,7 +218,7 @@ class Manager:
         ttl = self.config.session_ttl_s
         if ttl is None:
             return []
-        now = time.monotonic() if now is None else now
+        now = clock.monotonic() if now is None else now
         expired = [
             s
             for s in self.sessions.values()
@@ -427,9 +371,9 @@ class Manager:
             self.executor.graph_changed(session.session_id)
 
     async def wait_variable(self, var: Variable, wait_s: float) -> None:
-        deadline = time.monotonic() + min(max(wait_s, 0.0), MAX_WAIT_S)
+        deadline = clock.monotonic() + min(max(wait_s, 0.0), MAX_WAIT_S)
         while var.state == "pending":
-            left = deadline - time.monotonic()
+            left = deadline - clock.monotonic()
             if left <= 0:
                 return
             await var.wait_change(left)
@@ -570,44 +514,7 @@ class Manager:
             rendered = render(call, longest.api.tokenizer, longest.max_seq_len, self._tokens)
         except NeedsTokenizing:
             return  # put off until it is tokenized (settle_tokens stops the operation)
-        call.rendered = (longest.model, rendered, longest.max_seq_len)
-
-    # -------------------------------------------------------- introspection
-    @staticmethod
-    def var_info(var: Variable) -> VariableInfo:
-        return VariableInfo(
-            var_id=var.var_id,
-            name=var.name,
-            state=var.state,
-            value=var.value,
-            error=error_info(var.error),
-            producer=var.producer.call_id if var.producer else None,
-            consumers=[c.call_id for c in var.consumers],
-        )
-
-    @staticmethod
-    def call_info(call: Call) -> CallInfo:
-        return CallInfo(
-            call_id=call.call_id,
-            name=call.name,
-            state=call.state,
-            inputs={
-                n: (v.var_id if isinstance(v, Variable) else "<constant>") for n, v in call.inputs.items()
-            },
-            outputs={n: o.var.var_id for n, o in call.outputs.items()},
-            engine_id=call.engine_id,
-            objective=call.objective,  # type: ignore[arg-type]
-            task_group=call.task_group,
-            placement=call.placement,
-            error=error_info(call.error),
-            prompt_tokens=call.prompt_tokens,
-            generated_tokens=call.generated_tokens,
-            submitted_at=call.submitted_at,
-            dispatched_at=call.dispatched_at,
-            started_at=call.started_at,
-            first_token_at=call.first_token_at,
-            finished_at=call.finished_at,
-        )
+        call.rendered = PreRendered(longest.model, rendered, longest.max_seq_len)
 
 
 def value_bytes(value: str | None) -> int:

@@ -239,6 +239,11 @@ class EngineStats(BaseModel):
     )
     decode_ms_target: float = Field(default=0.0, description="The step time the cap keeps to (ms).")
     decode_steps_fitted: int = Field(default=0, description="Decode steps behind the fit.")
+    decode_path: str = Field(
+        default="",
+        max_length=64,
+        description="How the engine computes its steps, chosen when it started (e.g. c-forward/amx-bf16).",
+    )
 
     @model_validator(mode="after")
     def _non_negative(self) -> EngineStats:

@@ -7,7 +7,9 @@ tiny random test model, and it travels between processes as a JSON-able dict
 (:meth:`TextTokenizer.to_dict` / :meth:`TextTokenizer.from_dict`).
 
 The ``tokenizers`` package is imported lazily, so importing this module is
-cheap for processes that only pass tokenizer dicts around.
+cheap for processes that only pass tokenizer dicts around.  (Over 500 lines: the
+three builders, Hugging Face, GGUF and the tiny model, each read one format's
+fields; the chat markup lives in :mod:`parrot.protocol.chat_format`.)
 
 Invariants of a :class:`TextTokenizer`:
 
@@ -28,19 +30,37 @@ Invariants of a :class:`TextTokenizer`:
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from parrot.protocol.chat_format import ChatFormat, detect_chat_format
+
 if TYPE_CHECKING:  # pragma: no cover
     import tokenizers
+
+__all__ = [
+    "TINY_CHAT_TEMPLATE",
+    "TINY_SPECIAL_TOKENS",
+    "TINY_VOCAB_SIZE",
+    "ChatFormat",
+    "IncrementalDecoder",
+    "TextTokenizer",
+    "detect_chat_format",
+]
 
 #: Vocabulary size of :meth:`TextTokenizer.byte_level_tiny` (256 bytes + 3 specials).
 TINY_VOCAB_SIZE = 259
 TINY_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""The tiny test model's chat template: ChatML, as Hugging Face models write it in Jinja."""
 
 _DICT_FORMAT = "parrot-tokenizer/1"
 
@@ -74,97 +94,6 @@ _KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Digits", "Split"}
 _KEEPING_SPLITS = {"Isolated", "Contiguous", "MergedWithPrevious", "MergedWithNext"}
 
 
-# --------------------------------------------------------------------------- chat markup
-
-
-@dataclass(frozen=True)
-class ChatFormat:
-    """Chat markup of a model, enough to wrap one user prompt into one turn.
-
-    The text given to the model is ``before + prompt + between`` and the model's
-    answer follows.  ``before`` is ``[system_prefix + default_system + turn_end]
-    + user_prefix`` (the system turn only when ``default_system`` is set) and
-    ``between`` is ``turn_end + assistant_prefix``.
-    """
-
-    system_prefix: str
-    user_prefix: str
-    assistant_prefix: str
-    turn_end: str
-    default_system: str | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("system_prefix", "user_prefix", "assistant_prefix", "turn_end"):
-            if not isinstance(getattr(self, name), str):
-                raise ValueError(f"ChatFormat.{name} must be a string")
-        if self.default_system is not None and not isinstance(self.default_system, str):
-            raise ValueError("ChatFormat.default_system must be a string or None")
-
-    def wrap(self, prompt_before_output: str = "") -> tuple[str, str]:
-        """Return ``(before, between)`` for a user prompt.
-
-        ``before`` goes in front of ``prompt_before_output`` and ``between``
-        between it and the generated output.  The wrapping does not depend on
-        the prompt's content, so the argument may be omitted.
-        """
-        if not isinstance(prompt_before_output, str):
-            raise ValueError("wrap() takes the prompt text")
-        before = self.user_prefix
-        if self.default_system:
-            before = self.system_prefix + self.default_system + self.turn_end + before
-        return before, self.turn_end + self.assistant_prefix
-
-    @classmethod
-    def chatml(cls, default_system: str | None = None) -> ChatFormat:
-        return cls(
-            system_prefix="<|im_start|>system\n",
-            user_prefix="<|im_start|>user\n",
-            assistant_prefix="<|im_start|>assistant\n",
-            turn_end="<|im_end|>\n",
-            default_system=default_system,
-        )
-
-    @classmethod
-    def llama3(cls, default_system: str | None = None) -> ChatFormat:
-        return cls(
-            system_prefix="<|start_header_id|>system<|end_header_id|>\n\n",
-            user_prefix="<|start_header_id|>user<|end_header_id|>\n\n",
-            assistant_prefix="<|start_header_id|>assistant<|end_header_id|>\n\n",
-            turn_end="<|eot_id|>",
-            default_system=default_system,
-        )
-
-    @classmethod
-    def inst(cls) -> ChatFormat:
-        """LLaMA-2 / Mistral ``[INST] prompt [/INST]`` (no system turn)."""
-        return cls(system_prefix="", user_prefix="[INST] ", assistant_prefix="", turn_end=" [/INST]")
-
-
-_CHATML_SYSTEM = re.compile(r"<\|im_start\|>system(?:\n|\\n)([^{}'\"+<>]+?)<\|im_end\|>")
-_LLAMA3_SYSTEM = re.compile(
-    r"<\|start_header_id\|>system<\|end_header_id\|>(?:\n|\\n){2}([^{}'\"+<>]+?)<\|eot_id\|>"
-)
-
-
-def detect_chat_format(vocab: Iterable[str], chat_template: str | None = None) -> ChatFormat | None:
-    """Pick the chat markup from the vocabulary (and the Jinja template, if any).
-
-    A literal default system prompt in the template (SmolLM2, Qwen2) becomes
-    ``default_system``.
-    """
-    vocab = set(vocab)
-    template = chat_template or ""
-    if "<|im_start|>" in vocab:
-        m = _CHATML_SYSTEM.search(template)
-        return ChatFormat.chatml(m.group(1) if m else None)
-    if "<|start_header_id|>" in vocab:
-        m = _LLAMA3_SYSTEM.search(template)
-        return ChatFormat.llama3(m.group(1) if m else None)
-    if "[INST]" in vocab or "[INST]" in template:
-        return ChatFormat.inst()
-    return None
-
-
 # --------------------------------------------------------------------------- tokenizer
 
 
@@ -179,6 +108,7 @@ class TextTokenizer:
         bos_token_id: int | None = None,
         add_bos: bool = False,
         chat: ChatFormat | None = None,
+        chat_template: str | None = None,
     ) -> None:
         from tokenizers import Tokenizer
 
@@ -201,6 +131,10 @@ class TextTokenizer:
         if chat is not None and not isinstance(chat, ChatFormat):
             raise ValueError("chat must be a ChatFormat or None")
         self.chat: ChatFormat | None = chat
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise ValueError("chat_template must be a string or None")
+        # the model's own Jinja chat template (parrot.protocol.chat_template renders it)
+        self.chat_template: str | None = chat_template or None
 
     # -- core -----------------------------------------------------------------
 
@@ -319,6 +253,7 @@ class TextTokenizer:
             "bos_token_id": self.bos_token_id,
             "add_bos": self.add_bos,
             "chat": None if self.chat is None else asdict(self.chat),
+            "chat_template": self.chat_template,
         }
 
     @classmethod
@@ -342,6 +277,7 @@ class TextTokenizer:
             bos_token_id=data.get("bos_token_id"),
             add_bos=bool(data.get("add_bos", False)),
             chat=chat,
+            chat_template=data.get("chat_template"),
         )
 
     # -- builders -------------------------------------------------------------
@@ -360,7 +296,12 @@ class TextTokenizer:
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in TINY_SPECIAL_TOKENS])
         eot = tok.token_to_id("<|endoftext|>")
         im_end = tok.token_to_id("<|im_end|>")
-        return cls(tok.to_str(), eos_token_ids=(eot, im_end), chat=ChatFormat.chatml())
+        return cls(
+            tok.to_str(),
+            eos_token_ids=(eot, im_end),
+            chat=ChatFormat.chatml(),
+            chat_template=TINY_CHAT_TEMPLATE,
+        )
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> TextTokenizer:
@@ -404,14 +345,20 @@ class TextTokenizer:
         chat = detect_chat_format(vocab, template if isinstance(template, str) else None)
         eos.extend(_turn_end_ids(chat, vocab))
         return cls(
-            text, eos_token_ids=eos, bos_token_id=bos, add_bos=bool(add_bos) and bos is not None, chat=chat
+            text,
+            eos_token_ids=eos,
+            bos_token_id=bos,
+            add_bos=bool(add_bos) and bos is not None,
+            chat=chat,
+            chat_template=template if isinstance(template, str) else None,
         )
 
     @classmethod
     def from_gguf_metadata(cls, reader: Any) -> TextTokenizer:
         """From a ``gguf.GGUFReader`` of a GPT-2-style byte-level BPE model
         (``tokenizer.ggml.model == "gpt2"``).  Control tokens (type 3) become
-        special tokens, user-defined ones (type 4) plain added tokens."""
+        special tokens, user-defined ones (type 4) plain added tokens.  One reading
+        of the file's fields after another: long, not deep."""
         from tokenizers import AddedToken, Tokenizer
 
         fields = reader.fields
@@ -483,10 +430,18 @@ class TextTokenizer:
         vocab = {t: i for i, t in enumerate(tokens)}
         bos = meta("tokenizer.ggml.bos_token_id")
         eos = [meta(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
-        chat = detect_chat_format(tokens, meta("tokenizer.chat_template"))
+        template = meta("tokenizer.chat_template")
+        chat = detect_chat_format(tokens, template)
         eos_ids = [i for i in eos if i is not None] + _turn_end_ids(chat, vocab)
         add_bos = bool(meta("tokenizer.ggml.add_bos_token", False)) and bos is not None
-        return cls(tok.to_str(), eos_token_ids=eos_ids, bos_token_id=bos, add_bos=add_bos, chat=chat)
+        return cls(
+            tok.to_str(),
+            eos_token_ids=eos_ids,
+            bos_token_id=bos,
+            add_bos=add_bos,
+            chat=chat,
+            chat_template=template if isinstance(template, str) else None,
+        )
 
 
 # --------------------------------------------------------------------------- incremental decode

@@ -61,7 +61,8 @@ def _is_index_tensor(t: object) -> bool:
 
 
 def validate_segments(segments: Sequence[Segment], batch_size: int, num_blocks: int, block_size: int) -> None:
-    """Raise ValueError unless ``segments`` describe a well-formed decode batch.
+    """Raise ValueError unless ``segments`` describe a well-formed decode batch (one
+    check after another, each with its own message: long, not deep).
 
     Checks every structural invariant of :class:`Segment` (types, ``0 <= start <
     block_size``, ``length >= 1``, ``nb == ceil((start + length) / block_size)``,

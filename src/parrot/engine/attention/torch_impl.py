@@ -1,4 +1,6 @@
-"""PyTorch paged decode attention (CPU-fast; also runs on CUDA).
+"""PyTorch paged decode attention (CPU-fast; also runs on CUDA).  One module over 500
+lines on purpose: the plan built once per step and the three row kinds it
+dispatches to share their buffers and partial-result layout.
 
 Both modes reduce the batch to *rows*: a row is a run of keys (flat token
 indices into the cache viewed as ``[num_blocks * block_size, KVH, D]``) and the
@@ -52,9 +54,8 @@ __all__ = ["TorchDecodePlan", "compute_dtype", "cpu_flash_attention", "torch_pag
 
 # Budgets, in elements, for the gathered K (and V) of one piece and for its score
 # matrix.  1 Mi fp32 elements = 4 MiB (256 tokens of 32 x 128 heads): the gathered
-# K and V of a piece stay in L3 while its GEMMs / GEMVs read them.  Measured on the
-# 2-core EPYC (benchmarks/attention_decode.py, batch 32, 1 thread): 2^20 beats 2^18,
-# 2^19, 2^21, 2^22 and 2^23 for both modes (per-sequence: 315 ms vs 514 ms at 2^22).
+# K and V of a piece stay in L3 while its GEMMs / GEMVs read them (the best of the
+# powers of two from 2^18 to 2^23 in benchmarks/attention_decode.py).
 KV_BUDGET = 1 << 20
 SCORE_BUDGET = 1 << 20
 # Budget, in elements, for the padded K (and V) of all batched single-query rows

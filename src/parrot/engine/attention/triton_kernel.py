@@ -63,7 +63,9 @@ def interpret_requested() -> bool:
 
 
 def _kernels() -> dict[str, Any]:
-    """Import triton and define the kernels (once per interpreter mode)."""
+    """Import triton and define the kernels (once per interpreter mode).  Long on purpose:
+    the kernels are defined inside it so that triton is imported only when a kernel
+    is first used, never when the package is."""
     mode = interpret_requested()
     if mode in _KERNELS:
         return _KERNELS[mode]
@@ -76,6 +78,8 @@ def _kernels() -> dict[str, Any]:
             "use backend='torch' or 'auto' without it"
         ) from exc
 
+    # One kernel, written as the module docstring describes it: its length is its
+    # argument list and one tiled loop.
     @triton.jit
     def _segment_partials(
         q_ptr, sqb, sqh, sqd,

@@ -1,0 +1,74 @@
+"""``python -m benchmarks.sim``: the suite's workloads on simulated engines, side by side.
+
+Prints, per workload, each system's mean app latency (virtual seconds) and the ratio
+of each system's to the first's, and writes the runs as JSON (``--out``).  Runs are
+deterministic: the same arguments give the same numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.sim.driver import SYSTEMS, simulate
+from benchmarks.suite.workloads import FIGURES, generate
+
+from parrot.protocol.tokenizer import TextTokenizer
+from parrot.sim.cost import SMOLLM2_BF16_XEON2
+
+COSTS = {"smollm2-bf16-xeon2": SMOLLM2_BF16_XEON2}
+
+
+def _tokenizer(name: str) -> TextTokenizer:
+    if name == "tiny":
+        return TextTokenizer.byte_level_tiny()
+    from parrot.engine.loader import load_model
+
+    return load_model(name).tokenizer
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sim", description=__doc__)
+    parser.add_argument("--figures", nargs="+", default=["fig11", "fig14"], choices=[*FIGURES, "all"])
+    parser.add_argument(
+        "--systems", nargs="+", default=["parrot", "parrot-baseline-latency"], choices=list(SYSTEMS)
+    )
+    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cost", default="smollm2-bf16-xeon2", choices=list(COSTS))
+    parser.add_argument("--tokenizer", default="smollm2", help="'smollm2' (default) or 'tiny'")
+    parser.add_argument("--latency-cap", type=int, default=None, help="the managers' latency cap (tokens)")
+    parser.add_argument("--out", type=Path, default=None, help="write every run as JSON here")
+    args = parser.parse_args(argv)
+    figures = list(FIGURES) if "all" in args.figures else args.figures
+    tokenizer = _tokenizer(args.tokenizer)
+    cost = COSTS[args.cost]
+    runs = []
+    header = f"{'workload':40s} " + " ".join(f"{s:>26s}" for s in args.systems)
+    print(header)
+    for figure in figures:
+        for workload in generate(figure, args.scale, args.seed):
+            means = []
+            for system in args.systems:
+                started = time.perf_counter()
+                run = simulate(
+                    workload, system, cost, tokenizer, seed=args.seed, latency_cap=args.latency_cap
+                )
+                run.extra["sim_wall_s"] = time.perf_counter() - started
+                runs.append(run)
+                latencies = [a.latency_s for a in run.apps if a.error is None]
+                means.append(statistics.fmean(latencies) if latencies else float("nan"))
+            cells = [f"{m:9.2f} s ({m / means[0] if means[0] else float('nan'):5.2f}x)" for m in means]
+            print(f"{workload.name:40s} " + " ".join(f"{c:>26s}" for c in cells), flush=True)
+    if args.out is not None:
+        args.out.write_text(json.dumps([dataclasses.asdict(r) for r in runs], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

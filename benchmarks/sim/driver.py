@@ -1,0 +1,219 @@
+"""The evaluation suite's workloads on Parrot's real manager over simulated engines.
+
+Each workload (:mod:`benchmarks.suite.workloads`) runs on a fresh manager whose
+engines are :class:`~parrot.sim.engine.SimEngine` (one per the workload's
+``engines``), on a :class:`~parrot.sim.clock.VirtualTimeLoop`, driven the two ways
+the suite's clients drive a real server (:mod:`benchmarks.suite.clients`), with
+the same emulated network delays:
+
+* ``parrot``: at its arrival an app pays one delay, then submits all its calls as
+  semantic functions in one go (dependencies as variables, its criteria on its
+  outputs), then waits for its outputs, each paying one delay once ready;
+* the request-level baselines: one completion per call, rendered client-side
+  (:func:`benchmarks.suite.clients.render_prompt`), sent when its producers'
+  text is back, each paying one delay first.
+
+Systems are configured as the suite starts them (:mod:`benchmarks.suite.systems`):
+``parrot`` (policy ``parrot``, prefix cache on), ``parrot-baseline-latency`` and
+``parrot-baseline-throughput`` (request-level policies, prefix cache off).  A
+simulated engine samples a fixed token, so outputs are as long as ``max_tokens``
+(the suite asks for ``ignore_eos``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from benchmarks.suite.clients import Delay, render_prompt
+from benchmarks.suite.spec import AppRecord, AppSpec, CallRecord, RunRecord, Workload
+
+from parrot.manager.openai_api import Completion
+from parrot.manager.service import Manager, ManagerConfig
+from parrot.protocol.sampling import SamplingParams
+from parrot.protocol.schemas import PlaceholderBinding, SubmitCall
+from parrot.protocol.tokenizer import TextTokenizer
+from parrot.sim import clock as sim_clock
+from parrot.sim.cost import StepCost
+from parrot.sim.engine import SimEngine
+
+__all__ = ["SYSTEMS", "SimSystem", "simulate"]
+
+MODEL = "sim"
+
+
+@dataclass(frozen=True)
+class SimSystem:
+    policy: str
+    prefix_cache: bool
+    request_level: bool
+
+
+SYSTEMS = {
+    "parrot": SimSystem("parrot", prefix_cache=True, request_level=False),
+    "parrot-no-affinity": SimSystem("no-affinity", prefix_cache=True, request_level=False),
+    "parrot-no-deduction": SimSystem("no-deduction", prefix_cache=True, request_level=False),
+    "parrot-baseline-latency": SimSystem("baseline-latency", prefix_cache=False, request_level=True),
+    "parrot-baseline-throughput": SimSystem("baseline-throughput", prefix_cache=False, request_level=True),
+}
+
+
+def _sampling(max_tokens: int) -> dict[str, Any]:
+    return {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+
+
+async def _parrot_app(manager: Manager, app: AppSpec, delay: Delay) -> AppRecord:
+    loop = asyncio.get_running_loop()
+    await asyncio.sleep(max(0.0, app.arrival_s - loop.time()))
+    start = loop.time()
+    record = AppRecord(app.app_id, app.kind, app.arrival_s, start, start)
+    await delay()  # the submission's trip
+    session, _ = manager.create_session()
+    calls = {}
+    for spec in app.calls:  # all at once: nothing runs before the last is linked
+        placeholders = [
+            PlaceholderBinding(name=k, direction="input", value=v) for k, v in spec.consts.items()
+        ]
+        placeholders += [
+            PlaceholderBinding(name=k, direction="input", var_id=calls[dep].outputs[dep].var.var_id)
+            for k, dep in spec.deps.items()
+        ]
+        criteria = (
+            ("LATENCY" if app.criteria == "latency" else "THROUGHPUT") if spec.name in app.outputs else None
+        )
+        placeholders.append(
+            PlaceholderBinding(
+                name=spec.name, direction="output", sampling=_sampling(spec.max_tokens), criteria=criteria
+            )
+        )
+        calls[spec.name] = manager.submit_call(
+            session, SubmitCall(template=spec.template, placeholders=placeholders)
+        )
+
+    async def fetch(name: str) -> float:
+        var = calls[name].outputs[name].var
+        while var.state == "pending":
+            await manager.wait_variable(var, 60.0)
+        if var.state != "ready":
+            raise RuntimeError(f"{app.app_id}/{name}: {var.error}")
+        await delay()
+        return loop.time()
+
+    try:
+        ends = await asyncio.gather(*(fetch(name) for name in app.outputs))
+        record.end_s = max(ends)
+    except RuntimeError as exc:
+        record.end_s, record.error = loop.time(), str(exc)
+    record.calls = [
+        CallRecord(
+            name,
+            (c.dispatched_at or 0.0) - _wall_offset(),
+            (c.finished_at or 0.0) - _wall_offset(),
+            c.prompt_tokens,
+            c.generated_tokens,
+            engine=c.engine_id,
+            first_token_s=None if c.first_token_at is None else c.first_token_at - _wall_offset(),
+        )
+        for name, c in calls.items()
+    ]
+    record.delays, record.delay_s = delay.count, delay.total_s
+    manager.close_session(session)
+    return record
+
+
+async def _baseline_app(manager: Manager, app: AppSpec, delay: Delay) -> AppRecord:
+    loop = asyncio.get_running_loop()
+    await asyncio.sleep(max(0.0, app.arrival_s - loop.time()))
+    start = loop.time()
+    record = AppRecord(app.app_id, app.kind, app.arrival_s, start, start)
+    texts: dict[str, str] = {}
+    tasks: dict[str, asyncio.Task[None]] = {}
+    records: dict[str, CallRecord] = {}
+
+    async def run_call(spec: Any) -> None:
+        await asyncio.gather(*(tasks[dep] for dep in spec.deps.values()))
+        prompt = render_prompt(spec, texts)
+        await delay()
+        sent = loop.time()
+        sampling = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
+        comp = await Completion.open(manager, prompt, sampling, MODEL, "anonymous", chat=False)
+        try:
+            await comp.wait_value()
+            await comp.wait_call()
+            if comp.var.state != "ready":
+                raise RuntimeError(f"{app.app_id}/{spec.name}: {comp.error()}")
+            texts[spec.name] = comp.var.value or ""
+            first = comp.call.first_token_at
+            records[spec.name] = CallRecord(
+                spec.name, sent, loop.time(), comp.call.prompt_tokens, comp.call.generated_tokens,
+                ready_s=sent, first_token_s=None if first is None else first - _wall_offset(),
+            )  # fmt: skip
+        finally:
+            comp.close()
+
+    for spec in app.calls:
+        tasks[spec.name] = asyncio.get_running_loop().create_task(run_call(spec))
+    try:
+        await asyncio.gather(*tasks.values())
+        record.end_s = loop.time()  # the last answer's stream ended: the app has its outputs
+    except RuntimeError as exc:
+        record.error = str(exc)
+        record.end_s = loop.time()
+    record.calls = list(records.values())
+    record.delays, record.delay_s = delay.count, delay.total_s
+    return record
+
+
+def _wall_offset() -> float:
+    """``clock.wall() - loop.time()``: maps the manager's timestamps to the virtual clock."""
+    from parrot.protocol import clock
+
+    return clock.wall() - clock.monotonic()
+
+
+async def _run(workload: Workload, system: SimSystem, cost: StepCost, tokenizer: TextTokenizer, seed: int,
+               delay_ms: tuple[float, float], latency_cap: int | None) -> list[AppRecord]:  # fmt: skip
+    config = ManagerConfig(policy=system.policy, latency_cap_tokens=latency_cap, inline_tokenize_bytes=None)
+    manager = Manager(config)
+    engines = [
+        SimEngine(tokenizer, cost, model_name=MODEL, prefix_cache=system.prefix_cache)
+        for _ in range(workload.engines)
+    ]
+    # engines named by their place in the run (the pool's ids count on across runs)
+    names = {manager.pool.register(engine).engine_id: f"engine {i}" for i, engine in enumerate(engines)}
+    await manager.poll_engine_stats()
+    run_app = _baseline_app if system.request_level else _parrot_app
+    try:
+        apps = await asyncio.gather(
+            *(
+                run_app(manager, app, Delay(*delay_ms, seed=f"{seed}/{workload.name}/{app.app_id}"))
+                for app in workload.apps
+            )
+        )
+        for record in apps:
+            for call in record.calls:
+                call.engine = names.get(call.engine or "", call.engine)
+        return list(apps)
+    finally:
+        await manager.executor.drain()
+        for engine in engines:
+            await engine.close()
+
+
+def simulate(
+    workload: Workload,
+    system: str,
+    cost: StepCost,
+    tokenizer: TextTokenizer,
+    *,
+    seed: int = 0,
+    repeat: int = 0,
+    delay_ms: tuple[float, float] = (200.0, 300.0),
+    latency_cap: int | None = None,
+) -> RunRecord:
+    """One workload on one system, in virtual time (deterministic for the arguments)."""
+    spec = SYSTEMS[system]
+    apps = sim_clock.run(_run(workload, spec, cost, tokenizer, seed, delay_ms, latency_cap))
+    wall = max((a.end_s for a in apps), default=0.0)
+    return RunRecord(system, workload.name, workload.figure, dict(workload.params), repeat, wall, apps)

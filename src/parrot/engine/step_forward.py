@@ -1,0 +1,67 @@
+"""How the engine computes a step's hidden states: one strategy, chosen when it starts.
+
+:func:`choose` looks at the model (packed or not, which C kernel copies its
+projections have), the KV cache and what is built here, once, and returns a
+:class:`StepForward` with a name that the start-up log and the engine's stats
+(``decode_path``) show:
+
+* ``c-forward/f32``, ``c-forward/amx-bf16`` — a pure decode step within the
+  kernels' row limit whose attention runs on the C kernels alone goes through
+  one C call for all its layers (:mod:`parrot.engine.decode_forward`, with the
+  fp32 or the AMX projection kernel); every other step (prefill chunks, larger
+  batches, attention the C side does not cover) takes the model's forward.
+  Both give the same bits;
+* ``pytorch/fused`` — the model's forward with its elementwise steps in C
+  (:mod:`parrot.engine.fused`) and oneDNN-packed projections;
+* ``pytorch/packed`` — the model's forward with oneDNN-packed projections;
+* ``pytorch`` — the model's plain forward (any device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from parrot.engine import decode_forward, fused
+from parrot.engine.kv_store import PagedKVCache
+from parrot.engine.model import LlamaModel
+from parrot.engine.paged import PagedStepAttention
+
+__all__ = ["StepForward", "choose"]
+
+
+@dataclass(frozen=True)
+class StepForward:
+    name: str
+    c_forward: bool  # try the C forward first
+
+    def __call__(
+        self,
+        model: LlamaModel,
+        input_ids: Tensor,
+        positions: Tensor,
+        attn: PagedStepAttention,
+        cache: PagedKVCache,
+    ) -> Tensor:
+        """The step's final hidden states [T, D]."""
+        if self.c_forward:
+            hidden = decode_forward.run(model, input_ids, positions, attn, cache)
+            if hidden is not None:
+                return hidden
+        return model(input_ids, positions, attn)
+
+
+def choose(model: LlamaModel, cache: PagedKVCache) -> StepForward:
+    """The strategy for this model and cache (see the module docstring)."""
+    mode = decode_forward.c_forward_mode(model, cache)
+    if mode is not None:
+        return StepForward(f"c-forward/{mode}", c_forward=True)
+    packed = len(model.model.layers) > 0 and model.model.layers[0].self_attn.qkv is not None
+    residual = model.model.embed_tokens.weight  # the residual stream has its dtype and device
+    if packed and fused.applies(
+        torch.empty(1, model.config.hidden_size, dtype=residual.dtype, device=residual.device)
+    ):
+        return StepForward("pytorch/fused", c_forward=False)
+    return StepForward("pytorch/packed" if packed else "pytorch", c_forward=False)

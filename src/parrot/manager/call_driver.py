@@ -1,0 +1,72 @@
+"""One run of a placed call on its engine: fill, generate, transform, materialise.
+
+:func:`drive` runs a call's rendered engine steps in a context of its own: fill
+the text before each output (the engine reuses any cached prefix of it),
+generate the output (streaming each piece of text into the variable's
+``partial``), apply the output's transform, materialise the value, which may
+make consumer calls ready (handed to ``on_ready``).  No value travels to the
+client on the way.
+
+Invariants: the call is marked done as its last value is set, before anything
+else is awaited, so whoever reads that value and then the call sees it done;
+the engine context is freed however the run ends (while the engine is alive).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+from parrot.manager.engines import EngineHandle
+from parrot.manager.graph import Call, materialise
+from parrot.manager.render import FillStep, Rendered
+from parrot.protocol import clock
+from parrot.protocol.errors import CallFailed
+
+__all__ = ["drive"]
+
+
+async def drive(
+    call: Call, handle: EngineHandle, rendered: Rendered, on_ready: Callable[[Call], None]
+) -> None:
+    """Run ``rendered``'s steps for ``call`` on ``handle`` (see the module docstring).
+    Engine failures propagate (an EngineError); the caller decides about re-running."""
+    api = handle.api
+    context_id = handle.new_context_id()
+    opened = False
+    try:
+        for step in rendered.steps:
+            if isinstance(step, FillStep):
+                opened = True
+                await api.fill(step.tokens, context_id, cache_salt=call.cache_salt)
+                continue
+            out = step.output
+            text: list[str] = []
+            async for chunk in api.generate(out.sampling, context_id):
+                if chunk.finish_reason == "cancelled":  # the manager never cancels this way
+                    raise CallFailed(
+                        f"call {call.call_id}: the engine stopped its generation after "
+                        f"{call.generated_tokens} tokens because its context was freed or "
+                        "cancelled from outside the manager"
+                    )
+                if chunk.token_ids and call.first_token_at is None:
+                    call.first_token_at = clock.wall()
+                if chunk.text:
+                    text.append(chunk.text)
+                    out.var.partial.append(chunk.text)
+                    out.var.notify()
+                call.generated_tokens += len(chunk.token_ids)
+            value = "".join(text)
+            if out.transform is not None:  # off the loop: a regex may take its whole budget
+                value = await asyncio.to_thread(out.transform.apply, value)
+            for ready in materialise(out.var, value):
+                on_ready(ready)
+        # done as its last value is set, before the await below: whoever reads that
+        # value (a get, a stream's end) and then the call sees it done, never running
+        call.state = "done"
+        call.finished_at = clock.wall()
+    finally:
+        if opened and handle.alive:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(api.free_context(context_id))

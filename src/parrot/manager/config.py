@@ -1,0 +1,59 @@
+"""The manager's settings (``parrot serve`` sets them from its options)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from parrot.manager.tenants import Quotas
+from parrot.manager.tokens import INLINE_TOKENIZE_BYTES
+
+__all__ = ["ManagerConfig"]
+
+
+@dataclass
+class ManagerConfig:
+    max_body_bytes: int = 8 * 1024 * 1024
+    heartbeat_interval_s: float = 2.0
+    heartbeat_timeout_s: float = 10.0
+    # a template's leading constant text (a system prompt) of at least this many tokens
+    # counts once in an engine's load however many calls there share it
+    min_prefix_tokens: int = 32
+    # prefix keys remembered per engine, to place calls where their prefix is cached
+    affinity_keys_per_engine: int = 4096
+    # a call whose engine is lost is re-run elsewhere (at most this many tries), waiting up to
+    # engine_wait_s for another engine of its model
+    max_attempts: int = 3
+    engine_wait_s: float = 30.0
+    # scheduling (the paper's Algorithm 1): policy, the token load under which every engine
+    # keeps per-token latency low (None: each engine's own measured cap), an engine's
+    # capacity when it does not report one, and how long a ready call may wait for an engine
+    policy: str = "parrot"
+    latency_cap_tokens: int | None = None
+    # what the latency cap bounds ("all": every engine running latency work, the paper's rule;
+    # "mixed": latency and throughput work meeting on an engine) and whether a task group or
+    # the sharers of a prefix may spread to a less loaded engine (scheduler.SchedulerConfig)
+    latency_cap_scope: str = "all"
+    # the secret engines and operators present (parrot.protocol.cluster); None: no remote
+    # engines can register, and GET /v1/engines shows everyone the public view only
+    cluster_secret: str | None = None
+    # a CA bundle that verifies https engines' certificates (None: the system's trust store)
+    tls_ca_file: str | None = None
+    affinity_spill: bool = False
+    engine_token_capacity: int = 32768
+    queue_timeout_s: float | None = 600.0
+    # a session nobody used for this long (seconds) with no call queued or running is
+    # closed, its variables dropped and its engine contexts freed; None: never
+    session_ttl_s: float | None = 3600.0
+    # application-level FIFO: a queued call ranks by its session's first queued call (a
+    # chain's next step keeps its application's place); False ranks each call by its own
+    # arrival, as the request-level baseline policies always do
+    app_fifo: bool = True
+    # tenants (parrot.manager.tenants): API key -> tenant name (None or empty: no keys, every
+    # client is the anonymous tenant), what each tenant may hold at once, and who may share
+    # cached prompt prefixes ("tenant": calls of one tenant; "global": everyone's)
+    api_keys: dict[str, str] | None = None
+    quotas: Quotas = field(default_factory=Quotas)
+    prefix_sharing: str = "tenant"
+    # text of at most this many UTF-8 bytes is tokenized on the event loop, longer text in a
+    # worker thread (parrot.manager.tokens); None: everything on the loop
+    inline_tokenize_bytes: int | None = INLINE_TOKENIZE_BYTES

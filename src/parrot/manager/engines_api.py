@@ -1,0 +1,147 @@
+"""The HTTP routes of the engine pool (``/v1/engines...``).
+
+Engine traffic needs the cluster secret (``ManagerConfig.cluster_secret``, in
+the ``X-Parrot-Cluster-Secret`` header): registering an engine and its
+heartbeats answer 401 without it, checked before the body is read, and a
+manager without a secret takes no remote engines.  ``GET /v1/engines`` answers
+anyone, but engine URLs and activity counters only to a caller presenting the
+secret (the operator): others see each engine's size and latency fit."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Header
+
+from parrot.manager.remote_engine import RemoteEngine
+from parrot.manager.service import Manager
+from parrot.protocol.asgi import OffLoopJsonRoute
+from parrot.protocol.cluster import CLUSTER_SECRET_HEADER, client_tls, secret_matches
+from parrot.protocol.errors import BadRequest, NotFound, ParrotError, Unauthorized
+from parrot.protocol.schemas import EngineDescription, EngineInfo, EngineRegistered, EngineStats, Heartbeat
+
+__all__ = ["REGISTER_TIMEOUT_S", "engines_router"]
+
+log = logging.getLogger(__name__)
+
+ClusterSecret = Annotated[
+    str | None, Header(alias=CLUSTER_SECRET_HEADER, description="the cluster secret (engines, operators)")
+]
+REGISTER_TIMEOUT_S = 10.0
+"""How long registering an engine waits for its description."""
+
+
+_PUBLIC_STATS = {
+    "token_capacity",
+    "kv_tokens_total",
+    "kv_blocks_total",
+    "kv_block_size",
+    "latency_cap_tokens",
+    "latency_cap_source",
+    "decode_ms_base",
+    "decode_ms_per_1k_tokens",
+    "decode_ms_target",
+    "decode_path",
+}
+"""What anyone may see of an engine's stats: its size and latency fit, nothing of its activity
+(which would tell one tenant about another's work)."""
+
+
+def _public_stats(stats: EngineStats) -> EngineStats:
+    return EngineStats(**stats.model_dump(include=_PUBLIC_STATS))
+
+
+def engines_router(manager: Manager) -> APIRouter:
+    """The routes, bound to ``manager`` (its length is its routes, each a few lines)."""
+    router = APIRouter(route_class=OffLoopJsonRoute)
+
+    engine_tls = client_tls(manager.config.tls_ca_file)  # a bad CA file fails here, at start-up
+
+    def is_operator(presented: str | None) -> bool:
+        secret = manager.config.cluster_secret
+        return secret is not None and secret_matches(secret, presented)
+
+    def require_cluster(presented: str | None) -> None:
+        if manager.config.cluster_secret is None:
+            raise Unauthorized("this manager takes no remote engines: start it with a cluster secret")
+        if not is_operator(presented):
+            raise Unauthorized(f"engine traffic needs the cluster secret ({CLUSTER_SECRET_HEADER})")
+
+    def cluster_only(secret: ClusterSecret = None) -> None:
+        """Engine traffic's guard, run before the body is read: a caller without the secret
+        learns nothing, not even whether its body would have been valid."""
+        require_cluster(secret)
+
+    @router.post(
+        "/v1/engines",
+        status_code=201,
+        response_model=EngineRegistered,
+        dependencies=[Depends(cluster_only)],
+    )
+    async def register_engine(body: EngineDescription) -> EngineRegistered:
+        if not body.url.startswith(("http://", "https://")):
+            raise BadRequest("engine url must start with http:// or https://")
+        try:
+            remote = await RemoteEngine.connect(
+                body.url,
+                cluster_secret=manager.config.cluster_secret,
+                timeout_s=REGISTER_TIMEOUT_S,
+                verify=engine_tls,
+            )
+        except ParrotError as exc:
+            raise BadRequest(
+                f"could not register the engine at {body.url}: {exc.message}", code="engine_unreachable"
+            ) from exc
+        if remote.model_name != body.model:
+            await remote.close()
+            raise BadRequest(f"engine at {body.url} serves {remote.model_name!r}, not {body.model!r}")
+        # its tokenizer's byte bound (a pass over the vocabulary), computed here and off the loop
+        await asyncio.to_thread(lambda: remote.tokenizer.max_token_bytes)
+        handle = manager.pool.register(remote, name=body.name, url=body.url)
+        manager.executor.kick()  # queued calls may fit now
+        log.info("engine %s registered: %s at %s", handle.engine_id, body.model, body.url)
+        return EngineRegistered(
+            engine_id=handle.engine_id, heartbeat_interval_s=manager.config.heartbeat_interval_s
+        )
+
+    @router.post("/v1/engines/{engine_id}/heartbeat", dependencies=[Depends(cluster_only)])
+    async def heartbeat(engine_id: str, body: Heartbeat) -> dict:
+        if manager.pool.get(engine_id).url is None:
+            raise BadRequest(f"engine {engine_id} is in-process: the manager reads its stats itself")
+        manager.pool.heartbeat(engine_id, body.stats)
+        manager.executor.kick()
+        return {"ok": True}
+
+    @router.get("/v1/engines", response_model=list[EngineInfo])
+    async def list_engines(secret: ClusterSecret = None) -> list[EngineInfo]:
+        """The pool; an in-process engine's stats are asked for now (a remote one's
+        are those of its last heartbeat).  The scheduler does not depend on this:
+        stats reach it on the heartbeat interval.  Without the cluster secret: no
+        URLs, and only each engine's size and latency fit."""
+        operator = is_operator(secret)
+        out = []
+        for h in manager.pool:
+            stats = await manager.refresh_stats(h)
+            out.append(
+                EngineInfo(
+                    engine_id=h.engine_id,
+                    name=h.name,
+                    model=h.model,
+                    max_seq_len=h.max_seq_len,
+                    url=h.url if operator else None,
+                    alive=h.alive,
+                    stats=stats if operator else _public_stats(stats),
+                )
+            )
+        return out
+
+    @router.get("/v1/engines/{engine_id}", response_model=EngineInfo)
+    async def get_engine(engine_id: str, secret: ClusterSecret = None) -> EngineInfo:
+        for info in await list_engines(secret):
+            if info.engine_id == engine_id:
+                return info
+        raise NotFound(f"engine {engine_id} is not registered", code="engine_not_found")
+
+    return router

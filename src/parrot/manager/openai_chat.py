@@ -1,0 +1,156 @@
+"""OpenAI-compatible chat completions on the manager: ``POST /v1/chat/completions``.
+
+The messages are rendered into one prompt with the model's own chat template
+(:func:`parrot.protocol.chat_template.render_chat`: its Jinja template in a
+sandbox, as transformers and vLLM render it), and the prompt then runs exactly
+like a ``/v1/completions`` request (:mod:`parrot.manager.openai_api`): one
+internal session holding one call, the normal executor, the engine's prefix
+cache (a conversation's earlier turns are a cached prefix of its next request).
+
+Supported: ``model``, ``messages`` (roles ``system``/``developer``, ``user``,
+``assistant``, ``tool``; ``content`` a string or a list of ``{"type": "text"}``
+parts; at most :data:`MAX_MESSAGES`), ``max_tokens`` / ``max_completion_tokens``
+(default: up to the model's context, as OpenAI), ``temperature`` (default 1),
+``top_p``, ``top_k``, ``seed``, ``stop``, ``stream`` with
+``stream_options.include_usage``, ``n`` = 1, ``response_format`` ``{"type":
+"text"}``, and vLLM's ``ignore_eos`` / ``stop_token_ids``.  Refused with 400
+rather than ignored: ``logprobs``, penalties other than 0, ``logit_bias``,
+``tools``, other response formats and content parts.
+
+Answers are OpenAI's shapes: ``chat.completion`` (``choices[0].message``) or,
+streamed, ``chat.completion.chunk`` events (the first with the role, then
+``delta.content`` pieces, then the ``finish_reason``, then usage when asked)
+ended by ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import Field
+
+from parrot.manager.openai_api import Completion, answer, check_model, sampling_of
+from parrot.manager.service import Manager
+from parrot.protocol.asgi import OffLoopJsonRoute, bearer_token
+from parrot.protocol.chat_template import ChatMessage, render_chat
+from parrot.protocol.errors import BadRequest, NoEngine
+from parrot.protocol.schemas import StrictBody
+
+__all__ = ["MAX_MESSAGES", "ChatCompletionRequest", "chat_router"]
+
+MAX_MESSAGES = 4096
+"""Messages one request may hold."""
+INLINE_RENDER_CHARS = 64 * 1024
+"""Conversations with more characters than this are rendered in a worker thread."""
+
+
+class ChatMessageIn(StrictBody):
+    role: str = Field(max_length=32)
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = Field(default=None, max_length=200)
+
+
+class ChatCompletionRequest(StrictBody):
+    """The body of ``POST /v1/chat/completions`` (OpenAI's fields plus vLLM's ``top_k``,
+    ``ignore_eos`` and ``stop_token_ids``).  Unknown fields are rejected."""
+
+    model: str | None = Field(default=None, description="Model to run on; any live engine's if omitted.")
+    messages: list[ChatMessageIn] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = 1.0
+    top_p: float | None = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    n: int = 1
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    response_format: dict[str, Any] | None = None
+    # Accepted only at their no-op values:
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    user: str | None = Field(default=None, max_length=1000)
+
+
+def _check_supported(req: ChatCompletionRequest) -> None:
+    def unsupported(what: str) -> BadRequest:
+        return BadRequest(f"{what} is not supported", code="unsupported_parameter")
+
+    if req.n != 1:
+        raise unsupported(f"n={req.n} (only n=1)")
+    if req.logprobs or req.top_logprobs:
+        raise unsupported("logprobs")
+    if req.presence_penalty or req.frequency_penalty:
+        raise unsupported("presence_penalty / frequency_penalty other than 0")
+    if req.logit_bias:
+        raise unsupported("logit_bias")
+    if req.tools or req.tool_choice not in (None, "none"):
+        raise unsupported("tools")
+    if req.response_format not in (None, {"type": "text"}):
+        raise unsupported(f"response_format {req.response_format!r} (only {{'type': 'text'}})")
+    if req.stream_options is not None and not req.stream:
+        raise BadRequest("stream_options needs stream=true", code="invalid_request")
+    both = req.max_tokens is not None and req.max_completion_tokens is not None
+    if both and req.max_tokens != req.max_completion_tokens:
+        raise BadRequest("max_tokens and max_completion_tokens disagree", code="invalid_request")
+
+
+def _messages(req: ChatCompletionRequest) -> list[ChatMessage]:
+    out = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if content is None:
+            content = ""
+        elif isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise BadRequest(
+                        f"messages[{i}]: only text content parts are supported", code="unsupported_parameter"
+                    )
+                texts.append(part["text"])
+            content = "".join(texts)
+        out.append(ChatMessage(m.role, content))
+    return out
+
+
+def chat_router(manager: Manager) -> APIRouter:
+    """Routes ``POST /v1/chat/completions`` for ``manager`` (mounted by
+    :func:`parrot.manager.app.create_app`)."""
+    router = APIRouter(tags=["openai"], route_class=OffLoopJsonRoute)
+
+    @router.post(
+        "/v1/chat/completions",
+        responses={200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream"}},
+    )
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
+        tenant = manager.api_keys.tenant(bearer_token(request.headers.get("authorization")))
+        _check_supported(req)
+        check_model(manager, req.model)
+        engine = manager.pool.longest_context(req.model)
+        if engine is None:  # gone since the check
+            raise NoEngine(f"no live engine serves model {req.model!r}")
+        if req.max_tokens is None and req.max_completion_tokens is not None:
+            req = req.model_copy(update={"max_tokens": req.max_completion_tokens})
+        sampling = sampling_of(req, default_max_tokens=engine.max_seq_len)
+        messages = _messages(req)
+        tokenizer = engine.api.tokenizer
+        if sum(len(m.content) for m in messages) > INLINE_RENDER_CHARS:
+            prompt = await asyncio.to_thread(render_chat, tokenizer, messages)
+        else:
+            prompt = render_chat(tokenizer, messages)
+        comp = await Completion.open(manager, prompt, sampling, req.model, tenant, chat=True)
+        return await answer(comp, request, req.stream, req.stream_options)
+
+    return router

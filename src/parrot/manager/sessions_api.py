@@ -1,0 +1,165 @@
+"""The HTTP routes of sessions, their variables and their calls (``/v1/sessions/...``).
+
+Thin: parse, authorize (each session is reached with its own token), delegate to
+:class:`~parrot.manager.service.Manager`, serialise.  Operations that may
+tokenize client text (creating, setting, submitting, batches) run through
+:meth:`Manager.run_tokenized`, so long text is tokenized off the event loop and
+no request stalls the others."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query, Response
+from fastapi.responses import StreamingResponse
+
+from parrot.manager.batch import apply_batch
+from parrot.manager.service import Manager
+from parrot.manager.var_stream import variable_events
+from parrot.manager.views import call_info, var_info
+from parrot.protocol.asgi import OffLoopJsonRoute, bearer_token, ndjson_line
+from parrot.protocol.schemas import (
+    BatchRequest,
+    BatchResult,
+    CallInfo,
+    CallSubmitted,
+    CreateSession,
+    CreateVariable,
+    Criteria,
+    SessionCreated,
+    SetVariable,
+    SubmitCall,
+    VariableInfo,
+)
+
+__all__ = ["sessions_router"]
+
+Auth = Annotated[str | None, Header(alias="Authorization", description="Bearer <session token>")]
+ApiKey = Annotated[
+    str | None, Header(alias="Authorization", description="Bearer <API key> (when the manager has keys)")
+]
+
+
+def sessions_router(manager: Manager) -> APIRouter:
+    """The routes, bound to ``manager`` (its length is its routes, each a few lines)."""
+    router = APIRouter(route_class=OffLoopJsonRoute)  # large bodies are parsed off the event loop
+
+    # ------------------------------------------------------------ sessions
+    @router.post("/v1/sessions", status_code=201, response_model=SessionCreated)
+    async def create_session(
+        body: CreateSession | None = None, authorization: ApiKey = None
+    ) -> SessionCreated:
+        """A new session of the tenant whose API key is presented (when the manager has
+        keys); with ``batch``, that batch applied to it too (all or none: a rejected
+        batch leaves no session behind and answers the batch's error)."""
+        session, token = manager.create_session(manager.api_keys.tenant(bearer_token(authorization)))
+        result = None
+        if body is not None and body.batch is not None:
+            batch = body.batch
+            try:
+                result = await manager.run_tokenized(
+                    lambda: apply_batch(manager, manager.authorize(session.session_id, token), batch)
+                )
+            except BaseException:
+                manager.close_session(session)
+                raise
+        return SessionCreated(session_id=session.session_id, token=token, batch=result)
+
+    @router.delete("/v1/sessions/{session_id}", status_code=204)
+    async def close_session(session_id: str, authorization: Auth = None) -> Response:
+        manager.close_session(manager.authorize(session_id, bearer_token(authorization)))
+        return Response(status_code=204)
+
+    # ----------------------------------------------------------- variables
+    @router.post("/v1/sessions/{session_id}/variables", status_code=201, response_model=VariableInfo)
+    async def create_variable(
+        session_id: str, body: CreateVariable, authorization: Auth = None
+    ) -> VariableInfo:
+        token = bearer_token(authorization)
+        var = await manager.run_tokenized(
+            lambda: manager.create_variable(manager.authorize(session_id, token), body.name, body.value)
+        )
+        return var_info(var)
+
+    @router.put("/v1/sessions/{session_id}/variables/{var_id}", response_model=VariableInfo)
+    async def set_variable(
+        session_id: str, var_id: str, body: SetVariable, authorization: Auth = None
+    ) -> VariableInfo:
+        token = bearer_token(authorization)
+        var = await manager.run_tokenized(
+            lambda: manager.set_variable(manager.authorize(session_id, token), var_id, body.value)
+        )
+        return var_info(var)
+
+    @router.get("/v1/sessions/{session_id}/variables/{var_id}", response_model=VariableInfo)
+    async def get_variable(
+        session_id: str,
+        var_id: str,
+        wait: Annotated[
+            float, Query(ge=0, le=60, description="Long-poll: seconds to wait while pending.")
+        ] = 0,
+        criteria: Criteria | None = None,
+        authorization: Auth = None,
+    ) -> VariableInfo:
+        session = manager.authorize(session_id, bearer_token(authorization))
+        var = manager.variable(session, var_id)
+        manager.read_with(session, var, criteria)
+        await manager.wait_variable(var, wait)
+        return var_info(var)
+
+    @router.get(
+        "/v1/sessions/{session_id}/variables/{var_id}/stream",
+        response_class=StreamingResponse,
+        responses={
+            200: {
+                "content": {"application/x-ndjson": {}},
+                "description": 'Lines {"text": delta}, then {"done": true, "state", "value", "error"}',
+            }
+        },
+    )
+    async def stream_variable(
+        session_id: str, var_id: str, criteria: Criteria | None = None, authorization: Auth = None
+    ) -> StreamingResponse:
+        session = manager.authorize(session_id, bearer_token(authorization))
+        var = manager.variable(session, var_id)
+        manager.read_with(session, var, criteria)  # a stream is a read like any other
+
+        async def lines() -> AsyncIterator[bytes]:
+            async for event in variable_events(var):
+                yield ndjson_line(event)
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    # --------------------------------------------------------------- calls
+    @router.post("/v1/sessions/{session_id}/calls", status_code=201, response_model=CallSubmitted)
+    async def submit_call(session_id: str, body: SubmitCall, authorization: Auth = None) -> CallSubmitted:
+        token = bearer_token(authorization)
+        call = await manager.run_tokenized(
+            lambda: manager.submit_call(manager.authorize(session_id, token), body)
+        )
+        return CallSubmitted(call_id=call.call_id, outputs={n: o.var.var_id for n, o in call.outputs.items()})
+
+    @router.post("/v1/sessions/{session_id}/batch", response_model=BatchResult)
+    async def submit_batch(session_id: str, body: BatchRequest, authorization: Auth = None) -> BatchResult:
+        """Create variables, submit calls and set variables in one request, all or none
+        (see :mod:`parrot.manager.batch`)."""
+        token = bearer_token(authorization)
+        return await manager.run_tokenized(
+            lambda: apply_batch(manager, manager.authorize(session_id, token), body)
+        )
+
+    @router.get("/v1/sessions/{session_id}/calls/{call_id}", response_model=CallInfo)
+    async def get_call(session_id: str, call_id: str, authorization: Auth = None) -> CallInfo:
+        session = manager.authorize(session_id, bearer_token(authorization))
+        return call_info(manager.call(session, call_id))
+
+    @router.get("/v1/sessions/{session_id}/graph")
+    async def get_graph(session_id: str, authorization: Auth = None) -> dict:
+        session = manager.authorize(session_id, bearer_token(authorization))
+        return {
+            "calls": [call_info(c).model_dump() for c in session.calls.values()],
+            "variables": [var_info(v).model_dump(exclude={"value"}) for v in session.variables.values()],
+        }
+
+    return router

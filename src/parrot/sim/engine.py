@@ -1,0 +1,369 @@
+"""A simulated engine: the real engine's bookkeeping and step planning, a cost model for
+the forward pass.
+
+:class:`SimEngine` implements the engine interface the manager programs against
+(:class:`~parrot.protocol.engine_api.EngineAPI`).  It keeps contexts in a real
+:class:`~parrot.engine.contexts.ContextTable` over a real
+:class:`~parrot.engine.block_pool.BlockPool` (paged KV, forks sharing blocks,
+copy-on-write, the prefix cache) and plans every step with the real
+:class:`~parrot.engine.step_planner.StepPlanner` (admission under the token
+capacity and KV memory, cache hits taken at planning time, decodes first, prompt
+chunks up to ``max_step_tokens``, preemption): memory limits, preemption, forks
+and capacity behave as in the built-in engine.  Its step loop is the runner's
+(:class:`~parrot.engine.runner.EngineRunner`): reap cancelled jobs, admit, plan
+and reserve, "forward", sample.  Only the forward pass differs: the step takes
+the virtual time the :class:`~parrot.sim.cost.StepCost` model gives it, and each
+generate samples a fixed token (so a generate runs to ``max_tokens`` or the
+context's end: nothing stops early).
+
+It runs as a task on the manager's event loop (no thread): on a
+:class:`~parrot.sim.clock.VirtualTimeLoop` a step "takes" its time by sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from parrot.engine.block_pool import DEFAULT_BLOCK_SIZE, BlockPool
+from parrot.engine.contexts import ContextTable
+from parrot.engine.jobs import Job
+from parrot.engine.memory import MemoryManager
+from parrot.engine.step_planner import KVLoad, SeqSlice, StepPlanner
+from parrot.protocol.errors import BadRequest, ParrotError
+from parrot.protocol.sampling import SamplingParams
+from parrot.protocol.schemas import EngineStats, GenerateChunk
+from parrot.protocol.tokenizer import TextTokenizer
+from parrot.sim.cost import StepCost
+
+__all__ = ["SimEngine", "StepRecord"]
+
+LATENCY_FACTOR = 1.25
+"""The simulated engine reports the latency cap its cost model implies at this factor
+(the built-in engine's default, :mod:`parrot.engine.latency_probe`)."""
+
+
+class StepRecord(tuple):
+    """One step as it ran: ``(start, seconds, slices)``, ``slices`` the ``(context id,
+    first position, tokens)`` the planner gave it, in plan order."""
+
+    __slots__ = ()
+
+    def __new__(cls, start: float, seconds: float, slices: tuple[tuple[int, int, int], ...]) -> StepRecord:
+        return super().__new__(cls, (start, seconds, slices))
+
+
+class SimEngine:
+    def __init__(
+        self,
+        tokenizer: TextTokenizer,
+        cost: StepCost,
+        *,
+        model_name: str = "sim",
+        max_seq_len: int = 8192,
+        kv_cache_tokens: int = 1 << 17,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        max_step_tokens: int = 512,
+        token_capacity: int | None = None,
+        share_prefix: bool = True,
+        prefix_cache: bool = True,
+        record_steps: bool = False,
+    ):
+        if max_step_tokens < 1:
+            raise ValueError("max_step_tokens must be >= 1")
+        self._tokenizer = tokenizer
+        self.cost = cost
+        self._model_name = model_name
+        num_blocks = max(1, kv_cache_tokens // block_size)
+        self.pool = BlockPool(num_blocks, block_size, max_cached=num_blocks // 4)
+        self.contexts = ContextTable(
+            max_seq_len, on_release=self._on_release, pool=self.pool, prefix_cache=prefix_cache
+        )
+        self.memory = MemoryManager(self.contexts)
+        self._max_seq_len = min(max_seq_len, num_blocks * block_size)
+        self.token_capacity = token_capacity or max(max_seq_len, 4 * max_step_tokens, num_blocks * block_size)
+        self.share_prefix = share_prefix
+        self.counters = dict.fromkeys(
+            (
+                "fills",
+                "filled_tokens",
+                "generates",
+                "generated_tokens",
+                "steps",
+                "preemptions",
+                "cached_tokens",
+            ),
+            0,
+        )
+        self.planner = StepPlanner(
+            self.contexts,
+            self.memory,
+            lambda copies: None,
+            max_step_tokens=max_step_tokens,
+            counters=self.counters,
+        )
+        self.steps: list[StepRecord] | None = [] if record_steps else None
+        # the token every generate samples: one that decodes to visible text
+        self._token = (tokenizer.encode("x") or [0])[0]
+        self._arrivals = 0
+        self._work = asyncio.Event()
+        # held for a whole step: the runner serves calls between steps only, and so does this
+        self._stepping = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------- engine interface
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    @property
+    def max_seq_len(self) -> int:
+        return self._max_seq_len
+
+    @property
+    def tokenizer(self) -> TextTokenizer:
+        return self._tokenizer
+
+    async def fill(
+        self,
+        tokens: Sequence[int],
+        context_id: int,
+        parent_context_id: int | None = None,
+        cache_salt: str = "",
+    ) -> None:
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        job = Job(
+            context_id,
+            parent_context_id,
+            tokens=self._check_tokens(tokens),
+            cache_salt=cache_salt,
+            on_finish=lambda err: _settle(done, err),
+        )
+        self._submit(job)
+        try:
+            await done
+        except asyncio.CancelledError:
+            self._cancel(job)
+            raise
+
+    async def generate(
+        self, sampling: SamplingParams, context_id: int, parent_context_id: int | None = None
+    ) -> AsyncIterator[GenerateChunk]:
+        chunks: asyncio.Queue[GenerateChunk | ParrotError] = asyncio.Queue()
+        job = Job(
+            context_id,
+            parent_context_id,
+            sampling=sampling,
+            on_chunk=chunks.put_nowait,
+            on_finish=lambda err: None if err is None else chunks.put_nowait(err),
+        )
+        self._submit(job)
+        finished = False
+        try:
+            while True:
+                item = await chunks.get()
+                if isinstance(item, ParrotError):
+                    finished = True
+                    raise item
+                finished = item.done
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._cancel(job)
+
+    async def free_context(self, context_id: int) -> None:
+        async with self._stepping:
+            ctx = self.contexts.get(context_id) if context_id in self.contexts else None
+            for job in self.planner.running + self.planner.waiting:
+                if job.context_id == context_id or (ctx is not None and job.ctx is ctx):
+                    job.cancelled = True
+            self._reap_cancelled()
+            self.contexts.free(context_id)
+
+    async def close(self) -> None:
+        """Stop the step loop (a simulation's end)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def set_token_capacity(self, n: int) -> None:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise BadRequest(f"token capacity must be a positive integer, got {n!r}", code="invalid_capacity")
+        self.token_capacity = n
+
+    async def stats(self) -> EngineStats:
+        bs = self.pool.block_size
+        return EngineStats(
+            num_contexts=len(self.contexts),
+            num_running=sum(1 for j in self.planner.running if not j.internal),
+            num_waiting=len(self.planner.waiting),
+            token_load=self.planner.load().total,
+            token_capacity=self.token_capacity,
+            kv_tokens_used=self.contexts.stored_tokens(),
+            kv_tokens_total=self.pool.num_blocks * bs,
+            kv_blocks_used=self.pool.num_used,
+            kv_blocks_total=self.pool.num_blocks,
+            kv_blocks_cached=self.pool.num_cached,
+            kv_block_size=bs,
+            preemptions=self.counters["preemptions"],
+            fills=self.counters["fills"],
+            filled_tokens=self.counters["filled_tokens"],
+            generates=self.counters["generates"],
+            generated_tokens=self.counters["generated_tokens"],
+            cached_tokens=self.counters["cached_tokens"],
+            latency_cap_tokens=self.cost.latency_cap(LATENCY_FACTOR, self.token_capacity),
+            latency_cap_source="fixed",
+            decode_path="simulated",
+        )
+
+    # ------------------------------------------------------------ the steps
+    def _check_tokens(self, tokens: Sequence[int]) -> list[int]:
+        vocab = self._tokenizer.vocab_size
+        out = [int(t) for t in tokens]
+        bad = [t for t in out if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(
+                f"token id(s) {bad[:5]} outside the vocabulary [0, {vocab})", code="invalid_tokens"
+            )
+        return out
+
+    def enqueue(self, job: Job) -> None:
+        """Queue ``job`` first-come first-served, as the runner's inbox does (the step loop
+        is not started: :meth:`fill` and :meth:`generate` start it)."""
+        self._arrivals += 1
+        job.arrival = self._arrivals
+        self.planner.waiting.append(job)
+
+    def _submit(self, job: Job) -> None:
+        self.enqueue(job)
+        self._work.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(
+                self._loop(), name=f"sim engine {self._model_name}"
+            )
+
+    def _cancel(self, job: Job) -> None:
+        job.cancelled = True
+        if not self._stepping.locked():  # else the next step reaps it, as the runner's would
+            self._reap_cancelled()
+
+    def _on_release(self, context_id: int) -> None:
+        self.planner.logits.pop(context_id, None)
+
+    def _reap_cancelled(self) -> None:
+        for job in self.planner.take_cancelled():
+            _finish(job, None, "cancelled")
+
+    async def _loop(self) -> None:
+        """Step while there is work; wait for work otherwise (the runner's loop, on asyncio)."""
+        while True:
+            if not (self.planner.running or self.planner.waiting):
+                self._work.clear()
+                await self._work.wait()
+            async with self._stepping:
+                await self._step()
+            await asyncio.sleep(0)  # between steps, the callers' turn (the runner's inbox)
+
+    async def _step(self) -> None:
+        self._reap_cancelled()
+        self.memory.tick()
+        admission = self.planner.admit(self.token_capacity)
+        self.counters["generates"] += len(admission.started)
+        for job, error in admission.rejected:
+            _finish(job, error)
+        jobs = await self._forward() if self.planner.running else []
+        jobs += [j for j, _ in admission.ready if not j.preempted and not j.cancelled]
+        for job in jobs:
+            self._advance(job)
+
+    async def _forward(self) -> list[Job]:
+        """One planned step, taking the cost model's time; returns the generates to sample."""
+        planner = self.planner
+        for job in [j for j in planner.running if not j.is_generate and not j.ctx.num_pending]:  # type: ignore[union-attr]
+            self._complete_fill(job)
+        plan = planner.reserve(planner.plan())
+        if not plan:
+            return []
+        seconds = self.cost.seconds(*self._work_of(plan))
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        if self.steps is not None:
+            self.steps.append(
+                StepRecord(start, seconds, tuple((s.ctx.context_id, s.start, s.n) for _, s in plan))
+            )
+        await asyncio.sleep(seconds)
+        self.counters["steps"] += 1
+        generates: list[Job] = []
+        for job, s in plan:
+            s.ctx.computed_len += s.n
+            self.contexts.index_computed(s.ctx)
+            if s.ctx.num_pending or job.cancelled:
+                continue
+            planner.logits[s.ctx.context_id] = (s.ctx.length, None)  # type: ignore[assignment]
+            if job.is_generate:
+                generates.append(job)
+            else:
+                self._complete_fill(job)
+        return generates
+
+    def _work_of(self, plan: list[tuple[Job, SeqSlice]]) -> tuple[int, int, int]:
+        """(prefill tokens, decode sequences, KV tokens read) of a planned step."""
+        prefill = sum(s.n for _, s in plan if s.n > 1)
+        decodes = sum(1 for _, s in plan if s.n == 1)
+        if self.share_prefix:
+            read = KVLoad(self.pool.block_size)
+            for _, s in plan:
+                read.add(s.ctx.block_table, s.ctx.computed_len, s.n)
+            kv = read.total
+        else:
+            kv = sum(s.ctx.computed_len + s.n for _, s in plan)
+        return prefill, decodes, kv
+
+    def _complete_fill(self, job: Job) -> None:
+        assert job.ctx is not None
+        self.planner.release(job.ctx)
+        self.planner.running.remove(job)
+        _finish(job, None)
+
+    def _advance(self, job: Job) -> None:
+        """The generate sampled its next token: stream it, or end at max_tokens or the context's end."""
+        sp, ctx = job.sampling, job.ctx
+        assert sp is not None and ctx is not None
+        job.generated += 1
+        self.counters["generated_tokens"] += 1
+        token = self._token
+        ctx.own_tokens.append(token)
+        text = self._tokenizer.decode([token])
+        if job.generated >= sp.max_tokens or ctx.length >= self._max_seq_len:
+            self.planner.release(ctx)
+            self.planner.running.remove(job)
+            if job.on_chunk is not None:
+                job.on_chunk(GenerateChunk(token_ids=[token], text=text, done=True, finish_reason="length"))
+            _finish(job, None)
+        elif job.on_chunk is not None:
+            job.on_chunk(GenerateChunk(token_ids=[token], text=text))
+
+
+def _finish(job: Job, error: ParrotError | None, finish_reason: str | None = None) -> None:
+    if job.internal:
+        return
+    if finish_reason == "cancelled" and job.on_chunk is not None:
+        job.on_chunk(GenerateChunk(done=True, finish_reason="cancelled"))
+    if job.on_finish is not None:
+        callback: Callable[[ParrotError | None], Any] = job.on_finish
+        job.on_finish = None
+        callback(error)
+
+
+def _settle(fut: asyncio.Future[None], error: ParrotError | None) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(None)

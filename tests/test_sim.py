@@ -1,0 +1,233 @@
+"""The simulator: virtual time, the simulated engine against the real engine's planning,
+and the real manager on simulated engines, deterministic for a seed."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+
+from parrot.engine.jobs import Job
+from parrot.engine.loader import LoadedModel
+from parrot.engine.runner import EngineRunner
+from parrot.manager.service import Manager, ManagerConfig
+from parrot.protocol import clock
+from parrot.protocol.sampling import SamplingParams
+from parrot.protocol.schemas import PlaceholderBinding, SubmitCall
+from parrot.protocol.tokenizer import TextTokenizer
+from parrot.sim import clock as sim_clock
+from parrot.sim.cost import StepCost
+from parrot.sim.engine import SimEngine
+
+COST = StepCost(base=0.010, per_prefill_token=0.0005, per_decode_seq=0.0003, per_kv_token=0.000001)
+
+
+# ------------------------------------------------------------------ the clock
+
+
+def test_virtual_time_jumps_to_the_next_timer_and_runs_threads_inline() -> None:
+    async def main() -> tuple[float, float, list[str]]:
+        loop = asyncio.get_running_loop()
+        order: list[str] = []
+        started = loop.time()
+
+        async def sleeper(name: str, s: float) -> None:
+            await asyncio.sleep(s)
+            order.append(name)
+
+        await asyncio.gather(sleeper("long", 3600.0), sleeper("short", 60.0))
+        offloaded = await asyncio.to_thread(lambda: "done in no virtual time")
+        order.append(offloaded)
+        return loop.time() - started, clock.monotonic() - loop.time(), order
+
+    real = time.monotonic()
+    elapsed, skew, order = sim_clock.run(main(), start=1000.0)
+    assert time.monotonic() - real < 5.0  # an hour of virtual time in moments
+    assert elapsed == pytest.approx(3600.0) and skew == 0.0
+    assert order == ["short", "long", "done in no virtual time"]
+
+
+def test_the_simulator_needs_no_torch() -> None:
+    code = (
+        "import sys, parrot.sim.engine, parrot.sim.clock, parrot.manager.service; "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "False"
+
+
+# ------------------------------------------------- the engine and the planner
+
+
+def _requests(seed: int) -> list[Job]:
+    """Prompts sharing a prefix, forks of them and generates, sized to overflow a small KV pool."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 250) for _ in range(40)]
+    jobs: list[Job] = []
+    for i in range(6):
+        tokens = shared + [rng.randrange(3, 250) for _ in range(rng.randrange(5, 30))]
+        jobs.append(Job(100 + i, None, tokens))
+        jobs.append(
+            Job(100 + i, None, sampling=SamplingParams(max_tokens=rng.randrange(30, 60), ignore_eos=True))
+        )
+    for i in range(4):  # forks of the first contexts, generating at once
+        jobs.append(Job(200 + i, 100 + i, [rng.randrange(3, 250) for _ in range(7)]))
+        jobs.append(Job(200 + i, None, sampling=SamplingParams(max_tokens=12, ignore_eos=True)))
+    return jobs
+
+
+OPTIONS = {"max_step_tokens": 64, "kv_cache_tokens": 256, "token_capacity": 4096}
+
+
+def _runner_plans(tiny_model: LoadedModel, jobs: list[Job], token: int) -> tuple[list, dict]:
+    runner = EngineRunner(tiny_model, **OPTIONS)
+    plans: list[tuple] = []
+    reserve = runner.planner.reserve
+
+    def recorded(plan):
+        got = reserve(plan)
+        if got:
+            plans.append(tuple((s.ctx.context_id, s.start, s.n) for _, s in got))
+        return got
+
+    runner.planner.reserve = recorded  # type: ignore[method-assign]
+    runner._sample = lambda js, logits: [runner._advance(j, token, set()) for j in js]  # type: ignore[method-assign]
+    for job in jobs:
+        runner._enqueue(job)
+    while runner.has_work():
+        runner._step()
+    return plans, dict(runner.counters)
+
+
+def _sim_plans(jobs: list[Job]) -> tuple[list, dict, float]:
+    async def main() -> tuple[list, dict, float]:
+        sim = SimEngine(TextTokenizer.byte_level_tiny(), COST, record_steps=True, max_seq_len=2048, **OPTIONS)
+        for job in jobs:
+            sim.enqueue(job)
+        while sim.planner.running or sim.planner.waiting:
+            async with sim._stepping:
+                await sim._step()
+        assert sim.steps is not None
+        return [r[2] for r in sim.steps], dict(sim.counters), asyncio.get_running_loop().time()
+
+    return sim_clock.run(main())
+
+
+def test_the_simulated_engine_admits_preempts_and_forks_as_the_real_one(tiny_model: LoadedModel) -> None:
+    token = TextTokenizer.byte_level_tiny().encode("x")[0]
+    real_plans, real_counters = _runner_plans(tiny_model, _requests(1), token)
+    sim_plans, sim_counters, elapsed = _sim_plans(_requests(1))
+    assert real_counters["preemptions"] > 0 and real_counters["cached_tokens"] > 0  # the test covers them
+    assert sim_plans == real_plans
+    for key in (
+        "fills",
+        "filled_tokens",
+        "generates",
+        "generated_tokens",
+        "steps",
+        "preemptions",
+        "cached_tokens",
+    ):
+        assert sim_counters[key] == real_counters[key], key
+    assert elapsed > COST.base * len(sim_plans)  # each step took its modelled time
+
+
+# ------------------------------------------------ the manager in virtual time
+
+
+def _submit(manager: Manager, session, template: str, **bindings) -> object:
+    placeholders = [
+        PlaceholderBinding(name=n, **b) if isinstance(b, dict) else PlaceholderBinding(name=n, value=b)
+        for n, b in bindings.items()
+    ]
+    return manager.submit_call(session, SubmitCall(template=template, placeholders=placeholders))
+
+
+def _run_apps(seed: int) -> list[tuple]:
+    async def main() -> list[tuple]:
+        manager = Manager(ManagerConfig(inline_tokenize_bytes=None))
+        engines = [SimEngine(TextTokenizer.byte_level_tiny(), COST, model_name="tiny") for _ in range(2)]
+        for e in engines:
+            manager.pool.register(e)
+        await manager.poll_engine_stats()
+        rng = random.Random(seed)
+        calls = []
+        for app in range(4):  # chains and map-reduces arriving over a few virtual seconds
+            await asyncio.sleep(rng.uniform(0.0, 2.0))
+            session = manager.create_session()[0]
+            doc = "Some document text. " * rng.randrange(5, 20)
+            maps = [
+                _submit(
+                    manager,
+                    session,
+                    "Summarise {{input:d}} part " + str(i) + ": {{output:s}}",
+                    d=doc,
+                    s={"sampling": {"max_tokens": rng.randrange(10, 40), "ignore_eos": True}},
+                )
+                for i in range(1 + app)
+            ]
+            parts = " ".join(f"{{{{input:p{i}}}}}" for i in range(len(maps)))
+            final = _submit(
+                manager, session, f"Combine {parts}: {{{{output:out}}}}",
+                **{f"p{i}": {"var_id": m.outputs["s"].var.var_id} for i, m in enumerate(maps)},
+                out={"sampling": {"max_tokens": 20, "ignore_eos": True}, "criteria": "LATENCY"},
+            )  # fmt: skip
+            calls += [*maps, final]
+        for call in calls:
+            for out in call.outputs.values():
+                await manager.wait_variable(out.var, 60.0)
+                while out.var.state == "pending":
+                    await manager.wait_variable(out.var, 60.0)
+        await manager.executor.drain()
+        for e in engines:
+            await e.close()
+        return [
+            (
+                c.state,
+                c.engine_id,
+                c.objective,
+                c.submitted_at,
+                c.dispatched_at,
+                c.first_token_at,
+                c.finished_at,
+            )
+            for c in calls
+        ]
+
+    return sim_clock.run(main())
+
+
+def test_a_run_is_deterministic_for_a_seed_and_fast() -> None:
+    real = time.monotonic()
+    first = _run_apps(7)
+    second = _run_apps(7)
+    assert time.monotonic() - real < 60.0
+    assert all(state == "done" for state, *_ in first)
+    assert len({engine for _, engine, *_ in first}) == 2  # both engines served
+    assert [row[2:] for row in first] == [row[2:] for row in second]  # objectives and every timestamp
+    assert _run_apps(8) != first  # another seed, another run
+
+
+# -------------------------------------------------- the suite in simulation
+
+
+def test_the_suite_runs_in_simulation_and_parrot_saves_the_round_trips() -> None:
+    from benchmarks.sim.driver import simulate
+    from benchmarks.suite.workloads import generate
+
+    tiny = TextTokenizer.byte_level_tiny()
+    workload = generate("fig11", 0.2, 0)[0]  # one chain summary
+    parrot = simulate(workload, "parrot", COST, tiny)
+    baseline = simulate(workload, "parrot-baseline-latency", COST, tiny)
+    assert all(a.error is None for a in parrot.apps + baseline.apps)
+    (app,) = workload.apps
+    assert parrot.apps[0].delays == 2 and baseline.apps[0].delays == len(app.calls)
+    assert parrot.apps[0].latency_s < baseline.apps[0].latency_s
+    assert len(parrot.apps[0].calls) == len(baseline.apps[0].calls) == len(app.calls)
+    assert simulate(workload, "parrot", COST, tiny) == parrot  # deterministic
