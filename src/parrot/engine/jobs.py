@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from parrot.engine.contexts import Context
 from parrot.engine.stopping import StopStringFilter
-from parrot.protocol.errors import ParrotError
+from parrot.protocol.errors import BadRequest, ParrotError
 from parrot.protocol.sampling import SamplingParams
 from parrot.protocol.schemas import GenerateChunk
 from parrot.protocol.tokenizer import IncrementalDecoder
@@ -16,7 +16,7 @@ from parrot.protocol.tokenizer import IncrementalDecoder
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ChunkCallback", "FinishCallback", "Job"]
+__all__ = ["ChunkCallback", "FinishCallback", "Job", "check_token_ids", "finish_job"]
 
 FinishCallback = Callable[[ParrotError | None], None]
 ChunkCallback = Callable[[GenerateChunk], None]
@@ -47,3 +47,26 @@ class Job:
     @property
     def is_generate(self) -> bool:
         return self.sampling is not None
+
+
+def finish_job(job: Job, error: ParrotError | None, finish_reason: str | None = None) -> None:
+    """Tell ``job``'s caller it ended (once; an internal job has no caller): a cancelled
+    generate's stream gets its last chunk, then ``on_finish`` gets ``error``."""
+    if job.internal:
+        return
+    if finish_reason == "cancelled" and job.on_chunk is not None:
+        job.on_chunk(GenerateChunk(done=True, finish_reason="cancelled"))
+    if job.on_finish is not None:
+        job.on_finish(error)
+        job.on_finish = None
+
+
+def check_token_ids(tokens: Sequence[int], vocab_size: int) -> list[int]:
+    """``tokens`` as ints, or BadRequest (``invalid_tokens``) naming those outside the vocabulary."""
+    out = [int(t) for t in tokens]
+    bad = [t for t in out if not 0 <= t < vocab_size]
+    if bad:
+        raise BadRequest(
+            f"token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})", code="invalid_tokens"
+        )
+    return out

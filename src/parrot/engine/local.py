@@ -23,9 +23,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from parrot.engine.config import EngineConfig
+from parrot.engine.jobs import check_token_ids
 from parrot.engine.loader import LoadedModel
 from parrot.engine.runner import EngineRunner, Job
-from parrot.protocol.errors import BadRequest, ParrotError
+from parrot.protocol.errors import ParrotError
 from parrot.protocol.sampling import SamplingParams
 from parrot.protocol.schemas import EngineStats, GenerateChunk
 from parrot.protocol.tokenizer import TextTokenizer
@@ -150,14 +151,7 @@ class LocalEngine:
         return await fut
 
     def _check_tokens(self, tokens: Sequence[int]) -> list[int]:
-        vocab = self.loaded.config.vocab_size
-        out = [int(t) for t in tokens]
-        bad = [t for t in out if not 0 <= t < vocab]
-        if bad:
-            raise BadRequest(
-                f"token id(s) {bad[:5]} outside the vocabulary [0, {vocab})", code="invalid_tokens"
-            )
-        return out
+        return check_token_ids(tokens, self.loaded.config.vocab_size)
 
     async def fill(
         self,

@@ -41,7 +41,7 @@ from parrot.engine import step_forward
 from parrot.engine.block_pool import BlockPool
 from parrot.engine.config import EngineConfig
 from parrot.engine.contexts import Context, ContextTable
-from parrot.engine.jobs import ChunkCallback, FinishCallback, Job
+from parrot.engine.jobs import ChunkCallback, FinishCallback, Job, finish_job
 from parrot.engine.kv_store import PagedKVCache, kv_cache_blocks
 from parrot.engine.latency_probe import StepLatency, probe
 from parrot.engine.loader import LoadedModel
@@ -475,10 +475,4 @@ class EngineRunner:
         self._finish(job, None)
 
     def _finish(self, job: Job, error: ParrotError | None, finish_reason: str | None = None) -> None:
-        if job.internal:
-            return
-        if finish_reason == "cancelled" and job.on_chunk is not None:
-            job.on_chunk(GenerateChunk(done=True, finish_reason="cancelled"))
-        if job.on_finish is not None:
-            job.on_finish(error)
-            job.on_finish = None
+        finish_job(job, error, finish_reason)

@@ -66,13 +66,11 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _TASK_GRACE_S = 30.0  # how long to wait for a finished call to free its engine context
 
 
-class CompletionRequest(StrictBody):
-    """The body of ``POST /v1/completions`` (OpenAI's fields plus vLLM's ``top_k``,
-    ``ignore_eos`` and ``stop_token_ids``).  Unknown fields are rejected."""
+class OpenAIRequest(StrictBody):
+    """The fields ``/v1/completions`` and ``/v1/chat/completions`` share (OpenAI's plus
+    vLLM's ``top_k``, ``ignore_eos`` and ``stop_token_ids``).  Unknown fields are rejected."""
 
     model: str | None = Field(default=None, description="Model to run on; any live engine's if omitted.")
-    prompt: str | list[Any]
-    max_tokens: int | None = DEFAULT_MAX_TOKENS
     temperature: float | None = 1.0
     top_p: float | None = 1.0
     top_k: int | None = None
@@ -81,17 +79,41 @@ class CompletionRequest(StrictBody):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     n: int = 1
-    best_of: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     # Accepted only at their no-op values:
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = Field(default=None, max_length=1000)
+
+
+def unsupported(what: str) -> BadRequest:
+    return BadRequest(f"{what} is not supported", code="unsupported_parameter")
+
+
+def check_shared(req: OpenAIRequest) -> None:
+    """Refuse the shared fields Parrot cannot honour (400) rather than ignore them."""
+    if req.n != 1:
+        raise unsupported(f"n={req.n} (only n=1)")
+    if req.presence_penalty or req.frequency_penalty:
+        raise unsupported("presence_penalty / frequency_penalty other than 0")
+    if req.logit_bias:
+        raise unsupported("logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise BadRequest("stream_options needs stream=true", code="invalid_request")
+
+
+class CompletionRequest(OpenAIRequest):
+    """The body of ``POST /v1/completions``."""
+
+    prompt: str | list[Any]
+    max_tokens: int | None = DEFAULT_MAX_TOKENS
+    best_of: int | None = None
+    # Accepted only at their no-op values:
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
 
 
 def _prompt_text(req: CompletionRequest) -> str:
@@ -108,11 +130,7 @@ def _prompt_text(req: CompletionRequest) -> str:
 
 
 def _check_supported(req: CompletionRequest) -> None:
-    def unsupported(what: str) -> BadRequest:
-        return BadRequest(f"{what} is not supported", code="unsupported_parameter")
-
-    if req.n != 1:
-        raise unsupported(f"n={req.n} (only n=1)")
+    check_shared(req)
     if req.best_of not in (None, 1):
         raise unsupported(f"best_of={req.best_of} (only 1)")
     if req.logprobs is not None:
@@ -121,12 +139,6 @@ def _check_supported(req: CompletionRequest) -> None:
         raise unsupported("echo")
     if req.suffix:
         raise unsupported("suffix")
-    if req.presence_penalty or req.frequency_penalty:
-        raise unsupported("presence_penalty / frequency_penalty other than 0")
-    if req.logit_bias:
-        raise unsupported("logit_bias")
-    if req.stream_options is not None and not req.stream:
-        raise BadRequest("stream_options needs stream=true", code="invalid_request")
 
 
 def sampling_of(req: Any, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> SamplingParams:

@@ -31,7 +31,15 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import Field
 
-from parrot.manager.openai_api import Completion, answer, check_model, sampling_of
+from parrot.manager.openai_api import (
+    Completion,
+    OpenAIRequest,
+    answer,
+    check_model,
+    check_shared,
+    sampling_of,
+    unsupported,
+)
 from parrot.manager.service import Manager
 from parrot.protocol.asgi import OffLoopJsonRoute, bearer_token
 from parrot.protocol.chat_template import ChatMessage, render_chat
@@ -52,55 +60,29 @@ class ChatMessageIn(StrictBody):
     name: str | None = Field(default=None, max_length=200)
 
 
-class ChatCompletionRequest(StrictBody):
-    """The body of ``POST /v1/chat/completions`` (OpenAI's fields plus vLLM's ``top_k``,
-    ``ignore_eos`` and ``stop_token_ids``).  Unknown fields are rejected."""
+class ChatCompletionRequest(OpenAIRequest):
+    """The body of ``POST /v1/chat/completions``."""
 
-    model: str | None = Field(default=None, description="Model to run on; any live engine's if omitted.")
     messages: list[ChatMessageIn] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float | None = 1.0
-    top_p: float | None = 1.0
-    top_k: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    n: int = 1
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
     response_format: dict[str, Any] | None = None
     # Accepted only at their no-op values:
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    logit_bias: dict[str, float] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    user: str | None = Field(default=None, max_length=1000)
 
 
 def _check_supported(req: ChatCompletionRequest) -> None:
-    def unsupported(what: str) -> BadRequest:
-        return BadRequest(f"{what} is not supported", code="unsupported_parameter")
-
-    if req.n != 1:
-        raise unsupported(f"n={req.n} (only n=1)")
+    check_shared(req)
     if req.logprobs or req.top_logprobs:
         raise unsupported("logprobs")
-    if req.presence_penalty or req.frequency_penalty:
-        raise unsupported("presence_penalty / frequency_penalty other than 0")
-    if req.logit_bias:
-        raise unsupported("logit_bias")
     if req.tools or req.tool_choice not in (None, "none"):
         raise unsupported("tools")
     if req.response_format not in (None, {"type": "text"}):
         raise unsupported(f"response_format {req.response_format!r} (only {{'type': 'text'}})")
-    if req.stream_options is not None and not req.stream:
-        raise BadRequest("stream_options needs stream=true", code="invalid_request")
     both = req.max_tokens is not None and req.max_completion_tokens is not None
     if both and req.max_tokens != req.max_completion_tokens:
         raise BadRequest("max_tokens and max_completion_tokens disagree", code="invalid_request")

@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Sequence
 
 from parrot.engine.block_pool import DEFAULT_BLOCK_SIZE, BlockPool
 from parrot.engine.contexts import ContextTable
-from parrot.engine.jobs import Job
+from parrot.engine.jobs import Job, check_token_ids, finish_job
 from parrot.engine.memory import MemoryManager
 from parrot.engine.step_planner import KVLoad, SeqSlice, StepPlanner
 from parrot.protocol.errors import BadRequest, ParrotError
@@ -137,7 +136,7 @@ class SimEngine:
         job = Job(
             context_id,
             parent_context_id,
-            tokens=self._check_tokens(tokens),
+            tokens=check_token_ids(tokens, self._tokenizer.vocab_size),
             cache_salt=cache_salt,
             on_finish=lambda err: _settle(done, err),
         )
@@ -222,16 +221,6 @@ class SimEngine:
         )
 
     # ------------------------------------------------------------ the steps
-    def _check_tokens(self, tokens: Sequence[int]) -> list[int]:
-        vocab = self._tokenizer.vocab_size
-        out = [int(t) for t in tokens]
-        bad = [t for t in out if not 0 <= t < vocab]
-        if bad:
-            raise BadRequest(
-                f"token id(s) {bad[:5]} outside the vocabulary [0, {vocab})", code="invalid_tokens"
-            )
-        return out
-
     def enqueue(self, job: Job) -> None:
         """Queue ``job`` first-come first-served, as the runner's inbox does (the step loop
         is not started: :meth:`fill` and :meth:`generate` start it)."""
@@ -257,7 +246,7 @@ class SimEngine:
 
     def _reap_cancelled(self) -> None:
         for job in self.planner.take_cancelled():
-            _finish(job, None, "cancelled")
+            finish_job(job, None, "cancelled")
 
     async def _loop(self) -> None:
         """Step while there is work; wait for work otherwise (the runner's loop, on asyncio)."""
@@ -275,7 +264,7 @@ class SimEngine:
         admission = self.planner.admit(self.token_capacity)
         self.counters["generates"] += len(admission.started)
         for job, error in admission.rejected:
-            _finish(job, error)
+            finish_job(job, error)
         jobs = await self._forward() if self.planner.running else []
         jobs += [j for j, _ in admission.ready if not j.preempted and not j.cancelled]
         for job in jobs:
@@ -328,7 +317,7 @@ class SimEngine:
         assert job.ctx is not None
         self.planner.release(job.ctx)
         self.planner.running.remove(job)
-        _finish(job, None)
+        finish_job(job, None)
 
     def _advance(self, job: Job) -> None:
         """The generate sampled its next token: stream it, or end at max_tokens or the context's end."""
@@ -344,20 +333,9 @@ class SimEngine:
             self.planner.running.remove(job)
             if job.on_chunk is not None:
                 job.on_chunk(GenerateChunk(token_ids=[token], text=text, done=True, finish_reason="length"))
-            _finish(job, None)
+            finish_job(job, None)
         elif job.on_chunk is not None:
             job.on_chunk(GenerateChunk(token_ids=[token], text=text))
-
-
-def _finish(job: Job, error: ParrotError | None, finish_reason: str | None = None) -> None:
-    if job.internal:
-        return
-    if finish_reason == "cancelled" and job.on_chunk is not None:
-        job.on_chunk(GenerateChunk(done=True, finish_reason="cancelled"))
-    if job.on_finish is not None:
-        callback: Callable[[ParrotError | None], Any] = job.on_finish
-        job.on_finish = None
-        callback(error)
 
 
 def _settle(fut: asyncio.Future[None], error: ParrotError | None) -> None:
