@@ -271,8 +271,17 @@ def test_stream_disconnect_closes_the_session_and_frees_the_context(
 
 
 def test_a_non_streaming_completion_is_cancelled_when_its_client_goes_away(
-    oa: conftest.LiveServer, tiny_engine: LocalEngine
+    oa: conftest.LiveServer, tiny_engine: LocalEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # each engine step slowed by 3 ms, so the 1,900 tokens take at least 5.7 s whatever the
+    # machine: far longer than the client's 0.5 s patience plus the server's disconnect poll
+    forward = tiny_engine.runner._forward
+
+    def slowed() -> Any:
+        time.sleep(0.003)
+        return forward()
+
+    monkeypatch.setattr(tiny_engine.runner, "_forward", slowed)
     before = engine_contexts(oa, tiny_engine)
     generated_before = oa.run_on_loop(tiny_engine.stats()).generated_tokens
     body = {"model": "tiny", "prompt": "Go on", "max_tokens": 1900, "ignore_eos": True}
