@@ -52,6 +52,7 @@ def snapshots(draw, engine_id: str) -> EngineSnapshot:
         draw(st.booleans()) or draw(st.booleans()),
         draw(st.sampled_from([1024, 3000, 6144])),  # the engine's own latency cap
         draw(st.sampled_from([0, 1, 2, 5])),  # last_assigned
+        draw(st.sampled_from([0, 0, 3, 20])),  # latency calls running there
     )
 
 
@@ -69,6 +70,8 @@ def queues(draw) -> list[QueuedCall]:
                 tuple(draw(st.lists(st.sampled_from(["p", "q", "r"]), max_size=2))),
                 draw(st.sampled_from([1, 50, 1000, 3000, 7000, 20_000])),
                 draw(st.integers(0, 3)),
+                draw(st.sampled_from([0, 16, 64, 500])),  # new tokens
+                draw(st.sampled_from([0, 0, 1000])),  # shared prefix tokens
             )
         )
     return queue
@@ -86,6 +89,7 @@ def histories(draw):
         latency_cap_tokens=draw(st.sampled_from([None, None, 1024, 6144])),
         latency_cap_scope=draw(st.sampled_from(["mixed", "all"])),
         affinity_spill=draw(st.booleans()),
+        saturation_batching=draw(st.booleans()),
     )
     rounds = []
     for _ in range(draw(st.integers(1, 8))):

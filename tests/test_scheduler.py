@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from parrot.manager import saturation
 from parrot.manager.objectives import CallObjective
 from parrot.manager.scheduler import (
     DEFAULT_LATENCY_CAP_TOKENS,
@@ -44,9 +45,9 @@ def eng(
     )
 
 
-def q(cid, kind="latency", group=None, tokens=100, rank=0, prefixes=(), model="m"):
+def q(cid, kind="latency", group=None, tokens=100, rank=0, prefixes=(), model="m", new=0, shared=0):
     obj = CallObjective("throughput", group, "test") if group else (LAT if kind == "latency" else THR)
-    return QueuedCall(cid, model, obj, tuple(prefixes), tokens, rank)
+    return QueuedCall(cid, model, obj, tuple(prefixes), tokens, rank, new, shared)
 
 
 def run(queue, engines, policy="parrot", **kw):
@@ -260,6 +261,81 @@ def test_the_latency_cap_still_binds_where_latency_and_throughput_work_meet():
     engines = [eng("e1", load=1500, mode="latency", lat=2000)]
     assert run_mixed([q("t", kind="throughput", tokens=600)], engines) == []
     assert where(run_mixed([q("t", kind="throughput", tokens=500)], engines)) == {"t": "e1"}
+
+
+# ------------------------------------------------------------------ saturation batching
+def run_saturated(queue, engines, policy="parrot", **kw):
+    """One round with saturation batching (latency calls may pass the cap while they queue)."""
+    return schedule(queue, engines, SchedulerConfig(policy, saturation_batching=True, **kw))
+
+
+def decode_heavy(n, rank0=0):
+    """Calls under one 1,000-token cached prompt: 110 prompt tokens of their own, 64 to generate."""
+    return [q(f"d{i}", tokens=174, new=64, shared=1000, rank=rank0 + i) for i in range(n)]
+
+
+def prompt_heavy(n):
+    """A chain's steps over fresh chunks: 229 prompt tokens of their own, 25 to generate."""
+    return [q(f"p{i}", tokens=254, new=25, rank=i) for i in range(n)]
+
+
+def test_batch_tokens_stays_at_the_cap_unless_calls_queue():
+    assert saturation.batch_tokens(1, 174, 64, 1000, 1800, 24.0) == 1800  # one call: the cap
+    assert saturation.batch_tokens(32, 174, 0, 1000, 1800, 24.0) == 1800  # nothing to decode
+    k32 = saturation.batch_tokens(32, 174, 64, 1000, 1800, 24.0)
+    k8 = saturation.batch_tokens(8, 174, 64, 1000, 1800, 24.0)
+    assert 1800 < k8 < k32  # grows with the calls competing ...
+    assert (k32 - 1000) / (k8 - 1000) == pytest.approx(2.0, rel=0.02)  # ... as its square root
+    # prompt-heavy calls: about what the cap admits already (k* = sqrt(25*25/10.4) ~ 7.8 calls)
+    assert 1800 <= saturation.batch_tokens(25, 254, 25, 0, 1800, 24.0) < 8 * 254
+
+
+def test_queued_decode_heavy_calls_batch_past_the_latency_cap():
+    engines = [eng("e1", lat=1800, cap=20_000)]
+    calls = decode_heavy(32)
+    capped = run(calls, engines)
+    assert len(capped) == 1 + (1800 - 174) // 174  # the paper's rule: the cap (the first alone)
+    batched = run_saturated(calls, engines)
+    bound = saturation.batch_tokens(32, 174, 64, 1000, 1800, 24.0)
+    assert len(batched) == bound // 174 > len(capped)
+    assert {p.engine_id for p in batched} == {"e1"}
+    # never past the engine's token capacity
+    assert len(run_saturated(calls, [eng("e1", lat=1800, cap=2500)])) == 2500 // 174
+
+
+def test_prompt_heavy_calls_keep_the_cap_and_throughput_work_always_does():
+    engines = [eng("e1", lat=1800, cap=20_000)]
+    assert run_saturated(prompt_heavy(25), engines) == run(prompt_heavy(25), engines)
+    # throughput calls next to latency work stay under the cap
+    busy = [
+        eng(
+            "e1",
+            load=1700,
+            mode="latency",
+            lat=1800,
+            cap=20_000,
+        )
+    ]
+    thr = [q(f"t{i}", kind="throughput", tokens=174, new=64, rank=i) for i in range(20)]
+    assert run_saturated(thr, busy) == []
+    # latency work does not batch past the cap into throughput work
+    loaded = [eng("e1", load=1700, mode="throughput", lat=1800, cap=20_000)]
+    assert run_saturated(decode_heavy(32), loaded) == []
+
+
+def test_running_latency_calls_count_as_competing():
+    engines = [eng("e1", load=1700, mode="latency", lat=1800, cap=20_000)]
+    alone = run_saturated(decode_heavy(2), engines)  # two queued, nothing known to run: the cap
+    assert alone == []
+    busy = [dataclasses.replace(engines[0], latency_calls=30)]
+    assert len(run_saturated(decode_heavy(2), busy)) == 2
+
+
+def test_baselines_ignore_saturation_batching():
+    engines = [eng("e1", lat=1800, cap=20_000)]
+    calls = decode_heavy(32)
+    for policy in ("baseline-latency", "baseline-throughput"):
+        assert run_saturated(calls, engines, policy) == run(calls, engines, policy)
 
 
 def test_no_deduction_under_the_default_scope_batches_everything_as_latency_work():
@@ -566,13 +642,16 @@ def rounds(draw):
                 rank=draw(st.integers(0, 3)),
                 prefixes=tuple(draw(st.lists(st.sampled_from(["p", "q", "r"]), max_size=2))),
                 model=draw(st.sampled_from(["a", "b", None])),
+                new=draw(st.sampled_from([0, 16, 64, 500])),
+                shared=draw(st.sampled_from([0, 0, 1000])),
             )
         )
     policy = draw(st.sampled_from(POLICIES))
     lat_cap = draw(st.sampled_from([None, None, 1024, 6144]))
     scope = draw(st.sampled_from(["mixed", "all"]))
     spill = draw(st.booleans())
-    return queue, engines, SchedulerConfig(policy, lat_cap, None, scope, spill)
+    saturation = draw(st.booleans())
+    return queue, engines, SchedulerConfig(policy, lat_cap, None, scope, spill, saturation)
 
 
 @settings(max_examples=400, deadline=None)
@@ -619,10 +698,13 @@ def test_property_caps_models_liveness(case):
             continue
         final = e.token_load + sum(c.tokens for c in cs)
         runs_latency = any(kind(c) == "latency" for c in cs) or (e.mode == "latency" and e.token_load > 0)
+        saturated = config.saturation_batching and not config.policy.startswith("baseline")
         if config.policy == "baseline-throughput" or not (
             runs_latency or config.policy == "baseline-latency"
         ):
             cap = e.token_capacity
+        elif saturated:
+            cap = e.token_capacity  # latency calls may batch past the cap while they queue
         else:
             cap = cap_l
         # Never over the cap, except one big call alone on an engine that was idle.

@@ -105,3 +105,31 @@ def test_a_shared_system_prompt_counts_once_against_the_latency_cap(live):
         ).json()["calls"]
     assert len(calls) == 4 and {c["objective"] for c in calls} == {"latency"}
     assert max(c["dispatched_at"] for c in calls) < min(c["finished_at"] for c in calls)
+
+
+@pytest.mark.parametrize(
+    "manager_config",
+    [
+        ManagerConfig(latency_cap_tokens=100, latency_cap_scope="all"),
+        ManagerConfig(latency_cap_tokens=100, latency_cap_scope="all", saturation_batching=True),
+    ],
+    ids=["cap", "saturation-batching"],
+)
+def test_saturation_batching_runs_queued_latency_calls_past_the_cap(live, manager_config):
+    """Eight latency calls under the 320-token system prompt, each 40 tokens of its own
+    (32 generated): the 100-token cap runs two at a time; with saturation batching the
+    eight, queued together, share the engine's steps."""
+    ask = P.template_function(
+        SYSTEM + "{{input:q}} => {{output:a}}", name="ask", a=P.Output(max_tokens=32, ignore_eos=True)
+    )
+    with P.connect(live.url) as s:
+        gate = s.variable(name="gate")
+        outs = [ask(q=gate) for _ in range(8)]
+        gate.set("Why?")
+        assert all(o.get(timeout=60) is not None for o in outs)
+        calls = httpx.get(
+            f"{live.url}/v1/sessions/{s.session_id}/graph", headers={"Authorization": f"Bearer {s.token}"}
+        ).json()["calls"]
+    assert len(calls) == 8 and {c["objective"] for c in calls} == {"latency"}
+    together = max(c["dispatched_at"] for c in calls) < min(c["finished_at"] for c in calls)
+    assert together == manager_config.saturation_batching

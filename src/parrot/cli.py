@@ -253,6 +253,19 @@ def _parser() -> argparse.ArgumentParser:
         "slower with the paper's latency cap, docs/evaluation.md)",
     )
     serve.add_argument(
+        "--saturation-batching",
+        action="store_true",
+        help="while latency calls queue for an engine, let it batch them past its latency cap up "
+        "to the size that finishes them soonest on average (parrot.manager.saturation)",
+    )
+    serve.add_argument(
+        "--prefill-tokens-per-step",
+        type=float,
+        default=24.0,
+        help="how many prompt tokens cost one unloaded decode step on the engines (default 24: "
+        "SmolLM2 on a 2-core Xeon; a GPU: a few hundred); used by --saturation-batching",
+    )
+    serve.add_argument(
         "--no-app-fifo",
         action="store_true",
         help="rank queued calls by their own arrival instead of their application's (for ablations; "
@@ -377,6 +390,8 @@ def manager_config(args: argparse.Namespace) -> ManagerConfig:
         app_fifo=not args.no_app_fifo,
         latency_cap_scope=args.latency_cap_scope,
         affinity_spill=args.affinity_spill,
+        saturation_batching=args.saturation_batching,
+        prefill_tokens_per_step=args.prefill_tokens_per_step,
         **tenants,
     )
 

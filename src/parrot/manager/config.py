@@ -39,6 +39,11 @@ class ManagerConfig:
     # a CA bundle that verifies https engines' certificates (None: the system's trust store)
     tls_ca_file: str | None = None
     affinity_spill: bool = False
+    # while latency calls queue, batch them past the latency cap up to the size that finishes
+    # them soonest on average (parrot.manager.saturation), given how many prompt tokens cost
+    # one unloaded decode step on the engines
+    saturation_batching: bool = False
+    prefill_tokens_per_step: float = 24.0
     engine_token_capacity: int = 32768
     queue_timeout_s: float | None = 600.0
     # a session nobody used for this long (seconds) with no call queued or running is

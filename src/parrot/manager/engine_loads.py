@@ -165,6 +165,7 @@ class EngineLoads:
             alive=h.alive,
             latency_cap_tokens=h.stats.latency_cap_tokens or DEFAULT_LATENCY_CAP_TOKENS,
             last_assigned=use.last_assigned,
+            latency_calls=use.kinds.get("latency", 0),
         )
 
     def snapshots(self) -> list[EngineSnapshot]:

@@ -121,6 +121,7 @@ import heapq
 import itertools
 from collections.abc import Sequence
 
+from parrot.manager import saturation
 from parrot.manager.scheduler_types import (  # the scheduler's vocabulary, re-exported
     CAP_SCOPES,
     DEFAULT_LATENCY_CAP_TOKENS,
@@ -267,6 +268,8 @@ class Scheduler:
         self.fixed_kind = {"baseline-latency": "latency", "baseline-throughput": "throughput"}.get(policy)
         self.cap_mixed_only = config.latency_cap_scope == "mixed"
         self.affinity_spill = config.affinity_spill
+        self.saturation = config.saturation_batching and not self.baseline
+        self._competing = 0.0  # latency calls per engine this round (running or queued)
 
         self._snaps: dict[str, EngineSnapshot] = {}  # every engine it was told of, live or not
         self._engs: dict[str, _Eng] = {}  # live engines
@@ -435,12 +438,24 @@ class Scheduler:
             return min(lat_cap, capacity)
         return capacity if self.thr_cap is None else min(self.thr_cap, capacity)
 
-    def _room(self, kind: str, mode: str | None, load: int, tokens: int, capacity: int, lat_cap: int) -> bool:
-        """Whether ``tokens`` of work of ``kind`` fit an engine in ``mode`` carrying ``load``."""
+    def _room(
+        self, kind: str, mode: str | None, load: int, c: QueuedCall, capacity: int, lat_cap: int
+    ) -> bool:
+        """Whether call ``c`` (as work of ``kind``) fits an engine in ``mode`` carrying ``load``."""
+        tokens = c.tokens
         if kind == "latency" and mode == "throughput" and self.cap_mixed_only and self.fixed_kind is None:
             # Latency work joins throughput work that is within the latency cap.
             return load <= min(lat_cap, capacity) and load + tokens <= capacity
-        return load + tokens <= self._cap(kind, mode, capacity, lat_cap)
+        if load + tokens <= self._cap(kind, mode, capacity, lat_cap):
+            return True
+        if self.saturation and kind == "latency" and mode != "throughput" and not self.cap_mixed_only:
+            # latency calls queue: the batch that finishes them soonest, within the capacity
+            bound = saturation.batch_tokens(
+                self._competing, c.tokens, c.new_tokens, c.shared_tokens, lat_cap,
+                self.config.prefill_tokens_per_step,
+            )  # fmt: skip
+            return load + tokens <= min(bound, capacity)
+        return False
 
     def _fits(self, e: _Eng, c: QueuedCall, kind: str) -> bool:
         s = e.snap
@@ -448,7 +463,7 @@ class Scheduler:
             not e.blocked
             and _matches(c.model, s.model)
             and c.tokens <= s.max_seq_len
-            and (e.load == 0 or self._room(kind, e.mode, e.load, c.tokens, s.token_capacity, self._lat(s)))
+            and (e.load == 0 or self._room(kind, e.mode, e.load, c, s.token_capacity, self._lat(s)))
         )
 
     # -- heap index
@@ -507,7 +522,7 @@ class Scheduler:
                     if top is None:
                         continue
                     load = top[0]
-                    if load and not self._room(kind, mode, load, c.tokens, cls[2], cls[4]):
+                    if load and not self._room(kind, mode, load, c, cls[2], cls[4]):
                         continue  # the same rule in the class: nothing else here fits either
                     if best is None or top[:3] < best[:3]:
                         best = top
@@ -548,6 +563,8 @@ class Scheduler:
                 raise ValueError(f"duplicate call id {c.call_id!r}")
             calls_seen.add(c.call_id)
         out: list[Placement] = []
+        if self.saturation:
+            self._competing = self._latency_demand(queue)
         try:
             for c in sorted(queue, key=_rank):
                 if self.baseline:
@@ -567,6 +584,14 @@ class Scheduler:
         finally:
             self._end_round()
         return out
+
+    def _latency_demand(self, queue: Sequence[QueuedCall]) -> float:
+        """Latency calls per live engine, running or in ``queue`` (for saturation batching)."""
+        if not self._engs:
+            return 0.0
+        queued = sum(1 for c in queue if not self.deduction or c.objective.kind == "latency")
+        running = sum(e.snap.latency_calls for e in self._engs.values())
+        return (queued + running) / len(self._engs)
 
     def _end_round(self) -> None:
         for e in self._touched:

@@ -64,6 +64,7 @@ class EngineSnapshot:
     alive: bool = True
     latency_cap_tokens: int = DEFAULT_LATENCY_CAP_TOKENS
     last_assigned: int = 0
+    latency_calls: int = 0
 
     def __post_init__(self) -> None:
         if not self.engine_id:
@@ -78,6 +79,8 @@ class EngineSnapshot:
             raise ValueError(f"engine {self.engine_id}: latency_cap_tokens must be positive")
         if not 0 <= self.last_assigned < IN_ROUND:
             raise ValueError(f"engine {self.engine_id}: last_assigned must lie in [0, 2**62)")
+        if self.latency_calls < 0:
+            raise ValueError(f"engine {self.engine_id}: latency_calls must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +90,10 @@ class QueuedCall:
     ``model`` None: any engine.  ``prefix_hashes``: hashes of the prompt's
     prefixes at variable boundaries, outermost (shortest) first.  ``tokens``:
     estimated KV tokens (prompt + max new tokens).  ``topo_rank``: an integer
-    order in which producers come before consumers (then arrival).
+    order in which producers come before consumers (then arrival).  ``new_tokens``:
+    the part of ``tokens`` it generates (the rest is prompt); ``shared_tokens``: the
+    prompt prefix it shares with other calls, not counted in ``tokens`` (counted once
+    per engine).
     """
 
     call_id: str
@@ -96,12 +102,16 @@ class QueuedCall:
     prefix_hashes: tuple[object, ...] = ()
     tokens: int = 1
     topo_rank: int = 0
+    new_tokens: int = 0
+    shared_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.call_id:
             raise ValueError("call_id must be non-empty")
         if self.tokens <= 0:
             raise ValueError(f"call {self.call_id}: tokens must be positive, got {self.tokens}")
+        if self.new_tokens < 0 or self.shared_tokens < 0:
+            raise ValueError(f"call {self.call_id}: new_tokens and shared_tokens must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,13 +122,19 @@ class SchedulerConfig:
     what the latency cap bounds under the non-baseline policies, ``"all"`` (every engine
     running latency work: the paper's rule, the default) or ``"mixed"`` (only latency and
     throughput work meeting on an engine).  ``affinity_spill``: a task group or the sharers
-    of a prefix may spread to a less loaded engine (steps 1 and 2 of the module docstring)."""
+    of a prefix may spread to a less loaded engine (steps 1 and 2 of the module docstring).
+    ``saturation_batching``: while latency calls queue, an engine running latency work takes
+    them up to the batch that finishes them soonest on average (:mod:`parrot.manager.saturation`),
+    which may exceed the latency cap; ``prefill_tokens_per_step``: how many prompt tokens cost
+    one unloaded decode step on the engines, the figure that batch size rests on."""
 
     policy: Policy = "parrot"
     latency_cap_tokens: int | None = None
     throughput_cap: int | None = None
     latency_cap_scope: CapScope = "all"
     affinity_spill: bool = False
+    saturation_batching: bool = False
+    prefill_tokens_per_step: float = 24.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -129,6 +145,8 @@ class SchedulerConfig:
             raise ValueError("latency_cap_tokens must be positive (or None)")
         if self.throughput_cap is not None and self.throughput_cap <= 0:
             raise ValueError("throughput_cap must be positive (or None)")
+        if not self.prefill_tokens_per_step > 0:
+            raise ValueError("prefill_tokens_per_step must be positive")
 
 
 @dataclass(frozen=True, slots=True)

@@ -104,6 +104,8 @@ class Manager:
                 latency_cap_tokens=self.config.latency_cap_tokens,
                 latency_cap_scope=self.config.latency_cap_scope,
                 affinity_spill=self.config.affinity_spill,
+                saturation_batching=self.config.saturation_batching,
+                prefill_tokens_per_step=self.config.prefill_tokens_per_step,
             ),
             engine_token_capacity=self.config.engine_token_capacity,
             queue_timeout_s=self.config.queue_timeout_s,
