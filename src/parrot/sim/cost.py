@@ -154,9 +154,11 @@ class CostProfile:
         if not isinstance(body, dict) or body.get("format") != FORMAT:
             raise ValueError(f"{origin}: not a step-cost file (its 'format' must be {FORMAT!r})")
         params = body.get("cost")
-        known = {f.name for f in fields(StepCost)}
-        if not isinstance(params, dict) or not set(params) <= known or "base" not in params:
-            raise ValueError(f"{origin}: 'cost' must be an object with the fields {sorted(known)}")
+        known = [f.name for f in fields(StepCost)]
+        if not isinstance(params, dict) or not set(known[:4]) <= set(params) <= set(known):
+            raise ValueError(
+                f"{origin}: 'cost' must be an object with the fields {known} (the last optional)"
+            )
         try:
             cost = StepCost(**params)
             return cls(str(body.get("name", origin)), cost, body.get("kv_cache_tokens"), body.get("meta"))

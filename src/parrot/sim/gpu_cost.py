@@ -84,7 +84,7 @@ VLLM_ON_AMPERE = Serving(
     weight_bw_eff=0.80,  # assumption: large fp16 GEMVs reach ~80% of peak DRAM bandwidth
     kv_bw_eff=0.40,  # assumption: fitted to the artifact's 2k -> 12k slope (25 -> 35 ms)
     flop_util=0.50,  # assumption: prefill GEMMs at half the tensor peak
-    step_overhead_s=0.0065,  # assumption: fitted to the artifact's <= 2k latency (23-26 ms)
+    step_overhead_s=0.0067,  # assumption: fitted to the artifact's <= 2k latency (23-26 ms)
     memory_util=0.90,  # vLLM's default gpu_memory_utilization (vLLM engine arguments docs)
 )
 
