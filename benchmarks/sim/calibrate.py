@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--stat", choices=["median", "min"], default="median")
-    ap.add_argument("--max-kv", type=int, default=65536, help="leave out points holding more KV tokens")
+    ap.add_argument("--max-kv", type=int, default=1 << 17, help="leave out points holding more KV tokens")
     ap.add_argument("--quick", action="store_true", help="a small grid (tests, the tiny model)")
     ap.add_argument("--out", type=Path, default=None, help="default: step-cost-MODEL-DTYPE.json")
     args = ap.parse_args(argv)
