@@ -57,6 +57,13 @@ def test_fit_recovers_parameters_within_noise_and_reports_the_errors() -> None:
     assert fit.max_abs_rel_error < 0.07
 
 
+def test_the_first_order_form_leaves_residuals_the_prompt_attention_term_removes() -> None:
+    samples = _synthetic(TRUE, 0.0)
+    first = fit_step_cost(samples, ("base", "per_prefill_token", "per_decode_seq", "per_kv_token"))
+    full = fit_step_cost(samples)
+    assert first.rms_rel_error > 0.01 > 1e-9 > full.rms_rel_error
+
+
 def test_fit_keeps_parameters_nonnegative_when_a_term_is_absent() -> None:
     # no KV term in the truth: the noise would push it negative; it is dropped to 0 instead
     truth = StepCost(base=0.01, per_prefill_token=5e-4, per_decode_seq=2e-4, per_kv_token=0.0)
@@ -212,6 +219,13 @@ def test_calibration_measures_the_work_it_designed_on_the_real_engine() -> None:
         assert work.kv_tokens_read == expected_kv, p
         assert work.prefill_pairs == p.prefill * p.prefill_start + p.prefill * (p.prefill + 1) // 2
     assert len(runner.contexts) == 0 and runner.pool.num_used == 0 and not runner.planner.running
+    too_big = calibrate.Point(decodes=64, kv_per_seq=1000)
+    assert too_big.kv_tokens() > runner.pool.num_blocks * 16
+    with pytest.raises(RuntimeError, match="KV pool is too small"):
+        calibrate.time_point(runner, too_big)
+    assert len(runner.contexts) == 0 and runner.pool.num_used == 0 and not runner.planner.running
+    work, _ = calibrate.time_point(runner, points[0])  # the runner still works
+    assert work.prefill_tokens == points[0].prefill
     assert len(calibrate.grid(quick=False, max_kv=1 << 16, max_seq=8192)) > 60
     assert all(p.kv_tokens() <= 5000 for p in calibrate.grid(quick=False, max_kv=5000, max_seq=8192))
 

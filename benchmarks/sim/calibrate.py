@@ -133,16 +133,16 @@ def time_point(runner, point: Point) -> tuple[StepWork, float]:
 
     runner.share_prefix = point.share_kernel
     try:
+        # each id is noted before its context is made, so a failure part-way frees it too
         if point.prefill:
-            _fabricate(runner, 1, None, point.prefill_start, point.prefill, queue=True)
             made.append(1)
+            _fabricate(runner, 1, None, point.prefill_start, point.prefill, queue=True)
         if point.shared:
-            _fabricate(runner, 2, None, point.shared, 0, queue=False)
             made.append(2)
+            _fabricate(runner, 2, None, point.shared, 0, queue=False)
         for i in range(point.decodes):
-            cid = 100 + i
-            _fabricate(runner, cid, 2 if point.shared else None, point.kv_per_seq, 1, queue=True)
-            made.append(cid)
+            made.append(100 + i)
+            _fabricate(runner, 100 + i, 2 if point.shared else None, point.kv_per_seq, 1, queue=True)
         runner.planner.reserve = capture
         started = time.perf_counter()
         runner._forward()
