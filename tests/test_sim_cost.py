@@ -219,7 +219,7 @@ def test_calibration_measures_the_work_it_designed_on_the_real_engine() -> None:
         assert work.kv_tokens_read == expected_kv, p
         assert work.prefill_pairs == p.prefill * p.prefill_start + p.prefill * (p.prefill + 1) // 2
     assert len(runner.contexts) == 0 and runner.pool.num_used == 0 and not runner.planner.running
-    too_big = calibrate.Point(decodes=64, kv_per_seq=1000)
+    too_big = calibrate.Point(decodes=64, kv_per_seq=runner.pool.num_blocks * 16 // 4)
     assert too_big.kv_tokens() > runner.pool.num_blocks * 16
     with pytest.raises(RuntimeError, match="KV pool is too small"):
         calibrate.time_point(runner, too_big)

@@ -36,9 +36,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from parrot.sim.cost import CostProfile, StepWork, step_work
 from parrot.sim.fit import TERMS, Fit, fit_step_cost
+
+if TYPE_CHECKING:
+    from parrot.engine.runner import EngineRunner
 
 ROOT = Path(__file__).resolve().parents[2]
 FIRST_ORDER = ("base", "per_prefill_token", "per_decode_seq", "per_kv_token")
@@ -98,7 +102,9 @@ def grid(quick: bool, max_kv: int, max_seq: int) -> list[Point]:
     return [p for p in points if p.kv_tokens() <= max_kv and longest(p) <= max_seq]
 
 
-def _fabricate(runner, cid: int, parent: int | None, computed: int, pending: int, queue: bool) -> None:
+def _fabricate(
+    runner: EngineRunner, cid: int, parent: int | None, computed: int, pending: int, queue: bool
+) -> None:
     """A context of ``computed`` zeroed, computed KV tokens (after its parent's) and
     ``pending`` more to compute; ``queue``: a running job computes them in the next step."""
     import torch
@@ -120,13 +126,13 @@ def _fabricate(runner, cid: int, parent: int | None, computed: int, pending: int
         runner.planner.running.append(Job(cid, None, internal=True, ctx=ctx))
 
 
-def time_point(runner, point: Point) -> tuple[StepWork, float]:
+def time_point(runner: EngineRunner, point: Point) -> tuple[StepWork, float]:
     """Build the point's contexts, time one step over them, free them."""
     made: list[int] = []
     planned: list[StepWork] = []
     reserve = runner.planner.reserve
 
-    def capture(plan):
+    def capture(plan: list) -> list:
         plan = reserve(plan)
         planned.append(step_work((s for _, s in plan), runner.pool.block_size, runner.share_prefix))
         return plan
@@ -191,9 +197,12 @@ def commit() -> dict[str, object]:
     return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
 
 
-def make_runner(model: str, dtype: str, points: list[Point]):
+def make_runner(model: str, dtype: str, points: list[Point]) -> EngineRunner:
+    """An engine as the suite starts one (packed weights, ``dtype`` weights and KV), its step
+    and KV pool sized for ``points``; no prefix cache, so fabricated tokens never hit it."""
     import torch
 
+    from parrot.engine.block_pool import DEFAULT_BLOCK_SIZE
     from parrot.engine.config import EngineConfig
     from parrot.engine.loader import load_model
     from parrot.engine.runner import EngineRunner
@@ -201,14 +210,17 @@ def make_runner(model: str, dtype: str, points: list[Point]):
     torch.set_grad_enabled(False)
     weights = torch.bfloat16 if dtype == "bfloat16" else None
     step = max(p.prefill + p.decodes for p in points)
-    kv = max(p.kv_tokens() for p in points) + 64 * (step // 16 + 70)  # room for partial blocks
+    # every context of a point may leave its last block part-filled: one block each to spare
+    kv = max(p.kv_tokens() + DEFAULT_BLOCK_SIZE * (p.decodes + 2) for p in points)
     config = EngineConfig(
         max_step_tokens=step, prefix_cache=False, kv_cache_tokens=kv, weight_dtype=weights, kv_dtype=weights
     )
     return EngineRunner(load_model(model), config)
 
 
-def measure(runner, points: list[Point], repeats: int, stat: str) -> list[tuple[Point, StepWork, float]]:
+def measure(
+    runner: EngineRunner, points: list[Point], repeats: int, stat: str
+) -> list[tuple[Point, StepWork, float]]:
     """Each point's work and its ``stat`` step time over ``repeats`` steps (after one warm-up
     pass over the whole grid), the points taken in turn so that a slower spell of the
     machine spreads over all of them."""
