@@ -132,6 +132,9 @@ def test_llama13b_on_a100_gives_the_per_token_latencies_the_papers_artifact_repo
             assert 23.0 <= _ms(LLAMA13B_A100, seqs, tokens) <= 26.0, (seqs, tokens)
     for seqs in (6, 8, 12):  # 12k tokens as 1-2k-token requests
         assert 33.0 <= _ms(LLAMA13B_A100, seqs, 12_000) <= 37.0, seqs
+    # the paper's latency cap for this engine, 6,144 tokens, kept latency within 20-25%
+    # of unloaded: the model's 25% point is near it
+    assert 5_000 <= LLAMA13B_A100.cost.latency_cap(1.25, LLAMA13B_A100.kv_cache_tokens or 0) <= 7_000
 
 
 def test_gpu_profiles_kv_pool_is_memory_after_weights_and_prefill_is_compute_bound() -> None:
