@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from benchmarks.suite.systems import cpu_cores
+
 from parrot.sim.cost import CostProfile, StepWork, step_work
 from parrot.sim.fit import TERMS, Fit, fit_step_cost
 
@@ -253,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--model", default="smollm2", help="a load_model name ('smollm2', 'tiny') or path")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--threads", type=int, default=cpu_cores(), help="default: this process's cores")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--stat", choices=["median", "min"], default="median")
     ap.add_argument("--max-kv", type=int, default=1 << 17, help="leave out points holding more KV tokens")
