@@ -19,9 +19,7 @@ from benchmarks.sim.driver import SYSTEMS, simulate
 from benchmarks.suite.workloads import FIGURES, generate
 
 from parrot.protocol.tokenizer import TextTokenizer
-from parrot.sim.cost import SMOLLM2_BF16_XEON2
-
-COSTS = {"smollm2-bf16-xeon2": SMOLLM2_BF16_XEON2}
+from parrot.sim.cost import PROFILES, load_profile
 
 
 def _tokenizer(name: str) -> TextTokenizer:
@@ -40,14 +38,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cost", default="smollm2-bf16-xeon2", choices=list(COSTS))
+    parser.add_argument(
+        "--cost",
+        default="smollm2-bf16-xeon2",
+        help=f"the engines' step cost and KV size: one of {', '.join(PROFILES)}, or a cost JSON file "
+        "(python -m benchmarks.sim.calibrate)",
+    )
     parser.add_argument("--tokenizer", default="smollm2", help="'smollm2' (default) or 'tiny'")
     parser.add_argument("--latency-cap", type=int, default=None, help="the managers' latency cap (tokens)")
     parser.add_argument("--out", type=Path, default=None, help="write every run as JSON here")
     args = parser.parse_args(argv)
     figures = list(FIGURES) if "all" in args.figures else args.figures
     tokenizer = _tokenizer(args.tokenizer)
-    cost = COSTS[args.cost]
+    try:
+        profile = load_profile(args.cost)
+    except ValueError as exc:
+        parser.error(str(exc))
     runs = []
     header = f"{'workload':40s} " + " ".join(f"{s:>26s}" for s in args.systems)
     print(header)
@@ -57,8 +63,15 @@ def main(argv: list[str] | None = None) -> int:
             for system in args.systems:
                 started = time.perf_counter()
                 run = simulate(
-                    workload, system, cost, tokenizer, seed=args.seed, latency_cap=args.latency_cap
+                    workload,
+                    system,
+                    profile.cost,
+                    tokenizer,
+                    seed=args.seed,
+                    latency_cap=args.latency_cap,
+                    kv_cache_tokens=profile.kv_cache_tokens,
                 )
+                run.extra["cost"] = profile.name
                 run.extra["sim_wall_s"] = time.perf_counter() - started
                 runs.append(run)
                 latencies = [a.latency_s for a in run.apps if a.error is None]

@@ -173,11 +173,13 @@ def _wall_offset() -> float:
 
 
 async def _run(workload: Workload, system: SimSystem, cost: StepCost, tokenizer: TextTokenizer, seed: int,
-               delay_ms: tuple[float, float], latency_cap: int | None) -> list[AppRecord]:  # fmt: skip
+               delay_ms: tuple[float, float], latency_cap: int | None,
+               kv_cache_tokens: int | None) -> list[AppRecord]:  # fmt: skip
     config = ManagerConfig(policy=system.policy, latency_cap_tokens=latency_cap, inline_tokenize_bytes=None)
     manager = Manager(config)
+    kv = {} if kv_cache_tokens is None else {"kv_cache_tokens": kv_cache_tokens}
     engines = [
-        SimEngine(tokenizer, cost, model_name=MODEL, prefix_cache=system.prefix_cache)
+        SimEngine(tokenizer, cost, model_name=MODEL, prefix_cache=system.prefix_cache, **kv)
         for _ in range(workload.engines)
     ]
     # engines named by their place in the run (the pool's ids count on across runs)
@@ -211,9 +213,12 @@ def simulate(
     repeat: int = 0,
     delay_ms: tuple[float, float] = (200.0, 300.0),
     latency_cap: int | None = None,
+    kv_cache_tokens: int | None = None,
 ) -> RunRecord:
-    """One workload on one system, in virtual time (deterministic for the arguments)."""
+    """One workload on one system, in virtual time (deterministic for the arguments).
+    ``kv_cache_tokens``: each engine's KV pool (None: the simulated engine's default); its
+    token capacity is the pool, as the real engine's default."""
     spec = SYSTEMS[system]
-    apps = sim_clock.run(_run(workload, spec, cost, tokenizer, seed, delay_ms, latency_cap))
+    apps = sim_clock.run(_run(workload, spec, cost, tokenizer, seed, delay_ms, latency_cap, kv_cache_tokens))
     wall = max((a.end_s for a in apps), default=0.0)
     return RunRecord(system, workload.name, workload.figure, dict(workload.params), repeat, wall, apps)

@@ -30,12 +30,12 @@ from parrot.engine.block_pool import DEFAULT_BLOCK_SIZE, BlockPool
 from parrot.engine.contexts import ContextTable
 from parrot.engine.jobs import Job, check_token_ids, finish_job
 from parrot.engine.memory import MemoryManager
-from parrot.engine.step_planner import KVLoad, SeqSlice, StepPlanner
+from parrot.engine.step_planner import StepPlanner
 from parrot.protocol.errors import BadRequest, ParrotError
 from parrot.protocol.sampling import SamplingParams
 from parrot.protocol.schemas import EngineStats, GenerateChunk
 from parrot.protocol.tokenizer import TextTokenizer
-from parrot.sim.cost import StepCost
+from parrot.sim.cost import StepCost, step_work
 
 __all__ = ["SimEngine", "StepRecord"]
 
@@ -278,7 +278,9 @@ class SimEngine:
         plan = planner.reserve(planner.plan())
         if not plan:
             return []
-        seconds = self.cost.seconds(*self._work_of(plan))
+        seconds = self.cost.step_seconds(
+            step_work((s for _, s in plan), self.pool.block_size, self.share_prefix)
+        )
         loop = asyncio.get_running_loop()
         start = loop.time()
         if self.steps is not None:
@@ -299,19 +301,6 @@ class SimEngine:
             else:
                 self._complete_fill(job)
         return generates
-
-    def _work_of(self, plan: list[tuple[Job, SeqSlice]]) -> tuple[int, int, int]:
-        """(prefill tokens, decode sequences, KV tokens read) of a planned step."""
-        prefill = sum(s.n for _, s in plan if s.n > 1)
-        decodes = sum(1 for _, s in plan if s.n == 1)
-        if self.share_prefix:
-            read = KVLoad(self.pool.block_size)
-            for _, s in plan:
-                read.add(s.ctx.block_table, s.ctx.computed_len, s.n)
-            kv = read.total
-        else:
-            kv = sum(s.ctx.computed_len + s.n for _, s in plan)
-        return prefill, decodes, kv
 
     def _complete_fill(self, job: Job) -> None:
         assert job.ctx is not None
