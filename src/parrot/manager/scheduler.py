@@ -32,6 +32,14 @@ throughput work.  Under ``parrot`` the cap that applies when placing call
   each other, which on this CPU made chains slower (every admitted prompt's
   prefill delays the running calls' decode steps).
 
+With ``config.saturation_batching`` (off by default), a latency call that
+the cap would keep waiting may still join an engine not in throughput mode
+while ``e.load + c.tokens`` stays within the batch that finishes the latency
+calls competing for the engines soonest on average, and within
+``e.token_capacity`` (:func:`parrot.manager.saturation.batch_tokens`; the
+calls competing are those running plus those queued, per live engine).  With
+few calls competing that batch is below the cap and nothing changes.
+
 The baselines apply one cap to everything.  A call *fits* ``e`` when ``e``
 is alive, serves the call's model, ``c.tokens <= e.max_seq_len``, and either
 the rule above admits it or ``e`` is idle (load 0).  The idle clause is
