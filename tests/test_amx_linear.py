@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from parrot.engine import amx_linear, native
+from parrot.engine.kernel_options import KernelOptions
 from parrot.engine.packed_linear import PackedLinear
 
 
@@ -142,7 +143,7 @@ def test_packed_linear_sends_decode_sizes_to_the_kernel(monkeypatch: pytest.Monk
     assert calls == ([amx_linear.MAX_ROWS] if layer.amx is not None else [])
 
 
-def test_parrot_amx_0_turns_the_kernel_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PARROT_AMX", "0")
-    assert not amx_linear.available()
-    assert PackedLinear(torch.randn(32, 64), dtype=torch.bfloat16).amx is None
+def test_the_amx_option_turns_the_kernel_off() -> None:
+    w = torch.randn(32, 64)
+    assert (PackedLinear(w, dtype=torch.bfloat16).amx is not None) == amx_linear.available()
+    assert PackedLinear(w, dtype=torch.bfloat16, options=KernelOptions(amx=False)).amx is None

@@ -164,23 +164,23 @@ def _one_thread() -> Iterator[None]:
 
 
 @pytest.fixture(params=["kernel", "torch"])
-def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def cpu_path(request: pytest.FixtureRequest) -> Iterator[str]:
     """Both CPU paths for single-query rows: the C kernel (``native``, built here on
     first use) and PyTorch's gather + fused attention (the kernel switched off)."""
-    if request.param == "torch":
-        monkeypatch.setenv("PARROT_CPU_KERNEL", "0")
-    else:
+    if request.param == "kernel":
         assert native.library() is not None, native.status()
-    return str(request.param)
+    with native.using(native.selected() if request.param == "kernel" else "off"):
+        yield str(request.param)
 
 
 @pytest.fixture
-def tiny_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+def tiny_pieces(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Force the torch path to split every row into pieces of a few keys."""
-    monkeypatch.setenv("PARROT_CPU_KERNEL", "0")  # the kernel has no pieces
     monkeypatch.setattr(torch_impl, "KV_BUDGET", 1)
     monkeypatch.setattr(torch_impl, "SCORE_BUDGET", 1)
     monkeypatch.setattr(torch_impl, "PAD_BUDGET", 1)  # no row is batched or fused: all take the loop
+    with native.using("off"):  # the kernel has no pieces
+        yield
 
 
 @pytest.fixture
@@ -258,9 +258,8 @@ def test_torch_random_trees(
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch_impl, "KV_BUDGET", budget)
         mp.setattr(torch_impl, "PAD_BUDGET", pad_budget)
-        if not kernel:
-            mp.setenv("PARROT_CPU_KERNEL", "0")
-        check(case, share=share)
+        with native.using(native.selected() if kernel else "off"):
+            check(case, share=share)
 
 
 def test_shared_rows_run_fused_on_cpu_within_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -284,9 +283,9 @@ def test_shared_rows_run_fused_on_cpu_within_the_budget(monkeypatch: pytest.Monk
 def test_padded_rows_without_the_fused_kernel(share: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The batched matmul path that replaces the fused CPU kernel elsewhere (e.g. CUDA)."""
     monkeypatch.setattr(torch_impl, "_flash_op", lambda: None)
-    monkeypatch.setenv("PARROT_CPU_KERNEL", "0")
-    for seed in range(3):
-        check(make_case(seed, kv_heads=2, group=3, groups=(4, 2), solo=3), share=share)
+    with native.using("off"):
+        for seed in range(3):
+            check(make_case(seed, kv_heads=2, group=3, groups=(4, 2), solo=3), share=share)
 
 
 def test_a_fork_that_shares_nothing_in_its_batch_needs_no_merge() -> None:

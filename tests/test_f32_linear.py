@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from parrot.engine import f32_linear, native
+from parrot.engine.kernel_options import KernelOptions
 from parrot.engine.packed_linear import PackedLinear
 
 
@@ -158,7 +159,7 @@ def test_packed_linear_sends_up_to_max_rows_to_the_kernel(monkeypatch: pytest.Mo
     assert calls == ([f32_linear.MAX_ROWS] if layer.f32 is not None else [])
 
 
-def test_parrot_f32_linear_0_turns_the_kernel_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PARROT_F32_LINEAR", "0")
-    assert not f32_linear.available()
-    assert PackedLinear(torch.randn(32, 64)).f32 is None
+def test_the_f32_linear_option_turns_the_kernel_off() -> None:
+    w = torch.randn(32, 64)
+    assert (PackedLinear(w).f32 is not None) == f32_linear.available()
+    assert PackedLinear(w, options=KernelOptions(f32_linear=False)).f32 is None

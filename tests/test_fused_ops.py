@@ -132,8 +132,8 @@ def test_a_packed_model_forward_with_fused_ops_equals_the_plain_one(
         monkeypatch.setattr(model, "_forward_fused", lambda *a: used.append(1) or real(*a))
         got = model(ids, torch.arange(37), _Causal())
         assert used  # the fused path ran
-        monkeypatch.setenv("PARROT_CPU_KERNEL", "0")
-        want = model(ids, torch.arange(37), _Causal())
+        with native.using("off"):
+            want = model(ids, torch.arange(37), _Causal())
         assert len(used) == 1  # and not with the C ops switched off
     assert rel_err(got, want) < (1e-5 if weight_dtype is None else 2e-2)
 
@@ -143,5 +143,5 @@ def test_fused_ops_apply_only_where_the_c_side_can_run(monkeypatch: pytest.Monke
     assert not fused.applies(torch.randn(3, 8, requires_grad=True))  # autograd keeps PyTorch
     assert not fused.applies(torch.randn(3, 8).double())
     assert not fused.applies(torch.randn(8, 3).t())
-    monkeypatch.setenv("PARROT_CPU_KERNEL", "0")
-    assert not fused.applies(torch.randn(3, 8))
+    with native.using("off"):
+        assert not fused.applies(torch.randn(3, 8))

@@ -97,9 +97,8 @@ def test_the_build_falls_back_to_the_compilers_runtime_and_says_why(
         (tmp_path / "libgomp.so.1").write_text("not a shared library")
         runtime = OpenMPRuntime(str(tmp_path / "libgomp.so.1"), "a test's broken runtime")
     monkeypatch.setattr(openmp_runtime, "find", lambda: runtime)
-    monkeypatch.setenv("PARROT_KERNEL_CACHE", str(tmp_path / "cache"))
     with caplog.at_level(logging.WARNING, logger="parrot.engine.native"):
-        lib = native.build(portable=True)
+        lib = native.build(portable=True, cache_dir=tmp_path / "cache")
     messages = " | ".join(r.getMessage() for r in caplog.records)
     expected = "PyTorch is not imported" if case == "none loaded" else "failed"
     assert expected in messages and "-fopenmp" in messages

@@ -8,15 +8,15 @@ to the bandwidth.  :class:`~parrot.engine.packed_linear.PackedLinear` uses it fo
 bf16 weights when a call has at most :data:`MAX_ROWS` rows (prefill keeps oneDNN).
 
 Available only where Parrot's C ops are built with AMX-BF16 (``-march=native`` on
-a CPU that has it) and Linux grants the tile state; ``PARROT_AMX=0`` turns it off
-(to compare).  Results: x rounded to bf16, products accumulated in fp32, bias
-added in fp32, written in x's dtype.
+a CPU that has it) and Linux grants the tile state; the engine's ``amx`` option
+(:class:`~parrot.engine.kernel_options.KernelOptions`) turns it off (to compare).
+Results: x rounded to bf16, products accumulated in fp32, bias added in fp32,
+written in x's dtype.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass
 
 import torch
@@ -31,11 +31,10 @@ __all__ = ["MAX_ROWS", "AmxWeight", "available", "linear", "pack"]
 MAX_ROWS = 128
 
 
-def available() -> bool:
-    """Whether the AMX kernel can run here (built, granted, and not turned off)."""
-    if os.environ.get("PARROT_AMX", "1") == "0":
-        return False
-    lib = native.library()
+def available(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the AMX kernel can run here: ``lib`` (default: the selected library,
+    :func:`parrot.engine.native.library`) is built with it and Linux grants the tiles."""
+    lib = lib or native.library()
     return lib is not None and bool(lib.parrot_amx_ready())
 
 

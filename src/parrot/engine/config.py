@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from parrot.engine.block_pool import DEFAULT_BLOCK_SIZE
+from parrot.engine.kernel_options import KernelOptions
 from parrot.engine.latency_probe import LATENCY_FACTOR
 
 __all__ = ["EngineConfig"]
@@ -35,7 +36,9 @@ class EngineConfig:
     steps at start-up to size the latency cap at once (``LocalEngine``);
     ``latency_factor``, ``latency_target_ms``, ``latency_cap`` — how the engine sizes
     the latency cap it reports (:mod:`parrot.engine.latency_probe`; a fixed
-    ``latency_cap`` needs no probe)."""
+    ``latency_cap`` needs no probe); ``kernels`` — which kernels it may use and which
+    build of the C ops it loads (:class:`~parrot.engine.kernel_options.KernelOptions`;
+    the CLI's defaults come from ``PARROT_*`` environment variables)."""
 
     max_step_tokens: int = 512
     token_capacity: int | None = None
@@ -51,6 +54,7 @@ class EngineConfig:
     latency_factor: float = LATENCY_FACTOR
     latency_target_ms: float | None = None
     latency_cap: int | None = None
+    kernels: KernelOptions = field(default_factory=KernelOptions)
 
     def __post_init__(self) -> None:
         if self.max_step_tokens < 1:

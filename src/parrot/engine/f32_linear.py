@@ -11,7 +11,8 @@ prefill chunks keep oneDNN: ``docs/engine.md``, "Why the kernels exist").  Its
 packed weights sit on 2 MiB pages (:mod:`parrot.engine.hugepages`).
 
 Available where Parrot's C ops are built with AVX-512F (``-march=native`` on a CPU
-that has it); ``PARROT_F32_LINEAR=0`` turns it off (to compare).  Each output is
+that has it); the engine's ``f32_linear`` option
+(:class:`~parrot.engine.kernel_options.KernelOptions`) turns it off (to compare).  Each output is
 one fp32 sum over the input features in order plus the bias, the same whatever
 the number of rows or threads.
 """
@@ -19,7 +20,6 @@ the number of rows or threads.
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass
 
 import torch
@@ -35,11 +35,10 @@ __all__ = ["MAX_ROWS", "F32Weight", "available", "linear", "pack"]
 MAX_ROWS = 256
 
 
-def available() -> bool:
-    """Whether the kernel can run here (built for AVX-512, and not turned off)."""
-    if os.environ.get("PARROT_F32_LINEAR", "1") == "0":
-        return False
-    lib = native.library()
+def available(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the kernel can run here: ``lib`` (default: the selected library,
+    :func:`parrot.engine.native.library`) is built for AVX-512."""
+    lib = lib or native.library()
     return lib is not None and bool(lib.parrot_f32_linear_supported())
 
 
@@ -53,9 +52,11 @@ class F32Weight:
     in_features: int
 
 
-def pack(weight: Tensor, *, lib: ctypes.CDLL | None = None) -> F32Weight:
+def pack(weight: Tensor, *, lib: ctypes.CDLL | None = None, huge_pages: bool = True) -> F32Weight:
     """The kernel's packed copy of ``weight`` [N, K] (converted to fp32).  ``lib``: a
-    library from :func:`parrot.engine.native.build` (default: the loaded one)."""
+    library from :func:`parrot.engine.native.build` (default: the selected one);
+    ``huge_pages``: carve it from :func:`parrot.engine.hugepages.empty`'s chunks (else
+    plain memory)."""
     lib = native.require(lib)
     if weight.dim() != 2 or weight.device.type != "cpu" or not weight.is_floating_point():
         raise ValueError(f"pack needs a 2-D float CPU weight, got {tuple(weight.shape)} {weight.dtype}")
@@ -63,7 +64,8 @@ def pack(weight: Tensor, *, lib: ctypes.CDLL | None = None) -> F32Weight:
     if n < 1 or k < 1:
         raise ValueError(f"pack needs a non-empty weight, got {tuple(weight.shape)}")
     w = weight.detach().to(torch.float32).contiguous()
-    out = hugepages.empty(lib.parrot_f32_packed_size(n, k))  # streamed every step: 2 MiB pages
+    size = lib.parrot_f32_packed_size(n, k)
+    out = hugepages.empty(size) if huge_pages else torch.empty(size)  # streamed every step: 2 MiB pages
     lib.parrot_f32_pack(w.data_ptr(), n, k, out.data_ptr())
     return F32Weight(out, n, k)
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from parrot.engine import fused
+from parrot.engine.kernel_options import KernelOptions
 from parrot.engine.model_config import ModelConfig
 from parrot.engine.packed_linear import PackedLinear, Projection, packed_linear_available, prepack_linears
 
@@ -127,12 +128,13 @@ class Attention(nn.Module):
         self.o_proj = Projection(c.q_size, c.hidden_size, bias=False)
         self.qkv: PackedLinear | None = None  # set by fuse()
 
-    def fuse(self, dtype: torch.dtype) -> None:
-        """Pack q, k and v as one ``dtype`` weight [q_size + 2 * kv_size, hidden]."""
+    def fuse(self, dtype: torch.dtype, options: KernelOptions | None = None) -> None:
+        """Pack q, k and v as one ``dtype`` weight [q_size + 2 * kv_size, hidden] (with
+        the C kernel copies ``options`` allow, see :class:`PackedLinear`)."""
         parts = (self.q_proj, self.k_proj, self.v_proj)
         weight = torch.cat([m.weight for m in parts])
         bias = None if self.q_proj.bias is None else torch.cat([m.bias for m in parts])
-        self.qkv = PackedLinear(weight, bias, dtype=dtype)
+        self.qkv = PackedLinear(weight, bias, dtype=dtype, options=options)
 
     def forward(
         self, layer: int, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend, fused_ops: bool = False
@@ -178,9 +180,11 @@ class MLP(nn.Module):
         self.down_proj = Projection(config.intermediate_size, config.hidden_size, bias=False)
         self.gate_up: PackedLinear | None = None  # set by fuse()
 
-    def fuse(self, dtype: torch.dtype) -> None:
-        """Pack gate and up as one ``dtype`` weight [2 * intermediate, hidden]."""
-        self.gate_up = PackedLinear(torch.cat([self.gate_proj.weight, self.up_proj.weight]), dtype=dtype)
+    def fuse(self, dtype: torch.dtype, options: KernelOptions | None = None) -> None:
+        """Pack gate and up as one ``dtype`` weight [2 * intermediate, hidden] (with
+        the C kernel copies ``options`` allow, see :class:`PackedLinear`)."""
+        weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+        self.gate_up = PackedLinear(weight, dtype=dtype, options=options)
 
     def forward(self, x: Tensor, fused_ops: bool = False) -> Tensor:
         """``fused_ops`` (needs :meth:`fuse`): ``silu(gate) * up`` in one C call
@@ -300,9 +304,10 @@ class LlamaModel(nn.Module):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [V, D]
         return F.linear(hidden, weight).float()  # [N, D] @ [D, V] -> [N, V]
 
-    def prepack(self, dtype: torch.dtype | None = None) -> bool:
+    def prepack(self, dtype: torch.dtype | None = None, options: KernelOptions | None = None) -> bool:
         """Run every projection (and the logits) through oneDNN-packed weights of ``dtype``
-        (default: the weights' own) when this model's weights allow it (CPU, fp32/bf16);
+        (default: the weights' own) when this model's weights allow it (CPU, fp32/bf16),
+        with the C kernel copies ``options`` allow (default: all);
         see :mod:`parrot.engine.packed_linear`.  q/k/v and gate/up are packed fused
         (one GEMM each per layer); ``o_proj`` and ``down_proj`` alone.  Idempotent for one
         ``dtype``; returns whether the model now runs packed."""
@@ -310,17 +315,19 @@ class LlamaModel(nn.Module):
         if not packed_linear_available(weight):
             return False
         want = weight.dtype if dtype is None else dtype
+        options = KernelOptions() if options is None else options
         fused: list[nn.Module] = []
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if attn.qkv is None or attn.qkv.dtype != want:
-                attn.fuse(want)
-            if mlp.gate_up is None or mlp.gate_up.dtype != want:
-                mlp.fuse(want)
+            if attn.qkv is None or attn.qkv.dtype != want or attn.qkv.key != options.linear_key():
+                attn.fuse(want, options)
+            if mlp.gate_up is None or mlp.gate_up.dtype != want or mlp.gate_up.key != options.linear_key():
+                mlp.fuse(want, options)
             fused += [attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj]
-        prepack_linears(self, dtype, exclude=fused)
-        if self._packed_logits is None or self._packed_logits.dtype != want:
-            self._packed_logits = PackedLinear(weight, dtype=want)
+        prepack_linears(self, dtype, exclude=fused, options=options)
+        logits = self._packed_logits
+        if logits is None or logits.dtype != want or logits.key != options.linear_key():
+            self._packed_logits = PackedLinear(weight, dtype=want, options=options)
         return True
 
     # -- construction ------------------------------------------------------

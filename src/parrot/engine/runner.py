@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from parrot.engine import step_forward
+from parrot.engine import native, step_forward
 from parrot.engine.block_pool import BlockPool
 from parrot.engine.config import EngineConfig
 from parrot.engine.contexts import Context, ContextTable
@@ -80,9 +80,12 @@ class EngineRunner:
         block_size = cfg.block_size
         self.loaded = loaded
         self.model = loaded.model
-        # oneDNN-packed weights on CPU (faster projections: packed_linear).  This
-        # changes the model object, so every engine sharing it runs packed from now on.
-        self.packed = self.model.prepack(weight_dtype) if cfg.prepack else False
+        # The build of the C ops this process's attention and fused ops use (a process
+        # resource: see native.select), then oneDNN-packed weights on CPU (faster
+        # projections: packed_linear).  Packing changes the model object, so every engine
+        # sharing it runs packed, with these kernels, from now on.
+        native.select(cfg.kernels.cpu_kernel, cache_dir=cfg.kernels.kernel_cache)
+        self.packed = self.model.prepack(weight_dtype, cfg.kernels) if cfg.prepack else False
         if weight_dtype is not None and not self.packed:
             raise ValueError(f"cannot pack weights as {weight_dtype} here (needs CPU oneDNN)")
         self.tokenizer = loaded.tokenizer
@@ -108,6 +111,7 @@ class EngineRunner:
             mcfg.head_dim,
             kv_dtype,
             str(param.device),
+            huge_pages=cfg.kernels.hugepages,
         )
         self.contexts = ContextTable(
             mcfg.max_seq_len, on_release=self._on_release, pool=self.pool, prefix_cache=cfg.prefix_cache
@@ -138,7 +142,7 @@ class EngineRunner:
             "preemptions": 0,
             "cached_tokens": 0,  # pending tokens whose KV came from the prefix cache
         }
-        self.step_forward = step_forward.choose(self.model, self.cache)
+        self.step_forward = step_forward.choose(self.model, self.cache, cfg.kernels)
         log.info("engine steps: %s", self.step_forward.name)
         # the job queues and each step's admission, plan and KV reservation
         self.planner = StepPlanner(

@@ -19,12 +19,14 @@ projections have), the KV cache and what is built here, once, and returns a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ctypes
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from parrot.engine import decode_forward, fused
+from parrot.engine import decode_forward, fused, native
+from parrot.engine.kernel_options import KernelOptions
 from parrot.engine.kv_store import PagedKVCache
 from parrot.engine.model import LlamaModel
 from parrot.engine.paged import PagedStepAttention
@@ -34,8 +36,12 @@ __all__ = ["StepForward", "choose"]
 
 @dataclass(frozen=True)
 class StepForward:
+    """``name``: what the stats show; ``c_forward``: try the C forward first, with
+    ``lib`` (the engine's build of the C ops)."""
+
     name: str
-    c_forward: bool  # try the C forward first
+    c_forward: bool
+    lib: ctypes.CDLL | None = field(default=None, compare=False, repr=False)
 
     def __call__(
         self,
@@ -47,17 +53,20 @@ class StepForward:
     ) -> Tensor:
         """The step's final hidden states [T, D]."""
         if self.c_forward:
-            hidden = decode_forward.run(model, input_ids, positions, attn, cache)
+            hidden = decode_forward.run(model, input_ids, positions, attn, cache, self.lib)
             if hidden is not None:
                 return hidden
         return model(input_ids, positions, attn)
 
 
-def choose(model: LlamaModel, cache: PagedKVCache) -> StepForward:
-    """The strategy for this model and cache (see the module docstring)."""
-    mode = decode_forward.c_forward_mode(model, cache)
+def choose(model: LlamaModel, cache: PagedKVCache, options: KernelOptions | None = None) -> StepForward:
+    """The strategy for this model and cache under ``options`` (default: every kernel
+    allowed; see the module docstring)."""
+    options = KernelOptions() if options is None else options
+    lib = native.library(options.cpu_kernel)
+    mode = decode_forward.c_forward_mode(model, cache, lib) if options.c_forward else None
     if mode is not None:
-        return StepForward(f"c-forward/{mode}", c_forward=True)
+        return StepForward(f"c-forward/{mode}", c_forward=True, lib=lib)
     packed = len(model.model.layers) > 0 and model.model.layers[0].self_attn.qkv is not None
     residual = model.model.embed_tokens.weight  # the residual stream has its dtype and device
     if packed and fused.applies(
