@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from parrot.engine import native
-from parrot.engine.attention import Segment, paged_decode_attention
-from parrot.engine.kernel_options import add_kernel_arguments
+from parrot.engine.kernels import native
+from parrot.engine.kernels.attention import Segment, paged_decode_attention
+from parrot.engine.kernels.options import add_kernel_arguments
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 32, 128, 16
 

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from parrot.engine.kernel_options import KernelOptions
+from parrot.engine.kernels.options import KernelOptions
 from parrot.engine.loader import load_model
 from parrot.engine.runner import EngineRunner, Job
 from parrot.protocol.sampling import SamplingParams

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_throughput import run
 
 from parrot.engine import runner as runner_mod
-from parrot.engine.kernel_options import KernelOptions
+from parrot.engine.kernels.options import KernelOptions
 from parrot.engine.loader import load_model
 from parrot.engine.local import LocalEngine
 

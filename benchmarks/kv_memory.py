@@ -23,7 +23,7 @@ import argparse
 import asyncio
 import random
 
-from parrot.engine.kernel_options import KernelOptions
+from parrot.engine.kernels.options import KernelOptions
 from parrot.engine.loader import LoadedModel
 from parrot.engine.local import LocalEngine
 from parrot.engine.model import LlamaModel, ModelConfig

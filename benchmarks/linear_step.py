@@ -4,7 +4,7 @@
 
 Builds every projection of the model's layers (q/k/v and gate/up fused, o, down)
 plus the logits, with seeded random weights of the model's shapes, twice: as
-``PackedLinear`` with Parrot's fp32 kernel (:mod:`parrot.engine.f32_linear`) and with
+``PackedLinear`` with Parrot's fp32 kernel (:mod:`parrot.engine.kernels.f32_linear`) and with
 ``f32_linear=False`` (oneDNN's packed GEMM).  Each step calls all of them once
 with ``rows`` input rows, so every weight comes from memory as in a real step (the
 model's weights do not fit in cache).  The two variants alternate within each
@@ -20,10 +20,10 @@ import time
 
 import torch
 
-from parrot.engine import f32_linear
-from parrot.engine.kernel_options import KernelOptions
+from parrot.engine.kernels import f32_linear
+from parrot.engine.kernels.options import KernelOptions
+from parrot.engine.kernels.packed_linear import PackedLinear
 from parrot.engine.loader import load_model
-from parrot.engine.packed_linear import PackedLinear
 
 
 def layer_shapes(model: str) -> list[tuple[int, int]]:

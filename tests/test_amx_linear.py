@@ -1,4 +1,4 @@
-"""The AMX bf16 linear kernel (parrot.engine.amx_linear, csrc/amx_linear.c).
+"""The AMX bf16 linear kernel (parrot.engine.kernels.amx_linear, csrc/amx_linear.c).
 
 Results are checked against float64 products of the bf16-rounded operands; shapes
 cross the kernel's 16-row tiles, 32-row groups, 256-row chunks and 32-column /
@@ -14,9 +14,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from parrot.engine import amx_linear, native
-from parrot.engine.kernel_options import KernelOptions
-from parrot.engine.packed_linear import PackedLinear
+from parrot.engine.kernels import amx_linear, native
+from parrot.engine.kernels.kernel_set import for_options
+from parrot.engine.kernels.options import KernelOptions
+from parrot.engine.kernels.packed_linear import PackedLinear
 
 
 @pytest.fixture(scope="module")
@@ -146,4 +147,4 @@ def test_packed_linear_sends_decode_sizes_to_the_kernel(monkeypatch: pytest.Monk
 def test_the_amx_option_turns_the_kernel_off() -> None:
     w = torch.randn(32, 64)
     assert (PackedLinear(w, dtype=torch.bfloat16).amx is not None) == amx_linear.available()
-    assert PackedLinear(w, dtype=torch.bfloat16, options=KernelOptions(amx=False)).amx is None
+    assert PackedLinear(w, dtype=torch.bfloat16, kernels=for_options(KernelOptions(amx=False))).amx is None

@@ -1,4 +1,4 @@
-"""Paged decode attention with prefix-tree sharing (parrot.engine.attention).
+"""Paged decode attention with prefix-tree sharing (parrot.engine.kernels.attention).
 
 Every case is a random prefix *tree* in a fragmented paged cache: several
 groups, each with a shared root prefix, a nested second and third level for
@@ -25,17 +25,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import parrot.engine.attention.torch_impl as torch_impl
-import parrot.engine.attention.triton_kernel as triton_kernel
-from parrot.engine import native
-from parrot.engine.attention import (
+import parrot.engine.kernels.attention.torch_impl as torch_impl
+import parrot.engine.kernels.attention.triton_kernel as triton_kernel
+from parrot.engine.kernels import native
+from parrot.engine.kernels.attention import (
     Segment,
     paged_decode_attention,
     plan_decode_attention,
     reference_decode_attention,
     validate_segments,
 )
-from parrot.engine.attention.triton_kernel import TritonUnavailableError, triton_paged_decode_attention
+from parrot.engine.kernels.attention.triton_kernel import (
+    TritonUnavailableError,
+    triton_paged_decode_attention,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
@@ -380,7 +383,7 @@ def test_auto_backend_on_cpu_is_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*args: object, **kwargs: object) -> torch.Tensor:
         raise AssertionError("triton must not be used for CPU tensors")
 
-    monkeypatch.setattr("parrot.engine.attention.api.triton_paged_decode_attention", boom)
+    monkeypatch.setattr("parrot.engine.kernels.attention.api.triton_paged_decode_attention", boom)
     check(make_case(1), share=True, backend="auto")
 
 
@@ -554,7 +557,9 @@ def test_triton_missing_raises_import_error(interpret: None, monkeypatch: pytest
 
 
 def test_import_does_not_import_triton() -> None:
-    code = "import sys, parrot.engine.attention; assert 'triton' not in sys.modules, 'triton imported'"
+    code = (
+        "import sys, parrot.engine.kernels.attention; assert 'triton' not in sys.modules, 'triton imported'"
+    )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
 

@@ -1,4 +1,5 @@
-"""The C decode kernel (parrot.engine.attention.cpu_kernel) and the library build (parrot.engine.native).
+"""The C decode kernel (parrot.engine.kernels.attention.cpu_kernel) and the library
+build (parrot.engine.kernels.native).
 
 Both builds are checked on every machine: the native one (AVX-512 intrinsics for
 head dims that are multiples of 16 where the CPU has AVX-512) and the portable C
@@ -16,15 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from parrot.engine import native
-from parrot.engine.attention import (
+from parrot.engine.kernels import native
+from parrot.engine.kernels.attention import (
     Segment,
     cpu_kernel,
     paged_decode_attention,
     plan_decode_attention,
     reference_decode_attention,
 )
-from parrot.engine.attention.merge import merge_partials
+from parrot.engine.kernels.attention.merge import merge_partials
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -300,7 +301,7 @@ def test_a_failed_build_falls_back_to_pytorch(
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with (
         native.using("native", cache_dir=tmp_path / "cache"),
-        caplog.at_level(logging.WARNING, logger="parrot.engine.native"),
+        caplog.at_level(logging.WARNING, logger="parrot.engine.kernels.native"),
     ):
         assert native.library() is None
         assert native.library() is None  # not retried

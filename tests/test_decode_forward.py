@@ -1,4 +1,4 @@
-"""A decode step's layers in one C call (parrot.engine.decode_forward).
+"""A decode step's layers in one C call (parrot.engine.kernels.decode_forward).
 
 The oracle is the Python path itself: the same engine workload run with the C
 forward on and off must give bit-identical logits at every step, because the C
@@ -13,9 +13,11 @@ import random
 import pytest
 import torch
 
-from parrot.engine import amx_linear, decode_forward, f32_linear, native, step_forward
-from parrot.engine.attention import cpu_kernel
-from parrot.engine.kernel_options import KernelOptions
+from parrot.engine import step_forward
+from parrot.engine.kernels import amx_linear, decode_forward, f32_linear, native
+from parrot.engine.kernels.attention import cpu_kernel
+from parrot.engine.kernels.kernel_set import for_options
+from parrot.engine.kernels.options import KernelOptions
 from parrot.engine.loader import LoadedModel
 from parrot.engine.model import LlamaModel, ModelConfig
 from parrot.engine.paged import PagedStepAttention
@@ -139,7 +141,9 @@ def test_it_declines_steps_it_does_not_cover(monkeypatch: pytest.MonkeyPatch) ->
             return
         assert decode_forward.run(loaded.model, ids, pos, step(), runner.cache) is not None
         assert step_forward.choose(loaded.model, runner.cache).c_forward
-        assert not step_forward.choose(loaded.model, runner.cache, KernelOptions(c_forward=False)).c_forward
+        assert not step_forward.choose(
+            loaded.model, runner.cache, for_options(KernelOptions(c_forward=False))
+        ).c_forward
         chunk = PagedStepAttention(runner.cache, [SeqSlice(ctx, 0, ctx.computed_len + 1)], list(range(21)))
         every = torch.arange(21)
         assert decode_forward.run(loaded.model, every, every, chunk, runner.cache) is None

@@ -1,4 +1,4 @@
-"""The fp32 linear kernel (parrot.engine.f32_linear, csrc/f32_linear.c).
+"""The fp32 linear kernel (parrot.engine.kernels.f32_linear, csrc/f32_linear.c).
 
 Results are checked against float64 products; shapes cross the kernel's 32-column
 panels (and their 16-column halves), its row groups of 12, 8, 4, 2 and 1 and its
@@ -14,9 +14,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from parrot.engine import f32_linear, native
-from parrot.engine.kernel_options import KernelOptions
-from parrot.engine.packed_linear import PackedLinear
+from parrot.engine.kernels import f32_linear, native
+from parrot.engine.kernels.kernel_set import for_options
+from parrot.engine.kernels.options import KernelOptions
+from parrot.engine.kernels.packed_linear import PackedLinear
 
 
 @pytest.fixture(scope="module")
@@ -162,4 +163,4 @@ def test_packed_linear_sends_up_to_max_rows_to_the_kernel(monkeypatch: pytest.Mo
 def test_the_f32_linear_option_turns_the_kernel_off() -> None:
     w = torch.randn(32, 64)
     assert (PackedLinear(w).f32 is not None) == f32_linear.available()
-    assert PackedLinear(w, options=KernelOptions(f32_linear=False)).f32 is None
+    assert PackedLinear(w, kernels=for_options(KernelOptions(f32_linear=False))).f32 is None

@@ -1,4 +1,4 @@
-"""The fused decoder-layer ops in C (parrot.engine.fused) against their PyTorch chains,
+"""The fused decoder-layer ops in C (parrot.engine.kernels.fused) against their PyTorch chains,
 and a model forward with them against the plain forward."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parrot.engine import fused, native
+from parrot.engine.kernels import fused, native
 from parrot.engine.model import LlamaModel, ModelConfig, apply_rope, random_init, rope_cos_sin, rope_inv_freq
 from parrot.protocol.tokenizer import TINY_VOCAB_SIZE
 

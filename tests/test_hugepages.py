@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from parrot.engine import hugepages
-from parrot.engine.kernel_options import KernelOptions
+from parrot.engine.kernels.kernel_set import for_options
+from parrot.engine.kernels.options import KernelOptions
+from parrot.engine.kernels.packed_linear import PackedLinear
 from parrot.engine.kv_store import PagedKVCache
-from parrot.engine.packed_linear import PackedLinear
 
 
 def test_huge_page_tensors_are_disjoint_aligned_and_outlive_their_chunk() -> None:
@@ -53,6 +54,6 @@ def test_the_hugepages_option_reaches_the_kv_cache_and_the_f32_weights(
     PagedKVCache(1, 4, 16, 1, 8, torch.float32, "cpu", huge_pages=huge_pages)
     assert advised == ([4 * 16 * 8] * 2 if huge_pages else [])
     w, x = torch.randn(32, 64), torch.randn(3, 64)
-    packed = PackedLinear(w, options=KernelOptions(hugepages=huge_pages))
+    packed = PackedLinear(w, kernels=for_options(KernelOptions(hugepages=huge_pages)))
     assert bool(carved) == (huge_pages and packed.f32 is not None)
     assert torch.allclose(packed(x), x @ w.T, rtol=1e-4, atol=1e-4)  # in plain memory the same

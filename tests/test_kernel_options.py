@@ -1,4 +1,4 @@
-"""The engine's kernel choices as options (parrot.engine.kernel_options): the
+"""The engine's kernel choices as options (parrot.engine.kernels.options): the
 ``PARROT_*`` environment variables reach them only as the CLI's defaults, a flag
 overrides its variable, and an engine built with an option runs what it says."""
 
@@ -8,9 +8,10 @@ import argparse
 
 import pytest
 
-from parrot.engine import native
 from parrot.engine.config import EngineConfig
-from parrot.engine.kernel_options import ENVIRONMENT, KernelOptions, add_kernel_arguments
+from parrot.engine.kernels import native
+from parrot.engine.kernels.kernel_set import for_options
+from parrot.engine.kernels.options import ENVIRONMENT, KernelOptions, add_kernel_arguments
 from parrot.engine.loader import LoadedModel
 from parrot.engine.model import LlamaModel
 from parrot.engine.runner import EngineRunner
@@ -93,3 +94,20 @@ def test_an_engine_runs_the_kernels_its_options_name(tiny_model: LoadedModel) ->
         assert on.step_forward.c_forward == built
         same = EngineRunner(model, kv_cache_tokens=1024, kernels=KernelOptions(c_forward=False))
         assert (not same.step_forward.c_forward and same.step_forward.name == "pytorch/fused") or not built
+
+
+def test_the_kernel_set_names_only_kernels_its_options_allow_and_its_build_has() -> None:
+    off = for_options(KernelOptions(cpu_kernel="off"))
+    assert off.lib is None and not (off.f32_linear or off.amx_linear or off.c_attention or off.c_forward)
+    assert off.describe() == "C ops build none (switched off (cpu_kernel='off')); kernels: PyTorch only"
+    on = for_options()
+    lib = native.library("native")
+    assert on.lib is lib and on.c_attention == on.c_forward == (lib is not None)
+    assert on.f32_linear == (lib is not None and bool(lib.parrot_f32_linear_supported()))
+    assert on.amx_linear == (lib is not None and bool(lib.parrot_amx_ready()))
+    narrowed = for_options(KernelOptions(amx=False, f32_linear=False, c_forward=False))
+    assert not (narrowed.amx_linear or narrowed.f32_linear or narrowed.c_forward)
+    assert narrowed.c_attention == on.c_attention
+    portable = for_options(KernelOptions(cpu_kernel="portable"))  # no AVX-512 / AMX code in it
+    assert not (portable.f32_linear or portable.amx_linear)
+    assert portable.describe().startswith("C ops build portable") or portable.lib is None

@@ -16,8 +16,13 @@ import ctypes
 import pytest
 import torch
 
-from parrot.engine import native
-from parrot.engine.attention import Segment, cpu_kernel, paged_decode_attention, reference_decode_attention
+from parrot.engine.kernels import native
+from parrot.engine.kernels.attention import (
+    Segment,
+    cpu_kernel,
+    paged_decode_attention,
+    reference_decode_attention,
+)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from parrot.manager.service import ManagerConfig
 
-from parrot.engine.kernel_options import KernelOptions, add_kernel_arguments  # torch-free
+from parrot.engine.kernels.options import KernelOptions, add_kernel_arguments  # torch-free
 from parrot.engine.latency_probe import LATENCY_FACTOR  # torch-free
 from parrot.protocol.cluster import CLUSTER_SECRET_ENV, client_tls, generate_secret, resolve_secret
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from parrot.engine.block_pool import DEFAULT_BLOCK_SIZE
-from parrot.engine.kernel_options import KernelOptions
+from parrot.engine.kernels.options import KernelOptions
 from parrot.engine.latency_probe import LATENCY_FACTOR
 
 __all__ = ["EngineConfig"]
@@ -29,7 +29,7 @@ class EngineConfig:
     ``block_size`` and ``kv_cache_tokens`` / ``kv_cache_bytes`` — the KV pool (see
     :func:`~parrot.engine.kv_store.kv_cache_blocks`; default 2 GiB worth of tokens);
     ``prepack`` — run the projections through oneDNN-packed weights where possible
-    (:mod:`~parrot.engine.packed_linear`); ``weight_dtype`` — pack them as this dtype
+    (:mod:`~parrot.engine.kernels.packed_linear`); ``weight_dtype`` — pack them as this dtype
     (``torch.bfloat16``: bf16 GEMMs, opt-in) instead of the weights' own;
     ``kv_dtype`` — the KV cache's dtype (default: the weights'; ``torch.bfloat16``
     halves the bytes each decode step reads); ``latency_probe`` — time a few decode
@@ -37,7 +37,7 @@ class EngineConfig:
     ``latency_factor``, ``latency_target_ms``, ``latency_cap`` — how the engine sizes
     the latency cap it reports (:mod:`parrot.engine.latency_probe`; a fixed
     ``latency_cap`` needs no probe); ``kernels`` — which kernels it may use and which
-    build of the C ops it loads (:class:`~parrot.engine.kernel_options.KernelOptions`;
+    build of the C ops it loads (:class:`~parrot.engine.kernels.options.KernelOptions`;
     the CLI's defaults come from ``PARROT_*`` environment variables)."""
 
     max_step_tokens: int = 512

@@ -37,11 +37,12 @@ from typing import Any
 
 import torch
 
-from parrot.engine import native, step_forward
+from parrot.engine import step_forward
 from parrot.engine.block_pool import BlockPool
 from parrot.engine.config import EngineConfig
 from parrot.engine.contexts import Context, ContextTable
 from parrot.engine.jobs import ChunkCallback, FinishCallback, Job, finish_job
+from parrot.engine.kernels import kernel_set
 from parrot.engine.kv_store import PagedKVCache, kv_cache_blocks
 from parrot.engine.latency_probe import StepLatency, probe
 from parrot.engine.loader import LoadedModel
@@ -80,12 +81,15 @@ class EngineRunner:
         block_size = cfg.block_size
         self.loaded = loaded
         self.model = loaded.model
-        # The build of the C ops this process's attention and fused ops use (a process
-        # resource: see native.select), then oneDNN-packed weights on CPU (faster
-        # projections: packed_linear).  Packing changes the model object, so every engine
-        # sharing it runs packed, with these kernels, from now on.
-        native.select(cfg.kernels.cpu_kernel, cache_dir=cfg.kernels.kernel_cache)
-        self.packed = self.model.prepack(weight_dtype, cfg.kernels) if cfg.prepack else False
+        # The kernels this engine uses, chosen once; their build of the C ops becomes the
+        # one this process's attention and fused ops find (a process resource: see
+        # native.select).  Then oneDNN-packed weights on CPU (faster projections:
+        # packed_linear).  Packing changes the model object, so every engine sharing it
+        # runs packed, with these kernels, from now on.
+        self.kernels = kernel_set.for_options(cfg.kernels)
+        self.kernels.select()
+        log.info("engine %s", self.kernels.describe())
+        self.packed = self.model.prepack(weight_dtype, self.kernels) if cfg.prepack else False
         if weight_dtype is not None and not self.packed:
             raise ValueError(f"cannot pack weights as {weight_dtype} here (needs CPU oneDNN)")
         self.tokenizer = loaded.tokenizer
@@ -142,7 +146,7 @@ class EngineRunner:
             "preemptions": 0,
             "cached_tokens": 0,  # pending tokens whose KV came from the prefix cache
         }
-        self.step_forward = step_forward.choose(self.model, self.cache, cfg.kernels)
+        self.step_forward = step_forward.choose(self.model, self.cache, self.kernels)
         log.info("engine steps: %s", self.step_forward.name)
         # the job queues and each step's admission, plan and KV reservation
         self.planner = StepPlanner(

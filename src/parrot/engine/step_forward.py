@@ -1,18 +1,19 @@
 """How the engine computes a step's hidden states: one strategy, chosen when it starts.
 
 :func:`choose` looks at the model (packed or not, which C kernel copies its
-projections have), the KV cache and what is built here, once, and returns a
+projections have), the KV cache and the engine's kernels
+(:class:`~parrot.engine.kernels.kernel_set.KernelSet`), once, and returns a
 :class:`StepForward` with a name that the start-up log and the engine's stats
 (``decode_path``) show:
 
 * ``c-forward/f32``, ``c-forward/amx-bf16`` — a pure decode step within the
   kernels' row limit whose attention runs on the C kernels alone goes through
-  one C call for all its layers (:mod:`parrot.engine.decode_forward`, with the
+  one C call for all its layers (:mod:`parrot.engine.kernels.decode_forward`, with the
   fp32 or the AMX projection kernel); every other step (prefill chunks, larger
   batches, attention the C side does not cover) takes the model's forward.
   Both give the same bits;
 * ``pytorch/fused`` — the model's forward with its elementwise steps in C
-  (:mod:`parrot.engine.fused`) and oneDNN-packed projections;
+  (:mod:`parrot.engine.kernels.fused`) and oneDNN-packed projections;
 * ``pytorch/packed`` — the model's forward with oneDNN-packed projections;
 * ``pytorch`` — the model's plain forward (any device).
 """
@@ -25,8 +26,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from parrot.engine import decode_forward, fused, native
-from parrot.engine.kernel_options import KernelOptions
+from parrot.engine.kernels import decode_forward, fused
+from parrot.engine.kernels.kernel_set import KernelSet, for_options
 from parrot.engine.kv_store import PagedKVCache
 from parrot.engine.model import LlamaModel
 from parrot.engine.paged import PagedStepAttention
@@ -59,12 +60,12 @@ class StepForward:
         return model(input_ids, positions, attn)
 
 
-def choose(model: LlamaModel, cache: PagedKVCache, options: KernelOptions | None = None) -> StepForward:
-    """The strategy for this model and cache under ``options`` (default: every kernel
+def choose(model: LlamaModel, cache: PagedKVCache, kernels: KernelSet | None = None) -> StepForward:
+    """The strategy for this model and cache on ``kernels`` (default: every kernel
     allowed; see the module docstring)."""
-    options = KernelOptions() if options is None else options
-    lib = native.library(options.cpu_kernel)
-    mode = decode_forward.c_forward_mode(model, cache, lib) if options.c_forward else None
+    kernels = for_options() if kernels is None else kernels
+    lib = kernels.lib
+    mode = decode_forward.c_forward_mode(model, cache, lib) if kernels.c_forward else None
     if mode is not None:
         return StepForward(f"c-forward/{mode}", c_forward=True, lib=lib)
     packed = len(model.model.layers) > 0 and model.model.layers[0].self_attn.qkv is not None

@@ -4,7 +4,7 @@ A decode step multiplies a few dozen rows by every weight once: the weights come
 from memory as they are used.  oneDNN's fp32 GEMM reads and computes one after the
 other at those sizes; the C kernel reads each weight from a panel layout packed
 for it (:func:`pack`) and prefetches the next panel while it computes, so the two
-overlap.  :class:`~parrot.engine.packed_linear.PackedLinear` keeps this copy
+overlap.  :class:`~parrot.engine.kernels.packed_linear.PackedLinear` keeps this copy
 beside oneDNN's and sends fp32 calls of at most :data:`MAX_ROWS` rows here
 (it is faster than oneDNN up to about that many rows and no faster beyond, so
 prefill chunks keep oneDNN: ``docs/engine.md``, "Why the kernels exist").  Its
@@ -12,7 +12,7 @@ packed weights sit on 2 MiB pages (:mod:`parrot.engine.hugepages`).
 
 Available where Parrot's C ops are built with AVX-512F (``-march=native`` on a CPU
 that has it); the engine's ``f32_linear`` option
-(:class:`~parrot.engine.kernel_options.KernelOptions`) turns it off (to compare).  Each output is
+(:class:`~parrot.engine.kernels.options.KernelOptions`) turns it off (to compare).  Each output is
 one fp32 sum over the input features in order plus the bias, the same whatever
 the number of rows or threads.
 """
@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from parrot.engine import hugepages, native
-from parrot.engine.linear_args import check_linear_args
+from parrot.engine import hugepages
+from parrot.engine.kernels import native
+from parrot.engine.kernels.linear_args import check_linear_args
 
 __all__ = ["MAX_ROWS", "F32Weight", "available", "linear", "pack"]
 
@@ -37,7 +38,7 @@ MAX_ROWS = 256
 
 def available(lib: ctypes.CDLL | None = None) -> bool:
     """Whether the kernel can run here: ``lib`` (default: the selected library,
-    :func:`parrot.engine.native.library`) is built for AVX-512."""
+    :func:`parrot.engine.kernels.native.library`) is built for AVX-512."""
     lib = lib or native.library()
     return lib is not None and bool(lib.parrot_f32_linear_supported())
 
@@ -54,7 +55,7 @@ class F32Weight:
 
 def pack(weight: Tensor, *, lib: ctypes.CDLL | None = None, huge_pages: bool = True) -> F32Weight:
     """The kernel's packed copy of ``weight`` [N, K] (converted to fp32).  ``lib``: a
-    library from :func:`parrot.engine.native.build` (default: the selected one);
+    library from :func:`parrot.engine.kernels.native.build` (default: the selected one);
     ``huge_pages``: carve it from :func:`parrot.engine.hugepages.empty`'s chunks (else
     plain memory)."""
     lib = native.require(lib)

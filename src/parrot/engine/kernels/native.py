@@ -4,11 +4,11 @@ PyTorch's eager CPU ops each make their own pass over memory and pay a dispatch
 per call; at decode sizes (tens of rows) that overhead rivals the arithmetic.  The
 C sources hold the few ops where fusing pays: paged decode attention reading the
 cache in place (``decode_rows.c``; ``shared_rows.c`` for a prefix shared by many
-queries; see :mod:`parrot.engine.attention.cpu_kernel`), a decoder layer's
-elementwise steps (``layer_ops.c``, see :mod:`parrot.engine.fused`), bf16
+queries; see :mod:`parrot.engine.kernels.attention.cpu_kernel`), a decoder layer's
+elementwise steps (``layer_ops.c``, see :mod:`parrot.engine.kernels.fused`), bf16
 linear layers at decode sizes on AMX tiles (``amx_linear.c``, see
-:mod:`parrot.engine.amx_linear`) and fp32 linear layers that stream their weights
-while computing (``f32_linear.c``, see :mod:`parrot.engine.f32_linear`).
+:mod:`parrot.engine.kernels.amx_linear`) and fp32 linear layers that stream their weights
+while computing (``f32_linear.c``, see :mod:`parrot.engine.kernels.f32_linear`).
 
 Build: ``$CC`` (default ``cc``) with ``-O3 -march=native -fopenmp``, all sources
 into one shared library, once per source / compiler / flags / CPU, cached in the
@@ -24,7 +24,7 @@ compiler's default target.  The tests compile both builds and run the kernels on
 both.
 
 Which build the engine uses is its ``cpu_kernel`` option
-(:class:`~parrot.engine.kernel_options.KernelOptions`): ``native``, ``portable`` or
+(:class:`~parrot.engine.kernels.options.KernelOptions`): ``native``, ``portable`` or
 ``off``.  A loaded library is a resource of the process (one per build, one OpenMP
 runtime), so the engine selects its build (:func:`select`) when it starts, and
 :func:`library` without an argument returns the selected build to the code that runs
@@ -37,13 +37,13 @@ prototype and every struct shared with Python.  Every source includes it, and th
 build makes an implicit declaration, an exported function missing from the header and
 a pointer or integer mismatch at a call errors (a definition conflicting with its
 prototype always is), so C cannot drift from the header.  Python cannot either:
-:mod:`parrot.engine.c_boundary` parses the header into the functions' ctypes
+:mod:`parrot.engine.kernels.c_boundary` parses the header into the functions' ctypes
 argument and return types and the structs' ctypes Structures, and the build compiles
 a generated check that those Structures' sizes and offsets are the compiler's.
 
 OpenMP: the ops must share PyTorch's OpenMP runtime (two runtimes are two thread
 pools competing for the cores), and which runtime that is depends on the PyTorch
-build, so it is found, not assumed (:mod:`parrot.engine.openmp_runtime`): the sources
+build, so it is found, not assumed (:mod:`parrot.engine.kernels.openmp_runtime`): the sources
 are compiled with ``-fopenmp``, and the library is linked against the runtime file
 PyTorch has loaded in this process (``/proc/self/maps``; libgomp, a hashed libgomp,
 libiomp5 or libomp), by path with an rpath to its directory.  Where none is loaded
@@ -67,7 +67,7 @@ from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
 
-from parrot.engine import c_boundary, openmp_runtime
+from parrot.engine.kernels import c_boundary, openmp_runtime
 
 __all__ = ["MODES", "build", "compile_flags", "library", "require", "select", "selected", "status", "using"]
 

@@ -13,10 +13,10 @@ It applies to a step when all of these hold (else :func:`run` returns None and t
 model runs as before): every new token is a decode token (no prefill chunk); the
 KV cache is fp32 or bf16 on CPU; every projection of the model has the C kernel
 copy the Python path would use for this many rows: Parrot's fp32 kernel
-(:mod:`parrot.engine.f32_linear`, at most its ``MAX_ROWS`` tokens) or, for bf16
-weights, the AMX kernel (:mod:`parrot.engine.amx_linear`, at most its
+(:mod:`parrot.engine.kernels.f32_linear`, at most its ``MAX_ROWS`` tokens) or, for bf16
+weights, the AMX kernel (:mod:`parrot.engine.kernels.amx_linear`, at most its
 ``MAX_ROWS``), with fp32 norms; the attention plan runs on the C kernels only
-(:class:`~parrot.engine.attention.torch_impl.TorchDecodePlan` with ``kernel``, and
+(:class:`~parrot.engine.kernels.attention.torch_impl.TorchDecodePlan` with ``kernel``, and
 ``shared_kernel`` if it has shared rows).  Whether the engine tries it at all is its
 ``c_forward`` option (:mod:`parrot.engine.step_forward`).
 """
@@ -30,11 +30,11 @@ import math
 import torch
 from torch import Tensor
 
-from parrot.engine import amx_linear, c_boundary, f32_linear, native
-from parrot.engine.attention.torch_impl import TorchDecodePlan
+from parrot.engine.kernels import amx_linear, c_boundary, f32_linear, native
+from parrot.engine.kernels.attention.torch_impl import TorchDecodePlan
+from parrot.engine.kernels.packed_linear import PackedLinear
 from parrot.engine.kv_store import PagedKVCache
 from parrot.engine.model import LlamaModel, rope_cos_sin
-from parrot.engine.packed_linear import PackedLinear
 from parrot.engine.paged import PagedStepAttention
 
 __all__ = ["run"]

@@ -2,8 +2,8 @@
  *
  * Every .c file includes this header, so the compiler checks each definition against
  * its prototype here (the build makes conflicting types, implicit declarations and
- * exported functions missing from this header errors: parrot/engine/native.py).  The
- * Python bindings are parsed from this file (parrot/engine/c_boundary.py): ctypes
+ * exported functions missing from this header errors: parrot/engine/kernels/native.py).  The
+ * Python bindings are parsed from this file (parrot/engine/kernels/c_boundary.py): ctypes
  * argument and return types for every parrot_* prototype, ctypes.Structure fields for
  * every struct, whose layout the build checks against the compiler's.
  *
