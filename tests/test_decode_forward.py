@@ -138,7 +138,7 @@ def test_it_declines_steps_it_does_not_cover(monkeypatch: pytest.MonkeyPatch) ->
     with torch.inference_mode():
         if not (f32_linear.available() and native.library() is not None):
             assert decode_forward.run(loaded.model, ids, pos, step(), runner.cache) is None
-            return
+            pytest.skip("no AVX-512 fp32 kernel here: the C forward declines every step (checked)")
         assert decode_forward.run(loaded.model, ids, pos, step(), runner.cache) is not None
         assert step_forward.choose(loaded.model, runner.cache).c_forward
         assert not step_forward.choose(

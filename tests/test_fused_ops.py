@@ -4,6 +4,7 @@ and a model forward with them against the plain forward."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -14,9 +15,13 @@ from parrot.engine.model import LlamaModel, ModelConfig, apply_rope, random_init
 from parrot.protocol.tokenizer import TINY_VOCAB_SIZE
 
 
-@pytest.fixture(autouse=True)
-def _built() -> None:
-    assert native.library() is not None, native.status()
+@pytest.fixture(autouse=True, params=["native", "portable"])
+def _built(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test on both builds of the C ops: the native one (AVX-512 where the CPU
+    has it) and the portable C, selected as an engine with ``cpu_kernel`` does."""
+    with native.using(request.param):
+        assert native.library() is not None, native.status()
+        yield
 
 
 def _gen(seed: int) -> torch.Generator:

@@ -10,11 +10,13 @@ beside oneDNN's and sends fp32 calls of at most :data:`MAX_ROWS` rows here
 prefill chunks keep oneDNN: ``docs/engine.md``, "Why the kernels exist").  Its
 packed weights sit on 2 MiB pages (:mod:`parrot.engine.hugepages`).
 
-Available where Parrot's C ops are built with AVX-512F (``-march=native`` on a CPU
-that has it); the engine's ``f32_linear`` option
-(:class:`~parrot.engine.kernels.options.KernelOptions`) turns it off (to compare).  Each output is
-one fp32 sum over the input features in order plus the bias, the same whatever
-the number of rows or threads.
+The engine uses it where Parrot's C ops are built with AVX-512F (``-march=native``
+on a CPU that has it: :func:`available`); the engine's ``f32_linear`` option
+(:class:`~parrot.engine.kernels.options.KernelOptions`) turns it off (to compare).
+Every other build computes the same bits in portable C (slower than oneDNN, so the
+engine keeps oneDNN there; the tests run it on every CPU).  Each output is one
+fp32 sum over the input features in order plus the bias, the same whatever the
+number of rows or threads.
 """
 
 from __future__ import annotations
@@ -100,6 +102,6 @@ def linear(
         y.data_ptr(),
         torch.get_num_threads(),
     )
-    if code != 0:
-        raise RuntimeError("the fp32 linear kernel is not built here (see f32_linear.available)")
+    if code != 0:  # every build computes (portable C without AVX-512): a broken library
+        raise RuntimeError(f"parrot_f32_linear returned {code}")
     return y

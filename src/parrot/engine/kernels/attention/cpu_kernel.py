@@ -165,8 +165,6 @@ def shared_row(
         lse.data_ptr(),
         torch.get_num_threads(),
     )
-    if code == 1:
-        raise ValueError(f"shared_row: not built for head dim {dim} (see shared_built)")
     if code != 0:
         raise MemoryError("shared_row: could not allocate its scratch memory")
 
