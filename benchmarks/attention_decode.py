@@ -28,7 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from parrot.engine.attention import Segment, paged_decode_attention
+from parrot.engine.kernels import native
+from parrot.engine.kernels.attention import Segment, paged_decode_attention
+from parrot.engine.kernels.options import add_kernel_arguments
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 32, 128, 16
 
@@ -152,7 +154,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--backend", default="torch", choices=["torch", "triton", "auto"])
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--profile", type=int, default=0, help="only profile one call of each variant at batch N")
+    add_kernel_arguments(ap)  # --cpu-kernel (default $PARROT_CPU_KERNEL): the C kernels or not
     args = ap.parse_args(argv)
+    native.select(args.cpu_kernel, cache_dir=args.kernel_cache)
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"command: python {' '.join(sys.argv)}")

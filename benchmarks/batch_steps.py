@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from parrot.engine.kernels.options import KernelOptions
 from parrot.engine.loader import load_model
 from parrot.engine.runner import EngineRunner, Job
 from parrot.protocol.sampling import SamplingParams
@@ -42,7 +43,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
-    runner = EngineRunner(load_model(args.model), weight_dtype=dtype, kv_dtype=dtype, prefix_cache=False)
+    runner = EngineRunner(
+        load_model(args.model),
+        weight_dtype=dtype,
+        kv_dtype=dtype,
+        prefix_cache=False,
+        kernels=KernelOptions.from_env(),
+    )
     rng = random.Random(0)
     vocab = runner.tokenizer.vocab_size
     steps: list[tuple[int, float]] = []  # (tokens in the step, seconds)

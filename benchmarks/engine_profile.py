@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_throughput import run
 
 from parrot.engine import runner as runner_mod
+from parrot.engine.kernels.options import KernelOptions
 from parrot.engine.loader import load_model
 from parrot.engine.local import LocalEngine
 
@@ -81,7 +82,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtypes = {n: getattr(torch, getattr(args, n)) for n in ("weight_dtype", "kv_dtype") if getattr(args, n)}
-    engine = LocalEngine(lambda: load_model(args.model), **dtypes)
+    engine = LocalEngine(lambda: load_model(args.model), **dtypes, kernels=KernelOptions.from_env())
     try:
         asyncio.run(run(engine, 2, 16, 4, seed=999))  # warm-up
         stats = profile_steps(engine, args)

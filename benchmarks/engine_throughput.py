@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from parrot.engine.kernels.options import KernelOptions
 from parrot.engine.loader import load_model
 from parrot.engine.local import LocalEngine
 from parrot.protocol.sampling import SamplingParams
@@ -87,7 +88,9 @@ def main() -> None:
             kwargs[name] = getattr(torch, getattr(args, name))
     if args.no_share and "share_prefix" in inspect.signature(LocalEngine).parameters:
         kwargs["share_prefix"] = False
-    engine = LocalEngine(lambda: load_model(args.model), **kwargs)  # loaded on the engine's thread
+    engine = LocalEngine(
+        lambda: load_model(args.model), **kwargs, kernels=KernelOptions.from_env()
+    )  # loaded on the engine's thread
     try:
         asyncio.run(run(engine, 2, 16, 4, seed=999))  # warm-up
         for c in args.concurrency:

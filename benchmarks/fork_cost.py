@@ -33,6 +33,7 @@ import time
 
 import torch
 
+from parrot.engine.kernels.options import KernelOptions
 from parrot.engine.loader import load_model
 from parrot.engine.local import LocalEngine
 from parrot.protocol.sampling import SamplingParams
@@ -60,8 +61,8 @@ async def one_call(engine: LocalEngine, tokens: list[int], sp: SamplingParams, p
 
 async def run(args: argparse.Namespace) -> None:
     loaded = load_model(args.model)
-    cached_engine = LocalEngine(loaded)
-    scratch_engine = LocalEngine(loaded, prefix_cache=False)
+    cached_engine = LocalEngine(loaded, kernels=KernelOptions.from_env())
+    scratch_engine = LocalEngine(loaded, prefix_cache=False, kernels=KernelOptions.from_env())
     vocab = loaded.config.vocab_size
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     rng = random.Random(0)

@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import random
 
+from parrot.engine.kernels.options import KernelOptions
 from parrot.engine.loader import LoadedModel
 from parrot.engine.local import LocalEngine
 from parrot.engine.model import LlamaModel, ModelConfig
@@ -96,7 +97,11 @@ def main() -> None:
     loaded = stretched_tiny(per_ctx + 16)
     rows = []
     for forked in (True, False):
-        engine = LocalEngine(loaded, kv_cache_tokens=args.contexts * (per_ctx + 64) + args.prefix_tokens)
+        engine = LocalEngine(
+            loaded,
+            kv_cache_tokens=args.contexts * (per_ctx + 64) + args.prefix_tokens,
+            kernels=KernelOptions.from_env(),
+        )
         try:
             block_size = engine.runner.pool.block_size
             peak = asyncio.run(run(engine, forked, args))

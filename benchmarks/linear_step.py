@@ -4,8 +4,8 @@
 
 Builds every projection of the model's layers (q/k/v and gate/up fused, o, down)
 plus the logits, with seeded random weights of the model's shapes, twice: as
-``PackedLinear`` with Parrot's fp32 kernel (:mod:`parrot.engine.f32_linear`) and with
-``PARROT_F32_LINEAR=0`` (oneDNN's packed GEMM).  Each step calls all of them once
+``PackedLinear`` with Parrot's fp32 kernel (:mod:`parrot.engine.kernels.f32_linear`) and with
+``f32_linear=False`` (oneDNN's packed GEMM).  Each step calls all of them once
 with ``rows`` input rows, so every weight comes from memory as in a real step (the
 model's weights do not fit in cache).  The two variants alternate within each
 repeat; prints the median step time of each and their ratio per row count.
@@ -14,15 +14,16 @@ repeat; prints the median step time of each and their ratio per row count.
 from __future__ import annotations
 
 import argparse
-import os
+import dataclasses
 import statistics
 import time
 
 import torch
 
-from parrot.engine import f32_linear
+from parrot.engine.kernels import f32_linear
+from parrot.engine.kernels.options import KernelOptions
+from parrot.engine.kernels.packed_linear import PackedLinear
 from parrot.engine.loader import load_model
-from parrot.engine.packed_linear import PackedLinear
 
 
 def layer_shapes(model: str) -> list[tuple[int, int]]:
@@ -37,12 +38,9 @@ def layer_shapes(model: str) -> list[tuple[int, int]]:
 
 
 def build(shapes: list[tuple[int, int]], kernel: bool) -> list[PackedLinear]:
-    os.environ["PARROT_F32_LINEAR"] = "1" if kernel else "0"
     gen = torch.Generator().manual_seed(0)
-    try:
-        return [PackedLinear(torch.randn(n, k, generator=gen) * 0.02) for n, k in shapes]
-    finally:
-        os.environ.pop("PARROT_F32_LINEAR")
+    options = dataclasses.replace(KernelOptions.from_env(), f32_linear=kernel)
+    return [PackedLinear(torch.randn(n, k, generator=gen) * 0.02, options=options) for n, k in shapes]
 
 
 def step_seconds(layers: list[PackedLinear], inputs: dict[int, torch.Tensor]) -> float:

@@ -17,8 +17,9 @@ step.  Modes, interleaved within each repeat so that drift hits all alike:
 
 ``--time-kernels`` also times every call of the C attention kernels made from Python
 (``cpu_kernel.shared_row`` / ``decode_rows``) and prints their mean per step.  Decode
-steps that take the C forward (:mod:`parrot.engine.decode_forward`) call them from C
-and are not counted: run with ``PARROT_DECODE_FORWARD=0`` to time those too.
+steps that take the C forward (:mod:`parrot.engine.kernels.decode_forward`) call them from C
+and are not counted: run with ``PARROT_DECODE_FORWARD=0`` (read as the engine's
+``c_forward`` option, :class:`~parrot.engine.kernels.options.KernelOptions`) to time those too.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from collections.abc import Callable
 import torch
 
 from parrot.engine import paged
-from parrot.engine.attention import cpu_kernel
+from parrot.engine.kernels.attention import cpu_kernel
+from parrot.engine.kernels.options import KernelOptions
 from parrot.engine.loader import load_model
 from parrot.engine.runner import EngineRunner, Job
 from parrot.protocol.sampling import SamplingParams
@@ -121,9 +123,16 @@ def main() -> None:
         time_kernels()
     loaded = load_model(args.model)
     runners = {
-        "shared": EngineRunner(loaded, max_step_tokens=args.max_step_tokens),
+        "shared": EngineRunner(
+            loaded, max_step_tokens=args.max_step_tokens, kernels=KernelOptions.from_env()
+        ),
         "unshared": (
-            EngineRunner(loaded, share_prefix=False, max_step_tokens=args.max_step_tokens)
+            EngineRunner(
+                loaded,
+                share_prefix=False,
+                max_step_tokens=args.max_step_tokens,
+                kernels=KernelOptions.from_env(),
+            )
             if "unshared" in args.modes
             else None
         ),

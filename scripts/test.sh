@@ -6,11 +6,5 @@ bash scripts/setup.sh
 . .venv/bin/activate
 ruff check src tests examples
 python -m pytest "$@"
-if [ $# -eq 0 ]; then
-    # The engine's kernel tests again with the portable build of the C ops as the
-    # engine's library (no -march=native, no AVX-512/AMX code: what other CPUs run).
-    # (test_amx_linear, test_f32_linear and test_shared_kernel build the native library
-    # themselves and check that the portable one refuses: the run above covers them.)
-    PARROT_CPU_KERNEL=portable python -m pytest tests/test_cpu_kernel.py tests/test_fused_ops.py \
-        tests/test_decode_forward.py tests/test_attention.py
-fi
+# (Both builds of the C ops, native and portable, are exercised inside the tests
+# themselves: the kernel tests parametrize over them, on every CPU.)

@@ -1,4 +1,4 @@
-"""Paged decode attention with prefix-tree sharing (parrot.engine.attention).
+"""Paged decode attention with prefix-tree sharing (parrot.engine.kernels.attention).
 
 Every case is a random prefix *tree* in a fragmented paged cache: several
 groups, each with a shared root prefix, a nested second and third level for
@@ -25,17 +25,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import parrot.engine.attention.torch_impl as torch_impl
-import parrot.engine.attention.triton_kernel as triton_kernel
-from parrot.engine import native
-from parrot.engine.attention import (
+import parrot.engine.kernels.attention.torch_impl as torch_impl
+import parrot.engine.kernels.attention.triton_kernel as triton_kernel
+from parrot.engine.kernels import native
+from parrot.engine.kernels.attention import (
     Segment,
     paged_decode_attention,
     plan_decode_attention,
     reference_decode_attention,
     validate_segments,
 )
-from parrot.engine.attention.triton_kernel import TritonUnavailableError, triton_paged_decode_attention
+from parrot.engine.kernels.attention.triton_kernel import (
+    TritonUnavailableError,
+    triton_paged_decode_attention,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
@@ -163,24 +166,26 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-@pytest.fixture(params=["kernel", "torch"])
-def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Both CPU paths for single-query rows: the C kernel (``native``, built here on
-    first use) and PyTorch's gather + fused attention (the kernel switched off)."""
-    if request.param == "torch":
-        monkeypatch.setenv("PARROT_CPU_KERNEL", "0")
-    else:
-        assert native.library() is not None, native.status()
-    return str(request.param)
+@pytest.fixture(params=["kernel", "portable", "torch"])
+def cpu_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The CPU paths for single-query rows: the C kernel of the native build (built
+    here on first use), the portable build's C, and PyTorch's gather + fused attention
+    (the C ops switched off).  Both C builds are "kernel" to the tests' expectations."""
+    build = {"kernel": "native", "portable": "portable", "torch": "off"}[request.param]
+    with native.using(build):
+        if build != "off":
+            assert native.library() is not None, native.status()
+        yield "torch" if build == "off" else "kernel"
 
 
 @pytest.fixture
-def tiny_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+def tiny_pieces(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Force the torch path to split every row into pieces of a few keys."""
-    monkeypatch.setenv("PARROT_CPU_KERNEL", "0")  # the kernel has no pieces
     monkeypatch.setattr(torch_impl, "KV_BUDGET", 1)
     monkeypatch.setattr(torch_impl, "SCORE_BUDGET", 1)
     monkeypatch.setattr(torch_impl, "PAD_BUDGET", 1)  # no row is batched or fused: all take the loop
+    with native.using("off"):  # the kernel has no pieces
+        yield
 
 
 @pytest.fixture
@@ -258,9 +263,8 @@ def test_torch_random_trees(
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch_impl, "KV_BUDGET", budget)
         mp.setattr(torch_impl, "PAD_BUDGET", pad_budget)
-        if not kernel:
-            mp.setenv("PARROT_CPU_KERNEL", "0")
-        check(case, share=share)
+        with native.using(native.selected() if kernel else "off"):
+            check(case, share=share)
 
 
 def test_shared_rows_run_fused_on_cpu_within_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -284,9 +288,9 @@ def test_shared_rows_run_fused_on_cpu_within_the_budget(monkeypatch: pytest.Monk
 def test_padded_rows_without_the_fused_kernel(share: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The batched matmul path that replaces the fused CPU kernel elsewhere (e.g. CUDA)."""
     monkeypatch.setattr(torch_impl, "_flash_op", lambda: None)
-    monkeypatch.setenv("PARROT_CPU_KERNEL", "0")
-    for seed in range(3):
-        check(make_case(seed, kv_heads=2, group=3, groups=(4, 2), solo=3), share=share)
+    with native.using("off"):
+        for seed in range(3):
+            check(make_case(seed, kv_heads=2, group=3, groups=(4, 2), solo=3), share=share)
 
 
 def test_a_fork_that_shares_nothing_in_its_batch_needs_no_merge() -> None:
@@ -381,7 +385,7 @@ def test_auto_backend_on_cpu_is_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*args: object, **kwargs: object) -> torch.Tensor:
         raise AssertionError("triton must not be used for CPU tensors")
 
-    monkeypatch.setattr("parrot.engine.attention.api.triton_paged_decode_attention", boom)
+    monkeypatch.setattr("parrot.engine.kernels.attention.api.triton_paged_decode_attention", boom)
     check(make_case(1), share=True, backend="auto")
 
 
@@ -555,7 +559,9 @@ def test_triton_missing_raises_import_error(interpret: None, monkeypatch: pytest
 
 
 def test_import_does_not_import_triton() -> None:
-    code = "import sys, parrot.engine.attention; assert 'triton' not in sys.modules, 'triton imported'"
+    code = (
+        "import sys, parrot.engine.kernels.attention; assert 'triton' not in sys.modules, 'triton imported'"
+    )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
 

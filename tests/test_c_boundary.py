@@ -1,4 +1,5 @@
-"""The C boundary declared once (csrc/parrot_ops.h, parrot.engine.c_boundary, parrot.engine.native).
+"""The C boundary declared once (csrc/parrot_ops.h, parrot.engine.kernels.c_boundary,
+parrot.engine.kernels.native).
 
 The header parses into every function and struct, and the ctypes side is derived
 from it; the library exports exactly the declared functions; a definition or a call
@@ -20,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from parrot.engine import c_boundary, native
-from parrot.engine.c_boundary import CType, Function, HeaderError
+from parrot.engine.kernels import c_boundary, native
+from parrot.engine.kernels.c_boundary import CType, Function, HeaderError
 
-CSRC = Path(str(resources.files("parrot.engine").joinpath("csrc")))
+CSRC = Path(str(resources.files("parrot.engine.kernels").joinpath("csrc")))
 
 
 @pytest.fixture(scope="module")

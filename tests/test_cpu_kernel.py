@@ -1,4 +1,5 @@
-"""The C decode kernel (parrot.engine.attention.cpu_kernel) and the library build (parrot.engine.native).
+"""The C decode kernel (parrot.engine.kernels.attention.cpu_kernel) and the library
+build (parrot.engine.kernels.native).
 
 Both builds are checked on every machine: the native one (AVX-512 intrinsics for
 head dims that are multiples of 16 where the CPU has AVX-512) and the portable C
@@ -16,15 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from parrot.engine import native
-from parrot.engine.attention import (
+from parrot.engine.kernels import native
+from parrot.engine.kernels.attention import (
     Segment,
     cpu_kernel,
     paged_decode_attention,
     plan_decode_attention,
     reference_decode_attention,
 )
-from parrot.engine.attention.merge import merge_partials
+from parrot.engine.kernels.attention.merge import merge_partials
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -283,26 +284,28 @@ def test_plans_with_sharing_merge_in_c_when_the_kernels_run(monkeypatch: pytest.
     assert (plan.lse_merge is not None) == c_merge and len(calls) == int(c_merge)
 
 
-def test_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PARROT_CPU_KERNEL", "0")
-    assert native.library() is None and "PARROT_CPU_KERNEL=0" in native.status()
+def test_switched_off_by_the_cpu_kernel_option() -> None:
     q, k, _ = _small()
-    assert not plan_decode_attention(SEGMENTS, q, k).kernel
+    with native.using("off"):
+        assert native.library() is None and "cpu_kernel='off'" in native.status()
+        assert not plan_decode_attention(SEGMENTS, q, k).kernel
+    assert native.selected() == "native"  # restored after the block
 
 
 def test_a_failed_build_falls_back_to_pytorch(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """No compiler: one warning naming the failure, and attention still right (PyTorch path)."""
-    monkeypatch.setattr(native, "_tried", False)
-    monkeypatch.setattr(native, "_loaded", None)
-    monkeypatch.setattr(native, "_status", "not built yet")
+    monkeypatch.setattr(native, "_libs", {})
+    monkeypatch.setattr(native, "_statuses", {})
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    monkeypatch.setenv("PARROT_KERNEL_CACHE", str(tmp_path / "cache"))
-    with caplog.at_level(logging.WARNING, logger="parrot.engine.native"):
+    with (
+        native.using("native", cache_dir=tmp_path / "cache"),
+        caplog.at_level(logging.WARNING, logger="parrot.engine.kernels.native"),
+    ):
         assert native.library() is None
         assert native.library() is None  # not retried
-    assert native.status().startswith("unavailable") and "no-such-cc" in native.status()
+        assert native.status().startswith("unavailable") and "no-such-cc" in native.status()
     assert len([r for r in caplog.records if "PyTorch paths" in r.getMessage()]) == 1
     q, k, v = _small()
     plan = plan_decode_attention(SEGMENTS, q, k)
@@ -314,10 +317,9 @@ def test_a_failed_build_falls_back_to_pytorch(
 def test_builds_are_cached_per_source_and_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     if shutil.which("cc") is None:
         pytest.fail("no C compiler ('cc') on this machine: the kernel cannot be built")
-    monkeypatch.setenv("PARROT_KERNEL_CACHE", str(tmp_path))
-    native.build()
-    native.build(portable=True)
+    native.build(cache_dir=tmp_path)
+    native.build(portable=True, cache_dir=tmp_path)
     first = sorted(p.name for p in tmp_path.iterdir())
     assert len(first) == 2 and all(n.endswith(".so") for n in first)  # no temp files left
-    native.build()
+    native.build(cache_dir=tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == first  # reused, not rebuilt

@@ -1,9 +1,10 @@
-"""The fp32 linear kernel (parrot.engine.f32_linear, csrc/f32_linear.c).
+"""The fp32 linear kernel (parrot.engine.kernels.f32_linear, csrc/f32_linear.c).
 
 Results are checked against float64 products; shapes cross the kernel's 32-column
 panels (and their 16-column halves), its row groups of 12, 8, 4, 2 and 1 and its
-256-row chunks.  Where the kernel is not built (the portable build, or a CPU
-without AVX-512) it must refuse instead.
+256-row chunks.  Both builds are checked on every CPU: the native one (AVX-512
+where the CPU has it, else the portable C) and the portable one, which must give
+the native one's bits.
 """
 
 from __future__ import annotations
@@ -14,13 +15,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from parrot.engine import f32_linear, native
-from parrot.engine.packed_linear import PackedLinear
+from parrot.engine.kernels import f32_linear, native
+from parrot.engine.kernels.kernel_set import for_options
+from parrot.engine.kernels.options import KernelOptions
+from parrot.engine.kernels.packed_linear import PackedLinear
 
 
-@pytest.fixture(scope="module")
-def lib() -> ctypes.CDLL:
-    return native.build()
+@pytest.fixture(scope="module", params=["native", "portable"])
+def lib(request: pytest.FixtureRequest) -> ctypes.CDLL:
+    return native.build(portable=request.param == "portable")
 
 
 def _built(lib: ctypes.CDLL) -> bool:
@@ -60,10 +63,6 @@ def test_matches_float64_reference(lib: ctypes.CDLL, m: int, n: int, k: int) -> 
     x = torch.randn(m, k, generator=gen)
     bias = torch.randn(n, generator=gen)
     packed = f32_linear.pack(w, lib=lib)
-    if not _built(lib):
-        with pytest.raises(RuntimeError, match="not built"):
-            f32_linear.linear(x, packed, bias, lib=lib)
-        return
     for b in (bias, None):
         y = f32_linear.linear(x, packed, b, lib=lib)
         assert y.shape == (m, n) and y.dtype == torch.float32
@@ -74,8 +73,6 @@ def test_matches_float64_reference(lib: ctypes.CDLL, m: int, n: int, k: int) -> 
 def test_rows_are_computed_alike_in_any_batch(lib: ctypes.CDLL) -> None:
     """Each output is one sum over k in order: a row gives the same bits alone, in a
     batch of any size (any row group) and with any thread count."""
-    if not _built(lib):
-        return
     gen = torch.Generator().manual_seed(3)
     w, x = torch.randn(100, 96, generator=gen), torch.randn(45, 96, generator=gen)
     packed = f32_linear.pack(w, lib=lib)
@@ -96,8 +93,6 @@ def test_no_rows_give_no_rows(lib: ctypes.CDLL) -> None:
 
 
 def test_nan_stays_in_its_row(lib: ctypes.CDLL) -> None:
-    if not _built(lib):
-        return
     gen = torch.Generator().manual_seed(5)
     w, x = torch.randn(64, 96, generator=gen), torch.randn(20, 96, generator=gen)
     x[7, 3] = torch.nan
@@ -129,13 +124,15 @@ def test_bad_inputs_are_refused(lib: ctypes.CDLL) -> None:
             f32_linear.pack(weight, lib=lib)
 
 
-def test_the_portable_build_refuses() -> None:
-    portable = native.build(portable=True)
-    assert not _built(portable)
-    packed = f32_linear.pack(torch.randn(32, 64), lib=portable)
-    y = torch.randn(2, 64)
-    with pytest.raises(RuntimeError, match="not built"):
-        f32_linear.linear(y, packed, lib=portable)
+def test_the_portable_build_gives_the_native_bits_and_the_engine_keeps_onednn() -> None:
+    """The portable C makes the same fused multiply-adds in the same order, so both
+    builds agree to the bit; only the AVX-512 build is offered to the engine."""
+    portable, fast = native.build(portable=True), native.build()
+    assert not _built(portable) and not f32_linear.available(portable)
+    gen = torch.Generator().manual_seed(11)
+    w, x, bias = torch.randn(70, 96, generator=gen), torch.randn(13, 96, generator=gen), torch.randn(70)
+    got = f32_linear.linear(x, f32_linear.pack(w, lib=portable), bias, lib=portable)
+    assert torch.equal(got, f32_linear.linear(x, f32_linear.pack(w, lib=fast), bias, lib=fast))
 
 
 def test_packed_linear_sends_up_to_max_rows_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -158,7 +155,7 @@ def test_packed_linear_sends_up_to_max_rows_to_the_kernel(monkeypatch: pytest.Mo
     assert calls == ([f32_linear.MAX_ROWS] if layer.f32 is not None else [])
 
 
-def test_parrot_f32_linear_0_turns_the_kernel_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PARROT_F32_LINEAR", "0")
-    assert not f32_linear.available()
-    assert PackedLinear(torch.randn(32, 64)).f32 is None
+def test_the_f32_linear_option_turns_the_kernel_off() -> None:
+    w = torch.randn(32, 64)
+    assert (PackedLinear(w).f32 is not None) == f32_linear.available()
+    assert PackedLinear(w, kernels=for_options(KernelOptions(f32_linear=False))).f32 is None

@@ -1,22 +1,27 @@
-"""The fused decoder-layer ops in C (parrot.engine.fused) against their PyTorch chains,
+"""The fused decoder-layer ops in C (parrot.engine.kernels.fused) against their PyTorch chains,
 and a model forward with them against the plain forward."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from parrot.engine import fused, native
+from parrot.engine.kernels import fused, native
 from parrot.engine.model import LlamaModel, ModelConfig, apply_rope, random_init, rope_cos_sin, rope_inv_freq
 from parrot.protocol.tokenizer import TINY_VOCAB_SIZE
 
 
-@pytest.fixture(autouse=True)
-def _built() -> None:
-    assert native.library() is not None, native.status()
+@pytest.fixture(autouse=True, params=["native", "portable"])
+def _built(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test on both builds of the C ops: the native one (AVX-512 where the CPU
+    has it) and the portable C, selected as an engine with ``cpu_kernel`` does."""
+    with native.using(request.param):
+        assert native.library() is not None, native.status()
+        yield
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -132,8 +137,8 @@ def test_a_packed_model_forward_with_fused_ops_equals_the_plain_one(
         monkeypatch.setattr(model, "_forward_fused", lambda *a: used.append(1) or real(*a))
         got = model(ids, torch.arange(37), _Causal())
         assert used  # the fused path ran
-        monkeypatch.setenv("PARROT_CPU_KERNEL", "0")
-        want = model(ids, torch.arange(37), _Causal())
+        with native.using("off"):
+            want = model(ids, torch.arange(37), _Causal())
         assert len(used) == 1  # and not with the C ops switched off
     assert rel_err(got, want) < (1e-5 if weight_dtype is None else 2e-2)
 
@@ -143,5 +148,5 @@ def test_fused_ops_apply_only_where_the_c_side_can_run(monkeypatch: pytest.Monke
     assert not fused.applies(torch.randn(3, 8, requires_grad=True))  # autograd keeps PyTorch
     assert not fused.applies(torch.randn(3, 8).double())
     assert not fused.applies(torch.randn(8, 3).t())
-    monkeypatch.setenv("PARROT_CPU_KERNEL", "0")
-    assert not fused.applies(torch.randn(3, 8))
+    with native.using("off"):
+        assert not fused.applies(torch.randn(3, 8))

@@ -1,4 +1,5 @@
-"""The OpenMP runtime of Parrot's C ops: found in the process, not assumed (parrot.engine.openmp_runtime).
+"""The OpenMP runtime of Parrot's C ops: found in the process, not assumed
+(parrot.engine.kernels.openmp_runtime).
 
 The choice is checked on made-up process maps, and the real build on this machine:
 the library names the runtime PyTorch loaded (its soname, an rpath to its directory)
@@ -16,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from parrot.engine import native, openmp_runtime
-from parrot.engine.openmp_runtime import OpenMPRuntime
+from parrot.engine.kernels import native, openmp_runtime
+from parrot.engine.kernels.openmp_runtime import OpenMPRuntime
 
 TORCH_DIR = str(Path(torch.__file__).parent)
 
@@ -97,9 +98,8 @@ def test_the_build_falls_back_to_the_compilers_runtime_and_says_why(
         (tmp_path / "libgomp.so.1").write_text("not a shared library")
         runtime = OpenMPRuntime(str(tmp_path / "libgomp.so.1"), "a test's broken runtime")
     monkeypatch.setattr(openmp_runtime, "find", lambda: runtime)
-    monkeypatch.setenv("PARROT_KERNEL_CACHE", str(tmp_path / "cache"))
-    with caplog.at_level(logging.WARNING, logger="parrot.engine.native"):
-        lib = native.build(portable=True)
+    with caplog.at_level(logging.WARNING, logger="parrot.engine.kernels.native"):
+        lib = native.build(portable=True, cache_dir=tmp_path / "cache")
     messages = " | ".join(r.getMessage() for r in caplog.records)
     expected = "PyTorch is not imported" if case == "none loaded" else "failed"
     assert expected in messages and "-fopenmp" in messages

@@ -7,8 +7,13 @@ import pytest
 import torch
 from torch import nn
 
+from parrot.engine.kernels.packed_linear import (
+    PackedLinear,
+    Projection,
+    packed_linear_available,
+    prepack_linears,
+)
 from parrot.engine.model import LlamaModel, ModelConfig
-from parrot.engine.packed_linear import PackedLinear, Projection, packed_linear_available, prepack_linears
 
 pytestmark = pytest.mark.skipif(
     not packed_linear_available(torch.empty(2, 2)), reason="this torch build has no oneDNN CPU ops"

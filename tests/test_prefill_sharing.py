@@ -17,7 +17,7 @@ import torch
 
 from parrot.engine import prefill_attention as pa
 from parrot.engine import prefill_sharing as ps
-from parrot.engine.attention import cpu_kernel
+from parrot.engine.kernels.attention import cpu_kernel
 
 BS = 16
 

@@ -4,9 +4,10 @@ One run of keys at scattered cache rows (every other row NaN, so a wrong read
 shows) read by m queries; outputs NaN-poisoned before each call.  Lane counts
 cross the kernel's 16- and 32-lane chunks, key counts its 32-key tiles and the
 splits of keys over threads; with up to two chunks of lanes and several kv heads
-a task walks all kv heads per tile, with more lanes a task takes one kv head.  On
-a build without the kernel (the portable one, or a CPU without AVX-512) the call
-must refuse instead.
+a task walks all kv heads per tile, with more lanes a task takes one kv head.  Both
+builds run every case on every CPU: the native one (the AVX-512 kernel for head
+dims that are multiples of 64 where the CPU has AVX-512, else the portable C) and
+the portable one (portable C only).
 """
 
 from __future__ import annotations
@@ -16,13 +17,18 @@ import ctypes
 import pytest
 import torch
 
-from parrot.engine import native
-from parrot.engine.attention import Segment, cpu_kernel, paged_decode_attention, reference_decode_attention
+from parrot.engine.kernels import native
+from parrot.engine.kernels.attention import (
+    Segment,
+    cpu_kernel,
+    paged_decode_attention,
+    reference_decode_attention,
+)
 
 
-@pytest.fixture(scope="module")
-def lib() -> ctypes.CDLL:
-    return native.build()
+@pytest.fixture(scope="module", params=["native", "portable"])
+def lib(request: pytest.FixtureRequest) -> ctypes.CDLL:
+    return native.build(portable=request.param == "portable")
 
 
 def _built(lib: ctypes.CDLL, dim: int) -> bool:
@@ -62,14 +68,9 @@ def _reference(c: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return out, torch.logsumexp(s, -1).reshape(m, heads)
 
 
-def _run(c: dict[str, torch.Tensor], lib: ctypes.CDLL, threads: int | None = None) -> bool:
-    """Run the kernel; False (after checking that it refused and wrote nothing) on a
-    build without it for this head dim, e.g. a CPU without AVX-512."""
-    if not _built(lib, c["kf"].shape[-1]):
-        with pytest.raises(ValueError, match="not built"):
-            cpu_kernel.shared_row(**c, lib=lib)
-        assert c["out"].isnan().all()
-        return False
+def _run(c: dict[str, torch.Tensor], lib: ctypes.CDLL, threads: int | None = None) -> None:
+    """Run the kernel (AVX-512 or portable C, whichever ``lib`` has for the head dim)
+    on ``threads`` threads (default: torch's)."""
     before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -77,7 +78,6 @@ def _run(c: dict[str, torch.Tensor], lib: ctypes.CDLL, threads: int | None = Non
         cpu_kernel.shared_row(**c, lib=lib)
     finally:
         torch.set_num_threads(before)
-    return True
 
 
 def _check(c: dict[str, torch.Tensor]) -> None:
@@ -104,8 +104,8 @@ def test_matches_float64_reference(
     lib: ctypes.CDLL, dtype: torch.dtype, m: int, n: int, kv_heads: int, group: int, dim: int
 ) -> None:
     c = _case(m + n + dim, m=m, n=n, kv_heads=kv_heads, group=group, dim=dim, dtype=dtype)
-    if _run(c, lib):
-        _check(c)
+    _run(c, lib)
+    _check(c)
 
 
 @pytest.mark.parametrize(("threads", "kv_heads", "n"), [(1, 1, 50), (2, 3, 1000), (3, 2, 300), (4, 1, 65)])
@@ -113,16 +113,15 @@ def test_keys_split_over_threads_merge_exactly(lib: ctypes.CDLL, threads: int, k
     """Fewer kv heads than two per thread: the keys are split, each split's softmax
     state is merged by log-sum-exp; the result is the same attention."""
     c = _case(threads * 10 + kv_heads, m=7, n=n, kv_heads=kv_heads, group=2, dim=64)
-    if _run(c, lib, threads):
-        _check(c)
+    _run(c, lib, threads)
+    _check(c)
 
 
 def test_nan_reaches_exactly_the_lanes_that_read_it(lib: ctypes.CDLL) -> None:
     c = _case(11, m=6, n=90, kv_heads=2, group=3, dim=64)
     c["kf"][c["tok"][40], 0, 7] = torch.nan  # a key of kv head 0: every query's heads 0-2
     c["qs"][c["seqs"][4], 5, 0] = torch.nan  # query 4, head 5 (kv head 1)
-    if not _run(c, lib):
-        return
+    _run(c, lib)
     out = c["out"]
     assert torch.isnan(out[:, :3]).all()
     assert torch.isnan(out[4, 5]).all()
@@ -136,8 +135,7 @@ def test_extreme_scores_stay_finite(lib: ctypes.CDLL) -> None:
     """Scores hundreds apart (most weights underflow), across tiles and splits."""
     c = _case(12, m=9, n=400, kv_heads=1, group=2, dim=64)
     c["qs"] *= 200.0
-    if not _run(c, lib, 2):
-        return
+    _run(c, lib, 2)
     ref_out, ref_lse = _reference(c)
     assert torch.isfinite(c["out"]).all()
     assert float((c["out"].double() - ref_out).abs().max() / ref_out.abs().max()) < 1e-5
@@ -165,20 +163,21 @@ def test_bad_inputs_are_refused_before_the_c_side(lib: ctypes.CDLL) -> None:
 
 
 @pytest.mark.parametrize("dim", [16, 48, 96])
-def test_head_dims_the_kernel_is_not_built_for_are_refused(lib: ctypes.CDLL, dim: int) -> None:
-    c = _case(14, m=2, n=10, kv_heads=1, group=1, dim=dim)
+def test_head_dims_without_the_avx512_kernel_run_the_portable_c(lib: ctypes.CDLL, dim: int) -> None:
+    """Not a multiple of 64: no build offers the kernel to the engine for it, and the
+    call computes in portable C."""
+    c = _case(14, m=2, n=10, kv_heads=2, group=2, dim=dim)
     assert not _built(lib, dim)
-    with pytest.raises(ValueError, match="not built for head dim"):
-        cpu_kernel.shared_row(**c, lib=lib)
-    assert c["out"].isnan().all()
+    _run(c, lib)
+    _check(c)
 
 
-def test_the_portable_build_has_no_shared_kernel() -> None:
+def test_the_portable_build_offers_no_shared_kernel_but_computes() -> None:
     portable = native.build(portable=True)
     assert not _built(portable, 64) and not _built(portable, 128)
     c = _case(15, m=2, n=10, kv_heads=1, group=1, dim=64)
-    with pytest.raises(ValueError, match="not built"):
-        cpu_kernel.shared_row(**c, lib=portable)
+    _run(c, portable)
+    _check(c)
 
 
 def _groups_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[Segment]]:
@@ -196,9 +195,12 @@ def _groups_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[Segme
     return q, k, v, segments
 
 
-def test_shared_rows_of_a_batch_run_in_the_kernel(monkeypatch: pytest.MonkeyPatch, lib: ctypes.CDLL) -> None:
+@pytest.mark.parametrize("build", ["native", "portable"])
+def test_shared_rows_of_a_batch_run_in_the_kernel(monkeypatch: pytest.MonkeyPatch, build: str) -> None:
     """With the C ops on, every shared row of a plan goes through shared_row (3 here:
-    two groups and a nested prefix), and the batch's attention is still exact."""
+    two groups and a nested prefix) where the selected build has the AVX-512 kernel
+    (none with the portable build: PyTorch's path), and the batch's attention is
+    still exact."""
     q, k, v, segments = _groups_case()
     calls = []
     real = cpu_kernel.shared_row
@@ -208,17 +210,18 @@ def test_shared_rows_of_a_batch_run_in_the_kernel(monkeypatch: pytest.MonkeyPatc
         real(*args, **kwargs)
 
     monkeypatch.setattr(cpu_kernel, "shared_row", spy)
-    out = paged_decode_attention(q, k, v, segments, share=True)
-    expected = 3 if native.library() is not None and _built(lib, 64) else 0
+    with native.using(build):
+        out = paged_decode_attention(q, k, v, segments, share=True)
+        expected = 3 if native.library() is not None and cpu_kernel.shared_built(64) else 0
     assert len(calls) == expected
     ref = reference_decode_attention(q.double(), k.double(), v.double(), segments)
     assert float((out.double() - ref).abs().max() / ref.abs().max()) < 1e-5
 
 
 def test_without_the_c_ops_shared_rows_keep_pytorch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PARROT_CPU_KERNEL", "0")
     q, k, v, segments = _groups_case()
     monkeypatch.setattr(cpu_kernel, "shared_row", lambda *a, **kw: pytest.fail("C kernel called"))
-    out = paged_decode_attention(q, k, v, segments, share=True)
+    with native.using("off"):
+        out = paged_decode_attention(q, k, v, segments, share=True)
     ref = reference_decode_attention(q.double(), k.double(), v.double(), segments)
     assert float((out.double() - ref).abs().max() / ref.abs().max()) < 1e-5

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from parrot.manager.service import ManagerConfig
 
+from parrot.engine.kernels.options import KernelOptions, add_kernel_arguments  # torch-free
 from parrot.engine.latency_probe import LATENCY_FACTOR  # torch-free
 from parrot.protocol.cluster import CLUSTER_SECRET_ENV, client_tls, generate_secret, resolve_secret
 
@@ -86,6 +87,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="plain per-sequence decode attention (forks still share KV blocks); to compare",
     )
+    add_kernel_arguments(p)
 
 
 def _add_tls_args(p: argparse.ArgumentParser, peer: str) -> None:
@@ -338,6 +340,7 @@ def _load_engine(args: argparse.Namespace):
         latency_factor=args.latency_factor,
         latency_target_ms=args.latency_target_ms,
         latency_cap=args.latency_cap,
+        kernels=KernelOptions.from_args(args),
     )
     return LocalEngine(load, config)
 

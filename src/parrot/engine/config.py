@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from parrot.engine.block_pool import DEFAULT_BLOCK_SIZE
+from parrot.engine.kernels.options import KernelOptions
 from parrot.engine.latency_probe import LATENCY_FACTOR
 
 __all__ = ["EngineConfig"]
@@ -28,14 +29,16 @@ class EngineConfig:
     ``block_size`` and ``kv_cache_tokens`` / ``kv_cache_bytes`` — the KV pool (see
     :func:`~parrot.engine.kv_store.kv_cache_blocks`; default 2 GiB worth of tokens);
     ``prepack`` — run the projections through oneDNN-packed weights where possible
-    (:mod:`~parrot.engine.packed_linear`); ``weight_dtype`` — pack them as this dtype
+    (:mod:`~parrot.engine.kernels.packed_linear`); ``weight_dtype`` — pack them as this dtype
     (``torch.bfloat16``: bf16 GEMMs, opt-in) instead of the weights' own;
     ``kv_dtype`` — the KV cache's dtype (default: the weights'; ``torch.bfloat16``
     halves the bytes each decode step reads); ``latency_probe`` — time a few decode
     steps at start-up to size the latency cap at once (``LocalEngine``);
     ``latency_factor``, ``latency_target_ms``, ``latency_cap`` — how the engine sizes
     the latency cap it reports (:mod:`parrot.engine.latency_probe`; a fixed
-    ``latency_cap`` needs no probe)."""
+    ``latency_cap`` needs no probe); ``kernels`` — which kernels it may use and which
+    build of the C ops it loads (:class:`~parrot.engine.kernels.options.KernelOptions`;
+    the CLI's defaults come from ``PARROT_*`` environment variables)."""
 
     max_step_tokens: int = 512
     token_capacity: int | None = None
@@ -51,6 +54,7 @@ class EngineConfig:
     latency_factor: float = LATENCY_FACTOR
     latency_target_ms: float | None = None
     latency_cap: int | None = None
+    kernels: KernelOptions = field(default_factory=KernelOptions)
 
     def __post_init__(self) -> None:
         if self.max_step_tokens < 1:

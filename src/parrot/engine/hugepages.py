@@ -15,9 +15,9 @@ huge pages (measurements: ``docs/engine.md``, "Why the kernels exist").
   (larger requests get chunks of their own), so that many weights of a few MiB
   each are all on huge pages without padding each one to 2 MiB.
 
-Elsewhere (no Linux ``madvise``, a non-CPU tensor) and with ``PARROT_HUGEPAGES=0``
-(to compare) both fall back to plain memory: huge pages are an optimisation,
-never required.  Invariant: a tensor from
+Elsewhere (no Linux ``madvise``, a non-CPU tensor) both fall back to plain memory;
+with the engine's ``hugepages`` option off (to compare) its callers use plain memory:
+huge pages are an optimisation, never required.  Invariant: a tensor from
 :func:`empty` never overlaps another one; a chunk is freed when the last tensor
 carved from it is.
 """
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 import sys
 import threading
 from collections.abc import Callable
@@ -60,10 +59,9 @@ _madvise_fn = _madvise()
 
 def advise(t: Tensor) -> int:
     """Ask for huge pages under ``t``'s memory (its whole 2 MiB pages); returns the
-    bytes advised (0 when nothing could be: too small, not CPU, not Linux, refused,
-    or ``PARROT_HUGEPAGES=0``).  Only memory not yet touched gets huge pages, so call
-    it right after allocating."""
-    if _madvise_fn is None or t.device.type != "cpu" or os.environ.get("PARROT_HUGEPAGES", "1") == "0":
+    bytes advised (0 when nothing could be: too small, not CPU, not Linux, refused).
+    Only memory not yet touched gets huge pages, so call it right after allocating."""
+    if _madvise_fn is None or t.device.type != "cpu":
         return 0
     start = t.data_ptr()
     end = start + t.numel() * t.element_size()

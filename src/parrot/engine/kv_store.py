@@ -73,11 +73,16 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: str,
+        *,
+        huge_pages: bool = True,
     ):
+        """``huge_pages``: ask for 2 MiB pages under the cache (the engine's
+        ``hugepages`` option; off to compare)."""
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
-        for t in (self.k, self.v):  # untouched yet: rows read at random want 2 MiB pages
+        # untouched yet: rows read at random want 2 MiB pages
+        for t in (self.k, self.v) if huge_pages else ():
             hugepages.advise(t)
         flat = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
         self.k_rows = self.k.view(flat)  # [L, NB * BS, KVH, D]: row = block * BS + offset

@@ -27,9 +27,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from parrot.engine import fused
+from parrot.engine.kernels import fused
+from parrot.engine.kernels.kernel_set import KernelSet, for_options
+from parrot.engine.kernels.packed_linear import (
+    PackedLinear,
+    Projection,
+    packed_linear_available,
+    prepack_linears,
+)
 from parrot.engine.model_config import ModelConfig
-from parrot.engine.packed_linear import PackedLinear, Projection, packed_linear_available, prepack_linears
 
 __all__ = [
     "AttentionBackend",
@@ -127,18 +133,19 @@ class Attention(nn.Module):
         self.o_proj = Projection(c.q_size, c.hidden_size, bias=False)
         self.qkv: PackedLinear | None = None  # set by fuse()
 
-    def fuse(self, dtype: torch.dtype) -> None:
-        """Pack q, k and v as one ``dtype`` weight [q_size + 2 * kv_size, hidden]."""
+    def fuse(self, dtype: torch.dtype, kernels: KernelSet | None = None) -> None:
+        """Pack q, k and v as one ``dtype`` weight [q_size + 2 * kv_size, hidden] (with
+        the C kernel copies of ``kernels``, see :class:`PackedLinear`)."""
         parts = (self.q_proj, self.k_proj, self.v_proj)
         weight = torch.cat([m.weight for m in parts])
         bias = None if self.q_proj.bias is None else torch.cat([m.bias for m in parts])
-        self.qkv = PackedLinear(weight, bias, dtype=dtype)
+        self.qkv = PackedLinear(weight, bias, dtype=dtype, kernels=kernels)
 
     def forward(
         self, layer: int, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend, fused_ops: bool = False
     ) -> Tensor:
         """``fused_ops`` (needs :meth:`fuse`): RoPE rotates q and k inside the q/k/v GEMM's
-        output in one C call (:func:`parrot.engine.fused.rope_`)."""
+        output in one C call (:func:`parrot.engine.kernels.fused.rope_`)."""
         t, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv is not None and fused_ops:
             qkv = self.qkv(x)  # [T, D_model] -> [T, (H + 2 Hkv) * Dh], fp32
@@ -178,13 +185,15 @@ class MLP(nn.Module):
         self.down_proj = Projection(config.intermediate_size, config.hidden_size, bias=False)
         self.gate_up: PackedLinear | None = None  # set by fuse()
 
-    def fuse(self, dtype: torch.dtype) -> None:
-        """Pack gate and up as one ``dtype`` weight [2 * intermediate, hidden]."""
-        self.gate_up = PackedLinear(torch.cat([self.gate_proj.weight, self.up_proj.weight]), dtype=dtype)
+    def fuse(self, dtype: torch.dtype, kernels: KernelSet | None = None) -> None:
+        """Pack gate and up as one ``dtype`` weight [2 * intermediate, hidden] (with
+        the C kernel copies of ``kernels``, see :class:`PackedLinear`)."""
+        weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+        self.gate_up = PackedLinear(weight, dtype=dtype, kernels=kernels)
 
     def forward(self, x: Tensor, fused_ops: bool = False) -> Tensor:
         """``fused_ops`` (needs :meth:`fuse`): ``silu(gate) * up`` in one C call
-        (:func:`parrot.engine.fused.silu_mul`)."""
+        (:func:`parrot.engine.kernels.fused.silu_mul`)."""
         if self.gate_up is not None:
             inter = self.gate_proj.out_features
             gu = self.gate_up(x.to(self.gate_up.dtype))  # [T, D] -> [T, 2I], in the packed dtype
@@ -240,7 +249,7 @@ class LlamaModel(nn.Module):
         self._inv_freq = rope_inv_freq(config)  # [Dh/2], plain attribute: not a checkpoint entry
         self._packed_logits: PackedLinear | None = None  # set by prepack()
         # what the C decode forward derives from the packed layers (its layer table), kept
-        # with the model it describes; owned by parrot.engine.decode_forward
+        # with the model it describes; owned by parrot.engine.kernels.decode_forward
         self.decode_tables: object | None = None
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
@@ -273,7 +282,7 @@ class LlamaModel(nn.Module):
             raise ValueError(f"positions must lie in [0, {self.config.max_seq_len})")
 
     def _forward_fused(self, h: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
-        """The layers with their elementwise steps fused (:mod:`parrot.engine.fused`); the
+        """The layers with their elementwise steps fused (:mod:`parrot.engine.kernels.fused`); the
         same function as the plain loop up to rounding order.  ``h`` (a fresh tensor) is
         the residual stream, updated in place: each residual add is fused with the
         RMSNorm that follows it (the MLP's with the next layer's input norm, the last
@@ -300,27 +309,30 @@ class LlamaModel(nn.Module):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [V, D]
         return F.linear(hidden, weight).float()  # [N, D] @ [D, V] -> [N, V]
 
-    def prepack(self, dtype: torch.dtype | None = None) -> bool:
+    def prepack(self, dtype: torch.dtype | None = None, kernels: KernelSet | None = None) -> bool:
         """Run every projection (and the logits) through oneDNN-packed weights of ``dtype``
-        (default: the weights' own) when this model's weights allow it (CPU, fp32/bf16);
-        see :mod:`parrot.engine.packed_linear`.  q/k/v and gate/up are packed fused
+        (default: the weights' own) when this model's weights allow it (CPU, fp32/bf16),
+        with the C kernel copies of ``kernels`` (default: every kernel allowed);
+        see :mod:`parrot.engine.kernels.packed_linear`.  q/k/v and gate/up are packed fused
         (one GEMM each per layer); ``o_proj`` and ``down_proj`` alone.  Idempotent for one
         ``dtype``; returns whether the model now runs packed."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if not packed_linear_available(weight):
             return False
         want = weight.dtype if dtype is None else dtype
+        kernels = for_options() if kernels is None else kernels
         fused: list[nn.Module] = []
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if attn.qkv is None or attn.qkv.dtype != want:
-                attn.fuse(want)
-            if mlp.gate_up is None or mlp.gate_up.dtype != want:
-                mlp.fuse(want)
+            if attn.qkv is None or attn.qkv.dtype != want or attn.qkv.key != kernels.linear_key():
+                attn.fuse(want, kernels)
+            if mlp.gate_up is None or mlp.gate_up.dtype != want or mlp.gate_up.key != kernels.linear_key():
+                mlp.fuse(want, kernels)
             fused += [attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj]
-        prepack_linears(self, dtype, exclude=fused)
-        if self._packed_logits is None or self._packed_logits.dtype != want:
-            self._packed_logits = PackedLinear(weight, dtype=want)
+        prepack_linears(self, dtype, exclude=fused, kernels=kernels)
+        logits = self._packed_logits
+        if logits is None or logits.dtype != want or logits.key != kernels.linear_key():
+            self._packed_logits = PackedLinear(weight, dtype=want, kernels=kernels)
         return True
 
     # -- construction ------------------------------------------------------

@@ -8,10 +8,10 @@ computed once in the constructor and reused by all layers:
 - the slot mapping: the flat cache row of every new token, so that each layer
   writes all its new K and V with one ``index_copy_`` each;
 - for the decode slices, the prefix tree of their block tables as
-  :class:`~parrot.engine.attention.Segment` s (shared runs once, private tails
+  :class:`~parrot.engine.kernels.attention.Segment` s (shared runs once, private tails
   per sequence; see :mod:`parrot.engine.prefix_tree`), read by
-  :func:`~parrot.engine.attention.paged_decode_attention`, and on CPU their
-  :class:`~parrot.engine.attention.DecodePlan` (token indices, padding; built
+  :func:`~parrot.engine.kernels.attention.paged_decode_attention`, and on CPU their
+  :class:`~parrot.engine.kernels.attention.DecodePlan` (token indices, padding; built
   by the first layer that runs, since it needs the layer's shapes);
 - for each prefill chunk, the blocks holding its sequence's keys (one
   ``index_select`` per layer gathers them); its attention is
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from parrot.engine.attention import DecodePlan, Segment, paged_decode_attention, plan_decode_attention
+from parrot.engine.kernels.attention import DecodePlan, Segment, paged_decode_attention, plan_decode_attention
 from parrot.engine.kv_store import PagedKVCache
 from parrot.engine.prefill_attention import prefill_attention
 from parrot.engine.prefill_sharing import SharedPrefill, plan_shared_prefill

@@ -29,7 +29,7 @@ import math
 import torch
 from torch import Tensor
 
-from parrot.engine.attention.torch_impl import cpu_flash_attention
+from parrot.engine.kernels.attention.torch_impl import cpu_flash_attention
 from parrot.engine.kv_store import causal_mask, grouped_attention
 
 __all__ = ["fused_prefill_available", "prefill_attention", "prefill_partial"]

@@ -9,13 +9,13 @@ on the chunks' block tables), and per layer:
 
 * each shared run is attended once by the query rows of all the chunks under it,
   unmasked (the whole run precedes each of those queries): one call of the C
-  shared-prefix kernel (:func:`~parrot.engine.attention.cpu_kernel.shared_row`,
+  shared-prefix kernel (:func:`~parrot.engine.kernels.attention.cpu_kernel.shared_row`,
   reading the cache in place), or of PyTorch's fused kernel over the run's keys
   gathered once where the C kernel is not built;
 * each chunk's other keys (the unshared rest of its past, then its own tokens,
   causally) as before (:func:`~parrot.engine.prefill_attention.prefill_partial`);
 * the partials are merged exactly by log-sum-exp
-  (:func:`~parrot.engine.attention.merge.merge_partials` with ``den = 1``).
+  (:func:`~parrot.engine.kernels.attention.merge.merge_partials` with ``den = 1``).
 
 Invariant: a shared run lies before the start of every chunk under it.  Shared
 runs are whole blocks present in two or more block tables, while a chunk writes
@@ -33,9 +33,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from parrot.engine.attention import cpu_kernel
-from parrot.engine.attention.merge import merge_partials
-from parrot.engine.attention.torch_impl import cpu_flash_attention
+from parrot.engine.kernels.attention import cpu_kernel
+from parrot.engine.kernels.attention.merge import merge_partials
+from parrot.engine.kernels.attention.torch_impl import cpu_flash_attention
 from parrot.engine.prefill_attention import fused_prefill_available, prefill_partial
 from parrot.engine.prefix_tree import decode_runs
 

@@ -42,6 +42,7 @@ from parrot.engine.block_pool import BlockPool
 from parrot.engine.config import EngineConfig
 from parrot.engine.contexts import Context, ContextTable
 from parrot.engine.jobs import ChunkCallback, FinishCallback, Job, finish_job
+from parrot.engine.kernels import kernel_set
 from parrot.engine.kv_store import PagedKVCache, kv_cache_blocks
 from parrot.engine.latency_probe import StepLatency, probe
 from parrot.engine.loader import LoadedModel
@@ -80,9 +81,15 @@ class EngineRunner:
         block_size = cfg.block_size
         self.loaded = loaded
         self.model = loaded.model
-        # oneDNN-packed weights on CPU (faster projections: packed_linear).  This
-        # changes the model object, so every engine sharing it runs packed from now on.
-        self.packed = self.model.prepack(weight_dtype) if cfg.prepack else False
+        # The kernels this engine uses, chosen once; their build of the C ops becomes the
+        # one this process's attention and fused ops find (a process resource: see
+        # native.select).  Then oneDNN-packed weights on CPU (faster projections:
+        # packed_linear).  Packing changes the model object, so every engine sharing it
+        # runs packed, with these kernels, from now on.
+        self.kernels = kernel_set.for_options(cfg.kernels)
+        self.kernels.select()
+        log.info("engine %s", self.kernels.describe())
+        self.packed = self.model.prepack(weight_dtype, self.kernels) if cfg.prepack else False
         if weight_dtype is not None and not self.packed:
             raise ValueError(f"cannot pack weights as {weight_dtype} here (needs CPU oneDNN)")
         self.tokenizer = loaded.tokenizer
@@ -108,6 +115,7 @@ class EngineRunner:
             mcfg.head_dim,
             kv_dtype,
             str(param.device),
+            huge_pages=cfg.kernels.hugepages,
         )
         self.contexts = ContextTable(
             mcfg.max_seq_len, on_release=self._on_release, pool=self.pool, prefix_cache=cfg.prefix_cache
@@ -138,7 +146,7 @@ class EngineRunner:
             "preemptions": 0,
             "cached_tokens": 0,  # pending tokens whose KV came from the prefix cache
         }
-        self.step_forward = step_forward.choose(self.model, self.cache)
+        self.step_forward = step_forward.choose(self.model, self.cache, self.kernels)
         log.info("engine steps: %s", self.step_forward.name)
         # the job queues and each step's admission, plan and KV reservation
         self.planner = StepPlanner(

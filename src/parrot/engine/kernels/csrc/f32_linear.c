@@ -21,10 +21,14 @@
  * thread count (batch-invariant), plus the bias.
  *
  * Invariants: y [M, N] is fully written; padding columns are never written; the
- * weight is not changed.  NaN and inf propagate as in the plain sums.  Only built
- * where the compiler targets AVX-512F and PARROT_PORTABLE is not defined
- * (parrot_f32_linear_supported).
+ * weight is not changed.  NaN and inf propagate as in the plain sums.  The AVX-512
+ * kernel is built where the compiler targets AVX-512F and PARROT_PORTABLE is not
+ * defined (parrot_f32_linear_supported: the engine uses the kernel only then);
+ * every other build computes the same sums in portable C (one fmaf per k, in order,
+ * then the bias: the same bits), so the packed layout and the results are tested on
+ * every CPU.
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -106,7 +110,29 @@ static void panel_rows(const float *x, int64_t m, int64_t k, const float *panel,
 }
 #endif
 
-/* Whether parrot_f32_linear runs in this build. */
+#ifndef F32_AVX512
+/* The portable kernel: per panel and row, 32 fp32 sums over k in order (fmaf: the
+ * AVX-512 kernel's fused multiply-adds, one rounding each), then the bias. */
+static void f32_portable(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *bias,
+                         float *y, int threads) {
+    const int64_t panels = (n + PANEL - 1) / PANEL;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        const float *panel = packed + p * k * PANEL;
+        const int64_t n0 = p * PANEL, ncols = n - n0 < PANEL ? n - n0 : PANEL;
+        for (int64_t r = 0; r < m; r++) {
+            float acc[PANEL] = {0};
+            for (int64_t kk = 0; kk < k; kk++) {
+                const float xv = x[r * k + kk];
+                for (int c = 0; c < PANEL; c++) acc[c] = fmaf(xv, panel[kk * PANEL + c], acc[c]);
+            }
+            for (int64_t c = 0; c < ncols; c++) y[r * n + n0 + c] = acc[c] + (bias ? bias[n0 + c] : 0.0f);
+        }
+    }
+}
+#endif
+
+/* Whether the AVX-512 kernel is built (else parrot_f32_linear runs the portable C). */
 int parrot_f32_linear_supported(void) {
 #ifdef F32_AVX512
     return 1;
@@ -116,7 +142,7 @@ int parrot_f32_linear_supported(void) {
 }
 
 /* See the top of the file: x [m, k] fp32 row-major, packed from parrot_f32_pack, bias
- * [n] or NULL, y [m, n].  Returns 0, or 1 (nothing written) where not supported. */
+ * [n] or NULL, y [m, n].  Returns 0 (every build computes). */
 int parrot_f32_linear(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *bias,
                       float *y, int threads) {
 #ifdef F32_AVX512
@@ -135,7 +161,7 @@ int parrot_f32_linear(const float *x, int64_t m, int64_t k, const float *packed,
     }
     return 0;
 #else
-    (void)x, (void)m, (void)k, (void)packed, (void)n, (void)bias, (void)y, (void)threads;
-    return 1;
+    f32_portable(x, m, k, packed, n, bias, y, threads);
+    return 0;
 #endif
 }

@@ -20,15 +20,60 @@
  * to y in x's dtype (bf16: round to nearest even).
  *
  * Invariants: rows >= M and columns >= N of the padding are never written; y is
- * fully written; the weight stays unchanged.  Built only where the compiler targets
- * AMX-BF16 and PARROT_PORTABLE is not defined; parrot_amx_ready() also asks Linux
- * for the tile state (ARCH_REQ_XCOMP_PERM) and says whether the kernel may run.
+ * fully written; the weight stays unchanged.  The AMX kernel is built where the
+ * compiler targets AMX-BF16 and PARROT_PORTABLE is not defined; parrot_amx_ready()
+ * also asks Linux for the tile state (ARCH_REQ_XCOMP_PERM) and says whether it may
+ * run (the engine uses the kernel only then).  Everywhere else parrot_amx_linear
+ * computes in portable C (below), so the layout and results are tested on every CPU.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "parrot_ops.h"
+
+static inline uint16_t bf16_round(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN stays NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+static inline float bf16_value(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* The portable kernel: x rounded to bf16, each output one fp32 sum over k in order of
+ * bf16 products (exact in fp32), then the bias; the weight read from the packed
+ * blocks (the layout above).  The AMX tiles sum in another order: the results agree
+ * up to fp32 rounding. */
+static void amx_portable(const void *x, int x_bf16, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
+                         const float *bias, void *y, int threads) {
+    const int64_t kb_count = (k + 31) / 32;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t col = 0; col < n; col++) {
+        const uint16_t *blocks = packed + (col / 32) * kb_count * 1024;
+        const int64_t lane = (col % 32) / 16 * 32 + (col % 16) * 2; /* its column pair in a block row */
+        for (int64_t r = 0; r < m; r++) {
+            float acc = 0.0f;
+            for (int64_t kk = 0; kk < k; kk++) {
+                const uint16_t w = blocks[(kk / 32) * 1024 + (kk % 32) / 2 * 64 + lane + kk % 2];
+                const uint16_t xb =
+                    x_bf16 ? ((const uint16_t *)x)[r * k + kk] : bf16_round(((const float *)x)[r * k + kk]);
+                acc += bf16_value(xb) * bf16_value(w);
+            }
+            const float out = acc + (bias ? bias[col] : 0.0f);
+            if (x_bf16)
+                ((uint16_t *)y)[r * n + col] = bf16_round(out);
+            else
+                ((float *)y)[r * n + col] = out;
+        }
+    }
+}
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && !defined(PARROT_PORTABLE)
 #define HAVE_AMX 1
@@ -60,13 +105,6 @@ static void configure_tiles(void) {
     _tile_loadconfig(&cfg);
 }
 
-static inline uint16_t bf16_round(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN stays NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 /* One 16 x 16 accumulator tile (stored in `tile`) into y rows [m0, m0 + 16) and
  * columns [n0, n0 + 16), clipped to M x N, plus bias. */
@@ -115,12 +153,15 @@ void parrot_amx_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed) 
         }
 }
 
-/* See the top of the file.  Returns 0 on success, 1 when AMX is not available
- * (nothing written), 2 when scratch memory could not be allocated. */
+/* See the top of the file.  Returns 0 on success (portable C where AMX is not
+ * available), 2 when scratch memory could not be allocated (nothing written). */
 int parrot_amx_linear(const void *x, int x_bf16, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
                       const float *bias, void *y, int threads) {
 #ifdef HAVE_AMX
-    if (!parrot_amx_ready()) return 1;
+    if (!parrot_amx_ready()) {
+        amx_portable(x, x_bf16, m, k, packed, n, bias, y, threads);
+        return 0;
+    }
     const int64_t kp = (k + 31) / 32 * 32, mp = (m + 15) / 16 * 16, kb_count = kp / 32, nb_count = (n + 31) / 32;
     uint16_t *a = aligned_alloc(64, sizeof(uint16_t) * (size_t)(mp * kp));
     if (!a) return 2;
@@ -190,7 +231,7 @@ int parrot_amx_linear(const void *x, int x_bf16, int64_t m, int64_t k, const uin
     free(a);
     return 0;
 #else
-    (void)x, (void)x_bf16, (void)m, (void)k, (void)packed, (void)n, (void)bias, (void)y, (void)threads;
-    return 1;
+    amx_portable(x, x_bf16, m, k, packed, n, bias, y, threads);
+    return 0;
 #endif
 }

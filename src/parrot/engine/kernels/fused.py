@@ -6,7 +6,7 @@ dtype), RoPE on q and k inside the fused q/k/v output, and SwiGLU's
 ``silu(gate) * up`` on the fused gate/up output.  They compute in
 fp32 like the PyTorch chains (results differ only by rounding order) and take
 only what :func:`applies` accepts: contiguous CPU tensors, with
-:mod:`parrot.engine.native` built.  The model checks that once per forward and
+:mod:`parrot.engine.kernels.native` built.  The model checks that once per forward and
 otherwise runs its PyTorch code.  SiLU uses the vector ``exp`` of ``csrc/simd.h``
 on AVX-512: a scalar ``expf`` would be slower than PyTorch's vectorised SiLU.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from parrot.engine import native
+from parrot.engine.kernels import native
 
 __all__ = ["add_rms_norm", "applies", "rope_", "silu_mul"]
 

@@ -4,26 +4,29 @@ A decode step's projections multiply a few dozen rows by each weight once, so
 their time is the time to stream the weights.  oneDNN's AMX GEMM streams them at
 roughly half this machine's memory bandwidth at those sizes; the C kernel reads
 each weight from a layout packed for its tile loads (:func:`pack`) and gets close
-to the bandwidth.  :class:`~parrot.engine.packed_linear.PackedLinear` uses it for
+to the bandwidth.  :class:`~parrot.engine.kernels.packed_linear.PackedLinear` uses it for
 bf16 weights when a call has at most :data:`MAX_ROWS` rows (prefill keeps oneDNN).
 
-Available only where Parrot's C ops are built with AMX-BF16 (``-march=native`` on
-a CPU that has it) and Linux grants the tile state; ``PARROT_AMX=0`` turns it off
-(to compare).  Results: x rounded to bf16, products accumulated in fp32, bias
-added in fp32, written in x's dtype.
+The engine uses it only where Parrot's C ops are built with AMX-BF16
+(``-march=native`` on a CPU that has it) and Linux grants the tile state
+(:func:`available`); the engine's ``amx`` option
+(:class:`~parrot.engine.kernels.options.KernelOptions`) turns it off (to compare).
+Elsewhere :func:`linear` computes the same products in portable C (slower than
+oneDNN; the tests run it on every CPU).
+Results: x rounded to bf16, products accumulated in fp32, bias added in fp32,
+written in x's dtype.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from parrot.engine import native
-from parrot.engine.linear_args import check_linear_args
+from parrot.engine.kernels import native
+from parrot.engine.kernels.linear_args import check_linear_args
 
 __all__ = ["MAX_ROWS", "AmxWeight", "available", "linear", "pack"]
 
@@ -31,11 +34,10 @@ __all__ = ["MAX_ROWS", "AmxWeight", "available", "linear", "pack"]
 MAX_ROWS = 128
 
 
-def available() -> bool:
-    """Whether the AMX kernel can run here (built, granted, and not turned off)."""
-    if os.environ.get("PARROT_AMX", "1") == "0":
-        return False
-    lib = native.library()
+def available(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the AMX kernel can run here: ``lib`` (default: the selected library,
+    :func:`parrot.engine.kernels.native.library`) is built with it and Linux grants the tiles."""
+    lib = lib or native.library()
     return lib is not None and bool(lib.parrot_amx_ready())
 
 
@@ -51,7 +53,7 @@ class AmxWeight:
 
 def pack(weight: Tensor, *, lib: ctypes.CDLL | None = None) -> AmxWeight:
     """The kernel's packed copy of ``weight`` [N, K], rounded to bf16.  ``lib``: a
-    library from :func:`parrot.engine.native.build` (default: the loaded one)."""
+    library from :func:`parrot.engine.kernels.native.build` (default: the loaded one)."""
     lib = native.require(lib)
     if weight.dim() != 2 or weight.device.type != "cpu":
         raise ValueError(f"pack needs a 2-D CPU weight, got {tuple(weight.shape)} on {weight.device}")
@@ -92,8 +94,6 @@ def linear(
         y.data_ptr(),
         torch.get_num_threads(),
     )
-    if code == 1:
-        raise RuntimeError("the AMX kernel is not available here (see amx_linear.available)")
     if code != 0:
         raise MemoryError("amx_linear: could not allocate its scratch memory")
     return y

@@ -21,8 +21,10 @@
  *
  * Output: out [m, KVH * G, D] normalised, lse [m, KVH * G] (the log-sum-exp of
  * each query's scores), both fully written.  A NaN score reaches its lane's output.
- * Only built for AVX-512 with D % 64 == 0 (parrot_shared_rows_supported); other
- * layouts keep the PyTorch path.
+ * The AVX-512 kernel is built for D % 64 == 0 (parrot_shared_rows_supported: the
+ * engine uses the kernel only then, other layouts keep the PyTorch path); every
+ * other build and head dim runs the portable C below (the same results up to
+ * rounding order), so the kernel's contract is tested on every CPU.
  */
 #include <math.h>
 #include <stdint.h>
@@ -30,6 +32,64 @@
 #include <string.h>
 
 #include "parrot_ops.h"
+
+/* ------------------------------------------------------------ portable C */
+
+/* Row `row` of kv head `head` as fp32: a pointer into the cache, or `buf` filled
+ * from bf16 (a bf16 value is the top half of an fp32 bit pattern). */
+static inline const float *cache_row(const void *cache, int bf16, int64_t row, int64_t head, int64_t kv_heads,
+                                     int64_t dim, float *buf) {
+    const int64_t at = (row * kv_heads + head) * dim;
+    if (!bf16) return (const float *)cache + at;
+    const uint16_t *src = (const uint16_t *)cache + at;
+    for (int64_t i = 0; i < dim; i++) {
+        uint32_t bits = (uint32_t)src[i] << 16;
+        memcpy(&buf[i], &bits, sizeof bits);
+    }
+    return buf;
+}
+
+/* Per (kv head, lane): the scores over the run's keys, their maximum, then the
+ * exponentials' sum and the weighted values in one more pass over the keys.  Scratch:
+ * n scores and two bf16 rows per (kv head, lane).  Returns 0, or 2 (nothing written)
+ * when the scratch cannot be allocated. */
+static int shared_portable(const float *q, int64_t q_stride, const int64_t *seqs, int64_t m, const void *k,
+                           const void *v, int bf16, const int64_t *tok, int64_t n, int64_t kv_heads,
+                           int64_t group, int64_t dim, float *out, float *lse, int threads) {
+    const int64_t lanes = m * group, heads = kv_heads * group, each = n + 2 * dim;
+    float *scratch = malloc(sizeof(float) * (size_t)(kv_heads * lanes) * (size_t)each);
+    if (!scratch) return 2;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t hl = 0; hl < kv_heads * lanes; hl++) {
+        const int64_t h = hl / lanes, i = hl % lanes, head = h * group + i % group;
+        const float *qv = q + seqs[i / group] * q_stride + head * dim;
+        float *s = scratch + hl * each, *kbuf = s + n, *vbuf = kbuf + dim;
+        float *o = out + ((i / group) * heads + head) * dim;
+        float top = -INFINITY;
+        int nan = 0;
+        for (int64_t j = 0; j < n; j++) {
+            const float *kr = cache_row(k, bf16, tok[j], h, kv_heads, dim, kbuf);
+            float x = 0.0f;
+            for (int64_t d = 0; d < dim; d++) x += qv[d] * kr[d];
+            s[j] = x;
+            nan |= isnan(x);
+            if (x > top) top = x;
+        }
+        float den = 0.0f;
+        for (int64_t d = 0; d < dim; d++) o[d] = 0.0f;
+        for (int64_t j = 0; j < n; j++) {
+            const float p = expf(s[j] - top);
+            const float *vr = cache_row(v, bf16, tok[j], h, kv_heads, dim, vbuf);
+            den += p;
+            for (int64_t d = 0; d < dim; d++) o[d] += p * vr[d];
+        }
+        if (nan) den = NAN;
+        for (int64_t d = 0; d < dim; d++) o[d] /= den;
+        lse[(i / group) * heads + head] = top + logf(den);
+    }
+    free(scratch);
+    return 0;
+}
 
 #if defined(__AVX512F__) && !defined(PARROT_PORTABLE)
 #include "simd.h"
@@ -215,7 +275,7 @@ static void shared_task(const float *q, int64_t q_stride, const int64_t *seqs, i
 }
 #endif
 
-/* Whether parrot_shared_rows runs for head dim `dim` in this build. */
+/* Whether the AVX-512 kernel runs head dim `dim` in this build (else the portable C). */
 int parrot_shared_rows_supported(int64_t dim) {
 #ifdef SHARED_AVX512
     return dim > 0 && dim % 64 == 0;
@@ -225,13 +285,14 @@ int parrot_shared_rows_supported(int64_t dim) {
 #endif
 }
 
-/* See the top of the file.  Returns 0 on success, 1 when this build or `dim` is not
- * supported, 2 when scratch memory could not be allocated (nothing written then). */
+/* See the top of the file.  Returns 0 on success, 2 when scratch memory could not be
+ * allocated (nothing written then). */
 int parrot_shared_rows(const float *q, int64_t q_stride, const int64_t *seqs, int64_t m, const void *k,
                        const void *v, int kv_bf16, const int64_t *tok, int64_t n, int64_t kv_heads,
                        int64_t group, int64_t dim, float *out, float *lse, int threads) {
 #ifdef SHARED_AVX512
-    if (!parrot_shared_rows_supported(dim)) return 1;
+    if (!parrot_shared_rows_supported(dim))
+        return shared_portable(q, q_stride, seqs, m, k, v, kv_bf16, tok, n, kv_heads, group, dim, out, lse, threads);
     const int64_t lanes = m * group, chunks = (lanes + CH - 1) / CH, heads = kv_heads * group;
     /* Few lanes (at most two chunks): each key row feeds little arithmetic, so memory
      * traffic binds; tasks then take a run of keys for all kv heads (rows read in address
@@ -293,8 +354,6 @@ int parrot_shared_rows(const float *q, int64_t q_stride, const int64_t *seqs, in
     free(mem);
     return 0;
 #else
-    (void)q, (void)q_stride, (void)seqs, (void)m, (void)k, (void)v, (void)kv_bf16, (void)tok, (void)n;
-    (void)kv_heads, (void)group, (void)dim, (void)out, (void)lse, (void)threads;
-    return 1;
+    return shared_portable(q, q_stride, seqs, m, k, v, kv_bf16, tok, n, kv_heads, group, dim, out, lse, threads);
 #endif
 }

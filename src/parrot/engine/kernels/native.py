@@ -4,38 +4,46 @@ PyTorch's eager CPU ops each make their own pass over memory and pay a dispatch
 per call; at decode sizes (tens of rows) that overhead rivals the arithmetic.  The
 C sources hold the few ops where fusing pays: paged decode attention reading the
 cache in place (``decode_rows.c``; ``shared_rows.c`` for a prefix shared by many
-queries; see :mod:`parrot.engine.attention.cpu_kernel`), a decoder layer's
-elementwise steps (``layer_ops.c``, see :mod:`parrot.engine.fused`), bf16
+queries; see :mod:`parrot.engine.kernels.attention.cpu_kernel`), a decoder layer's
+elementwise steps (``layer_ops.c``, see :mod:`parrot.engine.kernels.fused`), bf16
 linear layers at decode sizes on AMX tiles (``amx_linear.c``, see
-:mod:`parrot.engine.amx_linear`) and fp32 linear layers that stream their weights
-while computing (``f32_linear.c``, see :mod:`parrot.engine.f32_linear`).
+:mod:`parrot.engine.kernels.amx_linear`) and fp32 linear layers that stream their weights
+while computing (``f32_linear.c``, see :mod:`parrot.engine.kernels.f32_linear`).
 
 Build: ``$CC`` (default ``cc``) with ``-O3 -march=native -fopenmp``, all sources
-into one shared library, once per source / compiler / flags / CPU, cached in
-``$PARROT_KERNEL_CACHE`` (default ``~/.cache/parrot/kernels``), then loaded with
-:mod:`ctypes`.  No PyTorch headers are needed, so it compiles in about a second.
-Where that fails (no compiler, another OS) or ``PARROT_CPU_KERNEL=0`` is set,
-:func:`library` returns None, :func:`status` says why (logged once as a warning),
-and every caller keeps its PyTorch path: the library is never required.
+into one shared library, once per source / compiler / flags / CPU, cached in the
+engine's ``kernel_cache`` folder (default ``~/.cache/parrot/kernels``), then loaded
+with :mod:`ctypes`.  No PyTorch headers are needed, so it compiles in about a second.
+Where that fails (no compiler, another OS) or the engine's ``cpu_kernel`` option is
+``off``, :func:`library` returns None, :func:`status` says why (logged once as a
+warning), and every caller keeps its PyTorch path: the library is never required.
 
 The portable build (``build(portable=True)``) leaves out ``-march=native`` and the
 AVX-512 / AMX code: the portable C that CPUs without them run, for any CPU of the
 compiler's default target.  The tests compile both builds and run the kernels on
-both; ``PARROT_CPU_KERNEL=portable`` makes :func:`library` (what the engine uses) the
-portable build, so the engine's tests can run on it too (``scripts/test.sh`` does).
+both.
+
+Which build the engine uses is its ``cpu_kernel`` option
+(:class:`~parrot.engine.kernels.options.KernelOptions`): ``native``, ``portable`` or
+``off``.  A loaded library is a resource of the process (one per build, one OpenMP
+runtime), so the engine selects its build (:func:`select`) when it starts, and
+:func:`library` without an argument returns the selected build to the code that runs
+inside the model's forward (attention, the fused elementwise ops); the projections and
+the C forward are handed their library explicitly.  :func:`using` selects one for a
+block (tests).
 
 The boundary is declared once, in ``csrc/parrot_ops.h``: every exported function's
 prototype and every struct shared with Python.  Every source includes it, and the
 build makes an implicit declaration, an exported function missing from the header and
 a pointer or integer mismatch at a call errors (a definition conflicting with its
 prototype always is), so C cannot drift from the header.  Python cannot either:
-:mod:`parrot.engine.c_boundary` parses the header into the functions' ctypes
+:mod:`parrot.engine.kernels.c_boundary` parses the header into the functions' ctypes
 argument and return types and the structs' ctypes Structures, and the build compiles
 a generated check that those Structures' sizes and offsets are the compiler's.
 
 OpenMP: the ops must share PyTorch's OpenMP runtime (two runtimes are two thread
 pools competing for the cores), and which runtime that is depends on the PyTorch
-build, so it is found, not assumed (:mod:`parrot.engine.openmp_runtime`): the sources
+build, so it is found, not assumed (:mod:`parrot.engine.kernels.openmp_runtime`): the sources
 are compiled with ``-fopenmp``, and the library is linked against the runtime file
 PyTorch has loaded in this process (``/proc/self/maps``; libgomp, a hashed libgomp,
 libiomp5 or libomp), by path with an rpath to its directory.  Where none is loaded
@@ -54,12 +62,14 @@ import platform
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
 
-from parrot.engine import c_boundary, openmp_runtime
+from parrot.engine.kernels import c_boundary, openmp_runtime
 
-__all__ = ["build", "compile_flags", "library", "require", "status"]
+__all__ = ["MODES", "build", "compile_flags", "library", "require", "select", "selected", "status", "using"]
 
 log = logging.getLogger(__name__)
 
@@ -91,10 +101,13 @@ _PORTABLE_FLAGS = ("-DPARROT_PORTABLE",)
 # fails unless the ctypes Structures lay out parrot_ops.h's structs as the compiler does.
 _LAYOUT_CHECK = "parrot_layout_check.c"
 
+MODES = ("native", "portable", "off")  # the values of KernelOptions.cpu_kernel
+
 _lock = threading.Lock()
-_loaded: ctypes.CDLL | None = None
-_status = "not built yet"
-_tried = False
+_libs: dict[str, ctypes.CDLL | None] = {}  # build ("native" / "portable") -> loaded, None if failed
+_statuses: dict[str, str] = {}  # build -> why it is or is not loaded
+_mode = "native"  # the selected build (select)
+_cache: Path | None = None  # the selected kernel cache folder (None: the default)
 
 
 def _cpu_signature() -> str:
@@ -108,9 +121,9 @@ def _cpu_signature() -> str:
     return platform.machine() + platform.processor()
 
 
-def _cache_dir() -> Path:
-    env = os.environ.get("PARROT_KERNEL_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "parrot" / "kernels"
+def _cache_dir(cache_dir: str | Path | None) -> Path:
+    folder = cache_dir if cache_dir is not None else _cache
+    return Path(folder) if folder is not None else Path.home() / ".cache" / "parrot" / "kernels"
 
 
 def _key(sources: dict[str, str], cc: str, flags: tuple[str, ...], link: tuple[str, ...]) -> str:
@@ -153,11 +166,14 @@ def _link(cc: str, objects: list[str], out: Path, runtime: openmp_runtime.OpenMP
 
 
 def _compile(
-    sources: dict[str, str], cc: str, flags: tuple[str, ...], runtime: openmp_runtime.OpenMPRuntime
+    sources: dict[str, str],
+    cc: str,
+    flags: tuple[str, ...],
+    runtime: openmp_runtime.OpenMPRuntime,
+    out_dir: Path,
 ) -> Path:
     """The shared library of ``sources`` (name -> text) linked against ``runtime``,
-    built unless an identical build is cached."""
-    out_dir = _cache_dir()
+    built into ``out_dir`` unless an identical build is cached there."""
     target = out_dir / f"parrot-ops-{_key(sources, cc, flags, runtime.link_args())[:16]}.so"
     if target.exists():
         return target
@@ -175,16 +191,18 @@ def compile_flags(*, portable: bool = False) -> tuple[str, ...]:
     return _FLAGS + (_PORTABLE_FLAGS if portable else _NATIVE_FLAGS)
 
 
-def build(*, portable: bool = False) -> ctypes.CDLL:
+def build(*, portable: bool = False, cache_dir: str | Path | None = None) -> ctypes.CDLL:
     """Compile (or take from the cache) and load the library; raises if that fails.
-    ``portable``: the portable build (see :func:`compile_flags`), else the native one."""
+    ``portable``: the portable build (see :func:`compile_flags`), else the native one;
+    ``cache_dir``: where builds are kept (default: the selected one, see :func:`select`)."""
     folder = resources.files(__package__).joinpath("csrc")
     sources = {name: folder.joinpath(name).read_text() for name in SOURCES + HEADERS}
     sources[_LAYOUT_CHECK] = c_boundary.layout_check_source()
     runtime = openmp_runtime.find()
     (log.info if runtime.path else log.warning)("OpenMP runtime for Parrot's C ops: %s", runtime.reason)
     before = openmp_runtime.loaded()
-    path = _compile(sources, os.environ.get("CC") or "cc", compile_flags(portable=portable), runtime)
+    cc = os.environ.get("CC") or "cc"  # the toolchain's own convention, like make's
+    path = _compile(sources, cc, compile_flags(portable=portable), runtime, _cache_dir(cache_dir))
     lib = ctypes.CDLL(str(path))
     _check_one_runtime(before)
     return c_boundary.bind(lib)
@@ -200,39 +218,73 @@ def _check_one_runtime(before: list[str]) -> None:
         )
 
 
-def library() -> ctypes.CDLL | None:
-    """The loaded library, building it on the first call; None when unavailable
-    (then :func:`status` gives the reason)."""
-    global _loaded, _status, _tried
-    switch = os.environ.get("PARROT_CPU_KERNEL", "1")
-    if switch == "0":
-        _status = "disabled by PARROT_CPU_KERNEL=0"
+def _check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"cpu_kernel must be one of {', '.join(MODES)}, not {mode!r}")
+    return mode
+
+
+def select(mode: str, *, cache_dir: str | Path | None = None) -> None:
+    """Make ``mode`` (one of :data:`MODES`) the build :func:`library` returns, with
+    builds kept in ``cache_dir`` (None: ``~/.cache/parrot/kernels``).  Called by the
+    engine when it starts, from its ``KernelOptions``."""
+    global _mode, _cache
+    _mode = _check_mode(mode)
+    _cache = None if cache_dir is None else Path(cache_dir)
+
+
+def selected() -> str:
+    """The build :func:`library` returns (see :func:`select`)."""
+    return _mode
+
+
+@contextmanager
+def using(mode: str, *, cache_dir: str | Path | None = None) -> Iterator[None]:
+    """:func:`select` ``mode`` for the block, then restore the selection before it."""
+    before = (_mode, _cache)
+    select(mode, cache_dir=cache_dir)
+    try:
+        yield
+    finally:
+        select(before[0], cache_dir=before[1])
+
+
+def library(mode: str | None = None) -> ctypes.CDLL | None:
+    """The loaded library of build ``mode`` (default: the selected one), building it on
+    the first call; None when unavailable or ``off`` (then :func:`status` gives the
+    reason).  A failed build is not retried."""
+    mode = _check_mode(_mode if mode is None else mode)
+    if mode == "off":
         return None
-    if _tried:
-        return _loaded
+    if mode in _libs:
+        return _libs[mode]
     with _lock:
-        if not _tried:
+        if mode not in _libs:
+            portable = mode == "portable"
             try:
-                portable = switch == "portable"
-                _loaded = build(portable=portable)
-                _status = "ready (portable build)" if portable else "ready"
+                _libs[mode] = build(portable=portable)
+                _statuses[mode] = "ready (portable build)" if portable else "ready"
             except Exception as exc:  # any build or load failure leaves the PyTorch paths
-                _status = f"unavailable: {exc}"
-                log.warning("Parrot's C ops are %s; the engine uses its PyTorch paths", _status)
-            _tried = True
-    return _loaded
+                _libs[mode] = None
+                _statuses[mode] = f"unavailable: {exc}"
+                log.warning("Parrot's C ops are %s; the engine uses its PyTorch paths", _statuses[mode])
+    return _libs[mode]
 
 
 def require(lib: ctypes.CDLL | None = None) -> ctypes.CDLL:
-    """``lib`` if given, else the loaded library; raises RuntimeError (with
+    """``lib`` if given, else the selected library; raises RuntimeError (with
     :func:`status`) when there is none.  For callers that only run once a
     ``supports``/``applies`` check said the C side is there."""
     lib = lib or library()
     if lib is None:
-        raise RuntimeError(f"Parrot's C ops are {_status}")
+        raise RuntimeError(f"Parrot's C ops are {status()}")
     return lib
 
 
-def status() -> str:
-    """'ready', 'ready (portable build)', 'not built yet', or why the library is not used."""
-    return _status
+def status(mode: str | None = None) -> str:
+    """'ready', 'ready (portable build)', 'not built yet', or why build ``mode``
+    (default: the selected one) is not used."""
+    mode = _check_mode(_mode if mode is None else mode)
+    if mode == "off":
+        return "switched off (cpu_kernel='off')"
+    return _statuses.get(mode, "not built yet")

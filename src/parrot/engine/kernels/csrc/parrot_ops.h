@@ -2,8 +2,8 @@
  *
  * Every .c file includes this header, so the compiler checks each definition against
  * its prototype here (the build makes conflicting types, implicit declarations and
- * exported functions missing from this header errors: parrot/engine/native.py).  The
- * Python bindings are parsed from this file (parrot/engine/c_boundary.py): ctypes
+ * exported functions missing from this header errors: parrot/engine/kernels/native.py).  The
+ * Python bindings are parsed from this file (parrot/engine/kernels/c_boundary.py): ctypes
  * argument and return types for every parrot_* prototype, ctypes.Structure fields for
  * every struct, whose layout the build checks against the compiler's.
  *
@@ -43,13 +43,14 @@ void parrot_merge_lse(const float *out, const float *lse, const int64_t *starts,
 
 /* ------------------------------------------- shared-prefix attention (shared_rows.c) */
 
-/* 1 when parrot_shared_rows runs for head dim `dim` in this build (AVX-512, dim % 64 == 0). */
+/* 1 when the AVX-512 kernel runs head dim `dim` in this build (dim % 64 == 0; the engine
+ * uses parrot_shared_rows only then); 0 when parrot_shared_rows runs the portable C. */
 int parrot_shared_rows_supported(int64_t dim);
 
 /* One shared run of n keys (cache rows tok[0 .. n) of k, v [N, KVH, D], fp32 or bf16)
  * read by the m queries seqs[0 .. m) of q (as in parrot_decode_rows).  Writes out
- * [m, KVH * G, D] and lse [m, KVH * G].  Returns 0; 1 when not built for `dim`
- * (nothing written); 2 when scratch memory could not be allocated. */
+ * [m, KVH * G, D] and lse [m, KVH * G].  Returns 0 (every build and head dim computes);
+ * 2 when scratch memory could not be allocated (nothing written). */
 int parrot_shared_rows(const float *q, int64_t q_stride, const int64_t *seqs, int64_t m, const void *k,
                        const void *v, int kv_bf16, const int64_t *tok, int64_t n, int64_t kv_heads, int64_t group,
                        int64_t dim, float *out, float *lse, int threads);
@@ -74,7 +75,8 @@ void parrot_silu_mul(const void *gu, int gu_bf16, int64_t rows, int64_t inter, v
 
 /* ------------------------------------------- bf16 linear on AMX tiles (amx_linear.c) */
 
-/* 1 when this build has the AMX kernel and Linux granted the tile state. */
+/* 1 when this build has the AMX kernel and Linux granted the tile state (the engine
+ * uses parrot_amx_linear only then); 0 when parrot_amx_linear runs the portable C. */
 int parrot_amx_ready(void);
 
 /* Elements (uint16) of the packed copy of an [n, k] weight. */
@@ -84,14 +86,15 @@ int64_t parrot_amx_packed_size(int64_t n, int64_t k);
 void parrot_amx_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed);
 
 /* y [m, n] = x [m, k] W^T (+ bias [n] fp32, or NULL); x and y bf16 when x_bf16, else
- * fp32; packed from parrot_amx_pack.  Returns 0; 1 when AMX is not available (nothing
- * written); 2 when scratch memory could not be allocated. */
+ * fp32; packed from parrot_amx_pack.  Returns 0 (portable C where AMX is not available);
+ * 2 when scratch memory could not be allocated (nothing written). */
 int parrot_amx_linear(const void *x, int x_bf16, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
                       const float *bias, void *y, int threads);
 
 /* ---------------------------------------------- fp32 linear, streamed (f32_linear.c) */
 
-/* 1 when parrot_f32_linear runs in this build (AVX-512F). */
+/* 1 when the AVX-512F kernel is built (the engine uses parrot_f32_linear only then);
+ * 0 when parrot_f32_linear runs the portable C (the same bits, slower). */
 int parrot_f32_linear_supported(void);
 
 /* Elements (fp32) of the packed copy of an [n, k] weight. */
@@ -101,7 +104,7 @@ int64_t parrot_f32_packed_size(int64_t n, int64_t k);
 void parrot_f32_pack(const float *w, int64_t n, int64_t k, float *packed);
 
 /* y [m, n] = x [m, k] W^T (+ bias [n], or NULL), fp32; packed from parrot_f32_pack.
- * Returns 0, or 1 where not supported (nothing written). */
+ * Returns 0 (every build computes). */
 int parrot_f32_linear(const float *x, int64_t m, int64_t k, const float *packed, int64_t n, const float *bias,
                       float *y, int threads);
 

@@ -18,11 +18,13 @@ half the bytes and use the CPU's bf16 dot products, with inputs rounded to bf16
 and fp32 accumulation; the residual stream, norms, attention and KV cache stay fp32.
 That is a precision choice (greedy outputs can differ from fp32's), so it is opt-in:
 ``parrot serve --weight-dtype bfloat16``.
-Where Parrot's AMX kernel runs (:mod:`parrot.engine.amx_linear`), a bf16 layer
+Where Parrot's AMX kernel runs (:mod:`parrot.engine.kernels.amx_linear`), a bf16 layer
 also keeps the kernel's packed copy and sends calls of at most
 ``amx_linear.MAX_ROWS`` rows (decode steps) there; likewise an fp32 layer where
-Parrot's fp32 kernel runs (:mod:`parrot.engine.f32_linear`, AVX-512), for calls of
-at most ``f32_linear.MAX_ROWS`` rows.
+Parrot's fp32 kernel runs (:mod:`parrot.engine.kernels.f32_linear`, AVX-512), for calls of
+at most ``f32_linear.MAX_ROWS`` rows.  Which of them a layer may use, and from which
+build of the C ops, is the engine's
+:class:`~parrot.engine.kernels.kernel_set.KernelSet`, given when it is packed.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from parrot.engine import amx_linear, f32_linear, native
+from parrot.engine.kernels import amx_linear, f32_linear
+from parrot.engine.kernels.kernel_set import KernelSet, for_options
 
 __all__ = ["PackedLinear", "Projection", "packed_linear_available", "prepack_linears"]
 
@@ -60,10 +63,21 @@ class PackedLinear:
     ``dtype``: the packed copy's dtype (default: the weight's).  With a bf16 copy of
     an fp32 weight, inputs are rounded to bf16, the GEMM accumulates in fp32 and the
     output comes back in the input's dtype: bf16 weights and products, an fp32
-    residual stream.
+    residual stream.  ``kernels``: which C kernel copies it keeps (its ``f32_linear``
+    / ``amx_linear``, from its library, on huge pages as its options say; default:
+    :func:`~parrot.engine.kernels.kernel_set.for_options` of the defaults).
     """
 
-    def __init__(self, weight: Tensor, bias: Tensor | None = None, *, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        weight: Tensor,
+        bias: Tensor | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        kernels: KernelSet | None = None,
+    ):
+        kernels = for_options() if kernels is None else kernels
+        self.key = kernels.linear_key()  # what decided its kernel copies (prepack compares it)
         self.dtype = weight.dtype if dtype is None else dtype
         if self.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"packed weights are float32 or bfloat16, not {self.dtype}")
@@ -72,15 +86,16 @@ class PackedLinear:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, _BATCH_HINT)
         self.bias = None if bias is None else bias.detach().to(self.dtype)
         self.out_features, self.in_features = weight.shape
-        # The C kernels' own copies, for calls of few rows (the switches are read here,
-        # once: this layer keeps its choice): fp32 weights on AVX-512, bf16 on AMX.
+        # The C kernels' own copies, for calls of few rows (chosen here, once: this
+        # layer keeps its choice): fp32 weights on AVX-512, bf16 on AMX.
+        lib = kernels.lib
         self.f32: f32_linear.F32Weight | None = None
-        self._f32_lib = native.library() if self.dtype == torch.float32 and f32_linear.available() else None
+        self._f32_lib = lib if kernels.f32_linear and self.dtype == torch.float32 else None
         if self._f32_lib is not None:
-            self.f32 = f32_linear.pack(weight, lib=self._f32_lib)
+            self.f32 = f32_linear.pack(weight, lib=self._f32_lib, huge_pages=kernels.options.hugepages)
         self.amx: amx_linear.AmxWeight | None = None  # the AMX kernel's copy (bf16 only)
         self.amx_bias: Tensor | None = None  # the bias as the AMX kernel takes it (fp32)
-        self._amx_lib = native.library() if self.dtype == torch.bfloat16 and amx_linear.available() else None
+        self._amx_lib = lib if kernels.amx_linear and self.dtype == torch.bfloat16 else None
         if self._amx_lib is not None:
             self.amx = amx_linear.pack(weight, lib=self._amx_lib)
             self.amx_bias = None if bias is None else bias.detach().float()
@@ -119,14 +134,21 @@ class Projection(nn.Linear):
 
 
 def prepack_linears(
-    model: nn.Module, dtype: torch.dtype | None = None, *, exclude: Iterable[nn.Module] = ()
+    model: nn.Module,
+    dtype: torch.dtype | None = None,
+    *,
+    exclude: Iterable[nn.Module] = (),
+    kernels: KernelSet | None = None,
 ) -> int:
     """Pack every :class:`Projection` in ``model`` whose weight allows it, as ``dtype``
-    (default: the weight's); returns how many now run packed.  Safe to call again: a
-    projection already packed as ``dtype`` is kept, one packed otherwise is repacked.
+    (default: the weight's) with the C kernel copies of ``kernels`` (see
+    :class:`PackedLinear`); returns how many now run packed.  Safe to call again: a
+    projection already packed as ``dtype`` with these kernels is kept, one packed
+    otherwise is repacked.
     Projections in ``exclude`` (e.g. ones the caller packs fused) are left unpacked,
     and a packed copy they had is dropped.  Plain ``nn.Linear`` modules are left as
     they are."""
+    kernels = for_options() if kernels is None else kernels
     skip = {id(m) for m in exclude}
     count = 0
     for module in model.modules():
@@ -139,7 +161,7 @@ def prepack_linears(
             continue
         want = module.weight.dtype if dtype is None else dtype
         current = module.packed
-        if current is None or current.dtype != want:
-            module.packed = PackedLinear(module.weight, module.bias, dtype=want)
+        if current is None or current.dtype != want or current.key != kernels.linear_key():
+            module.packed = PackedLinear(module.weight, module.bias, dtype=want, kernels=kernels)
         count += 1
     return count

@@ -15,7 +15,7 @@ what this replaces:
 * where none is loaded (PyTorch not imported, a build without OpenMP, no
   ``/proc``), the build falls back to the compiler's default (``-fopenmp``, the
   system libgomp), and :attr:`OpenMPRuntime.reason` says why (logged by
-  :mod:`parrot.engine.native`).
+  :mod:`parrot.engine.kernels.native`).
 """
 
 from __future__ import annotations

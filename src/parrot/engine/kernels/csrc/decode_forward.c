@@ -2,7 +2,7 @@
  *
  * The same sequence of C ops that the model's fused Python forward makes layer by
  * layer (parrot/engine/model.py _forward_fused with the paged decode attention of
- * parrot/engine/attention/torch_impl.py on the C kernels), with nothing between
+ * parrot/engine/kernels/attention/torch_impl.py on the C kernels), with nothing between
  * them: per layer
  *
  *   qkv = x W_qkv (+ bias); RoPE on q and k; k, v rows written to the cache at
@@ -21,7 +21,7 @@
  * Inputs: h [T, D] the embedded tokens (the residual stream, updated in place);
  * out [T, D] the final hidden states; the caches as [layers][N, KVH, Dh] rows,
  * `layer_stride` elements apart; the attention plan's index arrays, whose ranges the
- * caller (parrot/engine/decode_forward.py) has checked.  Returns 0; 1 when a kernel
+ * caller (parrot/engine/kernels/decode_forward.py) has checked.  Returns 0; 1 when a kernel
  * this needs is not built or allowed here (checked first: nothing written); 2 when
  * scratch memory could not be allocated (possibly part-way, after some layers wrote
  * their cache rows: the caller fails the step, and a redone step rewrites them).

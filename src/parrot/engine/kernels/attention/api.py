@@ -9,10 +9,14 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from parrot.engine.attention import cpu_kernel
-from parrot.engine.attention.segments import Segment, validate_segments
-from parrot.engine.attention.torch_impl import TorchDecodePlan, compute_dtype, torch_paged_decode_attention
-from parrot.engine.attention.triton_kernel import interpret_requested, triton_paged_decode_attention
+from parrot.engine.kernels.attention import cpu_kernel
+from parrot.engine.kernels.attention.segments import Segment, validate_segments
+from parrot.engine.kernels.attention.torch_impl import (
+    TorchDecodePlan,
+    compute_dtype,
+    torch_paged_decode_attention,
+)
+from parrot.engine.kernels.attention.triton_kernel import interpret_requested, triton_paged_decode_attention
 
 __all__ = ["Backend", "DecodePlan", "paged_decode_attention", "plan_decode_attention", "triton_available"]
 

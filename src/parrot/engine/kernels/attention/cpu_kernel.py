@@ -3,7 +3,7 @@
 PyTorch has no paged attention op on CPU, so the PyTorch path gathers every
 row's keys and values out of the cache (a copy as large as what attention then
 reads) before one fused attention call.  ``parrot_decode_rows``
-(``parrot/engine/csrc/decode_rows.c``, built by :mod:`parrot.engine.native`)
+(``parrot/engine/kernels/csrc/decode_rows.c``, built by :mod:`parrot.engine.kernels.native`)
 reads the cache rows in place instead: one pass over each sequence's K and V per
 layer, with an online softmax, parallel over rows (and kv heads when rows are
 few) on PyTorch's own OpenMP threads.  ``parrot_shared_rows``
@@ -22,7 +22,7 @@ import ctypes
 import torch
 from torch import Tensor
 
-from parrot.engine import native
+from parrot.engine.kernels import native
 
 __all__ = ["decode_rows", "merge_lse", "shared_built", "shared_row", "supports"]
 
@@ -66,9 +66,9 @@ def decode_rows(
     qs: [B, H, D] fp32, scaled; seqs: int64 [R], the q row of each row; kf, vf:
     [N, KVH, D] fp32/bf16 caches; tok: int64 [R, W], row r's key rows in its
     first ``lens[r]`` (>= 1) entries.  The caller checks shapes and index ranges
-    (:class:`~parrot.engine.attention.torch_impl.TorchDecodePlan` builds them);
+    (:class:`~parrot.engine.kernels.attention.torch_impl.TorchDecodePlan` builds them);
     this checks layouts, because the C side trusts them.  ``lib``: a library from
-    :func:`parrot.engine.native.build` (default: :func:`~parrot.engine.native.library`).
+    :func:`parrot.engine.kernels.native.build` (default: :func:`~parrot.engine.kernels.native.library`).
     Returns whether the AVX-512 path ran.
     """
     lib = _checked_lib("decode_rows", lib, (qs, seqs, kf, vf, tok, lens, out, lse))
@@ -129,7 +129,7 @@ def shared_row(
 
     qs: [B, H, D] fp32, scaled; seqs: int64 [m]; kf, vf: [N, KVH, D] fp32/bf16
     caches; tok: int64 [L >= 1], the run's key rows.  Index ranges are the caller's
-    (:class:`~parrot.engine.attention.torch_impl.TorchDecodePlan`); layouts, dtypes
+    (:class:`~parrot.engine.kernels.attention.torch_impl.TorchDecodePlan`); layouts, dtypes
     and counts are checked here, because the C side trusts them.
     """
     lib = _checked_lib("shared_row", lib, (qs, seqs, kf, vf, tok, out, lse))
@@ -165,8 +165,6 @@ def shared_row(
         lse.data_ptr(),
         torch.get_num_threads(),
     )
-    if code == 1:
-        raise ValueError(f"shared_row: not built for head dim {dim} (see shared_built)")
     if code != 0:
         raise MemoryError("shared_row: could not allocate its scratch memory")
 
@@ -182,9 +180,9 @@ def merge_lse(
 ) -> None:
     """Merge normalised partials into ``result`` [B, H, D]: sequence b's partials are rows
     ``slots[starts[b]:starts[b + 1]]`` of ``out`` [S, H, D] and ``lse`` [S, H], weighted
-    by ``exp(lse - max)`` (what :func:`~parrot.engine.attention.merge.merge_partials`
+    by ``exp(lse - max)`` (what :func:`~parrot.engine.kernels.attention.merge.merge_partials`
     computes with ``den = 1``, in one pass).  Index ranges are the caller's
-    (:class:`~parrot.engine.attention.torch_impl.TorchDecodePlan`: every sequence has a
+    (:class:`~parrot.engine.kernels.attention.torch_impl.TorchDecodePlan`: every sequence has a
     partial); layouts, dtypes and counts are checked here."""
     lib = _checked_lib("merge_lse", lib, (out, lse, starts, slots, result))
     slot_count, heads, dim = out.shape

@@ -46,9 +46,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from parrot.engine.attention import cpu_kernel
-from parrot.engine.attention.merge import merge_partials
-from parrot.engine.attention.segments import Segment, segment_token_index
+from parrot.engine.kernels.attention import cpu_kernel
+from parrot.engine.kernels.attention.merge import merge_partials
+from parrot.engine.kernels.attention.segments import Segment, segment_token_index
 
 __all__ = ["TorchDecodePlan", "compute_dtype", "cpu_flash_attention", "torch_paged_decode_attention"]
 
@@ -457,7 +457,7 @@ def torch_paged_decode_attention(
     scale: float,
     share: bool,
 ) -> Tensor:
-    """See :func:`parrot.engine.attention.paged_decode_attention`; inputs are already checked.
+    """See :func:`parrot.engine.kernels.attention.paged_decode_attention`; inputs are already checked.
 
     q: [B, H, D]; k_cache, v_cache: [NB, BS, KVH, D] with token dims mergeable.
     ``segments`` may be a :class:`TorchDecodePlan` built for this batch and layout

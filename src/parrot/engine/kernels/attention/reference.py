@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from parrot.engine.attention.segments import Segment
+from parrot.engine.kernels.attention.segments import Segment
 
 __all__ = ["reference_decode_attention"]
 

@@ -13,12 +13,12 @@ It applies to a step when all of these hold (else :func:`run` returns None and t
 model runs as before): every new token is a decode token (no prefill chunk); the
 KV cache is fp32 or bf16 on CPU; every projection of the model has the C kernel
 copy the Python path would use for this many rows: Parrot's fp32 kernel
-(:mod:`parrot.engine.f32_linear`, at most its ``MAX_ROWS`` tokens) or, for bf16
-weights, the AMX kernel (:mod:`parrot.engine.amx_linear`, at most its
+(:mod:`parrot.engine.kernels.f32_linear`, at most its ``MAX_ROWS`` tokens) or, for bf16
+weights, the AMX kernel (:mod:`parrot.engine.kernels.amx_linear`, at most its
 ``MAX_ROWS``), with fp32 norms; the attention plan runs on the C kernels only
-(:class:`~parrot.engine.attention.torch_impl.TorchDecodePlan` with ``kernel``, and
-``shared_kernel`` if it has shared rows); and ``PARROT_DECODE_FORWARD`` is not
-``0`` (to compare).
+(:class:`~parrot.engine.kernels.attention.torch_impl.TorchDecodePlan` with ``kernel``, and
+``shared_kernel`` if it has shared rows).  Whether the engine tries it at all is its
+``c_forward`` option (:mod:`parrot.engine.step_forward`).
 """
 
 from __future__ import annotations
@@ -26,16 +26,15 @@ from __future__ import annotations
 import ctypes
 import itertools
 import math
-import os
 
 import torch
 from torch import Tensor
 
-from parrot.engine import amx_linear, c_boundary, f32_linear, native
-from parrot.engine.attention.torch_impl import TorchDecodePlan
+from parrot.engine.kernels import amx_linear, c_boundary, f32_linear, native
+from parrot.engine.kernels.attention.torch_impl import TorchDecodePlan
+from parrot.engine.kernels.packed_linear import PackedLinear
 from parrot.engine.kv_store import PagedKVCache
 from parrot.engine.model import LlamaModel, rope_cos_sin
-from parrot.engine.packed_linear import PackedLinear
 from parrot.engine.paged import PagedStepAttention
 
 __all__ = ["run"]
@@ -166,11 +165,12 @@ def _attention(plan: TorchDecodePlan, batch: int) -> tuple[_Attention, list[Tens
     return a, keep
 
 
-def c_forward_mode(model: LlamaModel, cache: PagedKVCache) -> str | None:
+def c_forward_mode(model: LlamaModel, cache: PagedKVCache, lib: ctypes.CDLL | None) -> str | None:
     """The kernels the C forward would run this model's decode steps on over ``cache``
-    (``"f32"``: Parrot's fp32 kernel; ``"amx-bf16"``: the AMX kernel), or None when it
-    cannot run them at all (not built, switched off, weights or cache it does not take)."""
-    if os.environ.get("PARROT_DECODE_FORWARD", "1") == "0" or native.library() is None:
+    with library ``lib`` (``"f32"``: Parrot's fp32 kernel; ``"amx-bf16"``: the AMX
+    kernel), or None when it cannot run them at all (no library, weights or cache it
+    does not take)."""
+    if lib is None:
         return None
     if cache.k.dtype not in (torch.float32, torch.bfloat16) or cache.k.device.type != "cpu":
         return None
@@ -181,14 +181,17 @@ def c_forward_mode(model: LlamaModel, cache: PagedKVCache) -> str | None:
 
 
 def run(
-    model: LlamaModel, input_ids: Tensor, positions: Tensor, attn: PagedStepAttention, cache: PagedKVCache
+    model: LlamaModel,
+    input_ids: Tensor,
+    positions: Tensor,
+    attn: PagedStepAttention,
+    cache: PagedKVCache,
+    lib: ctypes.CDLL | None = None,
 ) -> Tensor | None:
-    """The step's final hidden states [T, D] through the C forward, or None when it does
-    not apply (see the module docstring); ``attn`` is the step's attention backend
-    and ``cache`` its KV cache.  Its length is the applicability checks and the C
-    call's arguments, in order."""
-    if os.environ.get("PARROT_DECODE_FORWARD", "1") == "0":
-        return None
+    """The step's final hidden states [T, D] through the C forward of ``lib`` (default:
+    the selected library), or None when it does not apply (see the module docstring);
+    ``attn`` is the step's attention backend and ``cache`` its KV cache.  Its length is
+    the applicability checks and the C call's arguments, in order."""
     if attn.chunks or not attn.num_decode or input_ids.numel() != attn.num_decode:
         return None
     k, v, t = cache.k, cache.v, input_ids.numel()
@@ -197,7 +200,7 @@ def run(
     if not (k.is_contiguous() and v.is_contiguous()) or input_ids.requires_grad:
         return None
     weights = _weights(model)
-    lib = native.library()
+    lib = lib or native.library()
     if weights is None or lib is None or t > weights.max_rows:
         return None
     c = model.config

@@ -5,15 +5,15 @@ Public API: :class:`Segment`, :func:`validate_segments`, :func:`paged_decode_att
 :func:`reference_decode_attention`.  See docs/attention.md.
 """
 
-from parrot.engine.attention.api import (
+from parrot.engine.kernels.attention.api import (
     Backend,
     DecodePlan,
     paged_decode_attention,
     plan_decode_attention,
     triton_available,
 )
-from parrot.engine.attention.reference import reference_decode_attention
-from parrot.engine.attention.segments import Segment, validate_segments
+from parrot.engine.kernels.attention.reference import reference_decode_attention
+from parrot.engine.kernels.attention.segments import Segment, validate_segments
 
 __all__ = [
     "Backend",

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from parrot.engine.attention.segments import Segment
+from parrot.engine.kernels.attention.segments import Segment
 
 __all__ = ["TritonUnavailableError", "interpret_requested", "triton_paged_decode_attention"]
 
@@ -276,7 +276,8 @@ def triton_paged_decode_attention(
     share: bool,
     piece_tokens: int = DEFAULT_PIECE_TOKENS,
 ) -> Tensor:
-    """Triton backend of :func:`parrot.engine.attention.paged_decode_attention` (inputs already checked).
+    """Triton backend of :func:`parrot.engine.kernels.attention.paged_decode_attention`
+    (inputs already checked).
 
     q: [B, H, D]; k_cache, v_cache: [NB, BS, KVH, D] (any strides).  Returns [B, H, D] in q's dtype.
     Segment tensors are read on the host (keep them on the CPU to avoid device syncs).

@@ -1,0 +1,73 @@
+"""The kernels one engine uses, chosen once (see :mod:`parrot.engine.kernels`)."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+
+from parrot.engine.kernels import amx_linear, f32_linear, native
+from parrot.engine.kernels.options import KernelOptions
+
+__all__ = ["KernelSet", "for_options"]
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    """``options`` — what the engine allowed; ``lib`` — the loaded build of the C ops
+    (None: ``cpu_kernel='off'`` or the build failed); ``f32_linear`` — fp32
+    projections of decode size run on Parrot's fp32 kernel (AVX-512 build);
+    ``amx_linear`` — bf16 ones on the AMX kernel (AMX build, tiles granted);
+    ``c_attention`` — decode attention may run on the C kernels (else PyTorch);
+    ``c_forward`` — decode steps may run all layers in one C call.  Invariant: every
+    kernel it names is allowed by ``options`` and present in ``lib``."""
+
+    options: KernelOptions
+    lib: ctypes.CDLL | None = field(compare=False, repr=False)
+    f32_linear: bool
+    amx_linear: bool
+    c_attention: bool
+    c_forward: bool
+
+    def linear_key(self) -> tuple[str, bool, bool, bool]:
+        """What decides how a projection is packed (see ``KernelOptions.linear_key``)."""
+        return self.options.linear_key()
+
+    def select(self) -> None:
+        """Make this set's build the one the model's forward finds (attention, fused
+        ops; :func:`parrot.engine.kernels.native.select`): the engine calls it when it
+        starts."""
+        native.select(self.options.cpu_kernel, cache_dir=self.options.kernel_cache)
+
+    def describe(self) -> str:
+        """One line for the start-up log: the build and the kernels in use."""
+        used = [
+            name
+            for name, on in (
+                ("f32-linear", self.f32_linear),
+                ("amx-linear", self.amx_linear),
+                ("c-attention", self.c_attention),
+                ("c-forward", self.c_forward),
+            )
+            if on
+        ]
+        build = (
+            self.options.cpu_kernel
+            if self.lib is not None
+            else f"none ({native.status(self.options.cpu_kernel)})"
+        )
+        return f"C ops build {build}; kernels: {', '.join(used) or 'PyTorch only'}"
+
+
+def for_options(options: KernelOptions | None = None) -> KernelSet:
+    """The set ``options`` (default: every kernel allowed, the native build) gives on
+    this CPU, loading (building on first use) the C ops' build it names."""
+    options = KernelOptions() if options is None else options
+    lib = native.library(options.cpu_kernel)
+    return KernelSet(
+        options=options,
+        lib=lib,
+        f32_linear=options.f32_linear and lib is not None and f32_linear.available(lib),
+        amx_linear=options.amx and lib is not None and amx_linear.available(lib),
+        c_attention=lib is not None,
+        c_forward=options.c_forward and lib is not None,
+    )
