@@ -1,11 +1,13 @@
 """The pool of engines the manager can place calls on.
 
 An engine is registered either in-process (the embedded engine of
-``parrot serve``) or over HTTP by a separate ``parrot engine`` process, which
-then heartbeats its stats.  The manager polls an in-process engine's stats on
-the same interval instead (and once when it registers), so both kinds reach
-the scheduler the same way: through :meth:`EnginePool.heartbeat`.  A remote
-engine whose heartbeats stop for ``heartbeat_timeout_s`` is dropped;
+``parrot serve``), over HTTP by a separate ``parrot engine`` process, which
+then heartbeats its stats, or as an external OpenAI-compatible backend
+(:mod:`parrot.manager.openai_backend`, which has a URL but sends nothing).
+The manager polls the stats of in-process and external engines (``polled``)
+on the heartbeat interval instead (and once when they register), so every
+kind reaches the scheduler the same way: through :meth:`EnginePool.heartbeat`.
+A remote engine whose heartbeats stop for ``heartbeat_timeout_s`` is dropped;
 listeners learn of registrations (to poll) and drops (so the executor can
 re-run the calls it had there).
 """
@@ -35,6 +37,7 @@ class EngineHandle:
     api: EngineAPI
     name: str | None = None
     url: str | None = None  # None: in-process
+    polled: bool = False  # the manager asks for its stats (in-process and external engines)
     alive: bool = True
     last_heartbeat: float = field(default_factory=clock.monotonic)
     stats: EngineStats = field(default_factory=EngineStats)
@@ -71,8 +74,13 @@ class EnginePool:
     def on_register(self, listener: Callable[[EngineHandle], None]) -> None:
         self._register_listeners.append(listener)
 
-    def register(self, api: EngineAPI, *, name: str | None = None, url: str | None = None) -> EngineHandle:
-        handle = EngineHandle(f"engine-{next(_engine_ids)}", api, name=name, url=url)
+    def register(
+        self, api: EngineAPI, *, name: str | None = None, url: str | None = None, polled: bool | None = None
+    ) -> EngineHandle:
+        """Add an engine; ``polled`` (default: in-process, i.e. no ``url``) when the manager
+        polls its stats instead of waiting for its heartbeats."""
+        polled = url is None if polled is None else polled
+        handle = EngineHandle(f"engine-{next(_engine_ids)}", api, name=name, url=url, polled=polled)
         self._engines[handle.engine_id] = handle
         for listener in self._register_listeners:
             listener(handle)
@@ -94,8 +102,9 @@ class EnginePool:
         return handle
 
     def suspect(self, engine_id: str) -> None:
-        """An engine failed a request: place nothing new on it until it heartbeats
-        (a remote engine) or is dropped.  In-process engines are never suspected."""
+        """An engine failed a request: place nothing new on it until it heartbeats (a
+        remote engine), answers a poll (an external one) or is dropped.  In-process
+        engines are never suspected."""
         handle = self._engines.get(engine_id)
         if handle is not None and handle.url is not None:
             handle.alive = False
@@ -114,7 +123,7 @@ class EnginePool:
         stale = [
             h.engine_id
             for h in self._engines.values()
-            if h.url is not None and now - h.last_heartbeat > self.heartbeat_timeout_s
+            if h.url is not None and not h.polled and now - h.last_heartbeat > self.heartbeat_timeout_s
         ]
         for eid in stale:
             self.drop(eid, f"no heartbeat for more than {self.heartbeat_timeout_s:g}s")
