@@ -39,6 +39,7 @@ class EngineHandle:
     url: str | None = None  # None: in-process
     polled: bool = False  # the manager asks for its stats (in-process and external engines)
     alive: bool = True
+    down_reason: str = ""  # why it was last suspected (cleared when it answers again)
     last_heartbeat: float = field(default_factory=clock.monotonic)
     stats: EngineStats = field(default_factory=EngineStats)
 
@@ -98,16 +99,16 @@ class EnginePool:
         handle = self.get(engine_id)
         handle.last_heartbeat = clock.monotonic()
         handle.stats = stats
-        handle.alive = True  # it answers again, if it had been suspected
+        handle.alive, handle.down_reason = True, ""  # it answers again, if it had been suspected
         return handle
 
-    def suspect(self, engine_id: str) -> None:
+    def suspect(self, engine_id: str, reason: str = "") -> None:
         """An engine failed a request: place nothing new on it until it heartbeats (a
         remote engine), answers a poll (an external one) or is dropped.  In-process
         engines are never suspected."""
         handle = self._engines.get(engine_id)
         if handle is not None and handle.url is not None:
-            handle.alive = False
+            handle.alive, handle.down_reason = False, reason
 
     def drop(self, engine_id: str, reason: str) -> None:
         handle = self._engines.pop(engine_id, None)
@@ -131,6 +132,16 @@ class EnginePool:
 
     def candidates(self, model: str | None) -> list[EngineHandle]:
         return [h for h in self._engines.values() if h.alive and (model is None or h.model == model)]
+
+    def down(self, model: str | None) -> str:
+        """`` (engines not answering: ...)`` naming the suspected engines of ``model`` and
+        why, to end an error message with ("" if none)."""
+        down = "; ".join(
+            f"{h.engine_id} at {h.url}: {h.down_reason or 'not answering'}"
+            for h in self._engines.values()
+            if not h.alive and (model is None or h.model == model)
+        )
+        return f" (engines not answering: {down})" if down else ""
 
     def longest_context(self, model: str | None) -> EngineHandle | None:
         """The live engine for ``model`` with the longest context (None if there is none):

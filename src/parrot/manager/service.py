@@ -149,7 +149,7 @@ class Manager:
             stats = await handle.api.stats()
         except Exception as exc:
             log.warning("engine %s: stats poll failed: %r", handle.engine_id, exc)
-            self.pool.suspect(handle.engine_id)
+            self.pool.suspect(handle.engine_id, str(getattr(exc, "message", exc)))
             return handle.stats
         caps = (handle.stats.token_capacity, handle.stats.latency_cap_tokens)
         try:
