@@ -12,6 +12,8 @@ with an error naming the backend, and the manager keeps serving.
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -27,6 +29,7 @@ from parrot.manager.service import Manager, ManagerConfig
 from parrot.protocol.tokenizer import TextTokenizer
 from tests.conftest import LiveServer, start_server
 from tests.misbehaving_backend import Script, start_misbehaving
+from tests.procs import OPERATOR, Proc, free_port, parrot_command
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 if str(EXAMPLES) not in sys.path:
@@ -222,3 +225,46 @@ def test_request_bodies_follow_the_backend_kind(live):
     assert (v["top_k"], v["stop"], v["ignore_eos"], v["max_tokens"]) == (3, ["x"], True, 5)
     o = plain._body(_Context(ctx_ids, "salt"), P.SamplingParams(max_tokens=5), 5, stream=True)
     assert o["prompt"] == "abc" and not {"cache_salt", "return_token_ids", "top_k", "ignore_eos"} & set(o)
+
+
+# ------------------------------------------------------------ the command line
+def test_parrot_serve_with_backends_runs_calls_on_them(live, tmp_path):
+    port = free_port()
+    two_replicas = ["--backend-url", live.url] * 2  # one backend twice: two engines
+    args = ["serve", "--port", str(port), "--backend", "openai", *two_replicas, "--backend-tokenizer", "tiny"]
+    proc = Proc("serve-backend", args, tmp_path)
+    try:
+        proc.wait_for_log(r"manager ready at .*\(2 openai backend\(s\) serving tiny\)", 60)
+        url = f"http://127.0.0.1:{port}"
+        listed = httpx.get(f"{url}/v1/engines", timeout=10, headers=OPERATOR).json()
+        assert [(e["model"], e["url"]) for e in listed] == [("tiny", live.url)] * 2
+        with P.connect(url):
+            got = one_call("cli").get(timeout=60)
+        assert got == direct(live.url, "Say cli ")
+    finally:
+        proc.kill()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--backend", "vllm"], "--backend needs at least one --backend-url"),
+        (
+            ["--backend", "openai", "--backend-url", "http://127.0.0.1:1"],
+            "http://127.0.0.1:1 cannot be reached",
+        ),
+        (
+            ["--backend", "openai", "--backend-url", "x", "--backend-api-key-env", "NO_SUCH_VAR_X"],
+            "$NO_SUCH_VAR_X",
+        ),
+    ],
+)
+def test_parrot_serve_refuses_backends_it_cannot_drive(args, message):
+    run = subprocess.run(
+        [*parrot_command(), "serve", "--port", "0", "--backend-tokenizer", "tiny", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "NO_SUCH_VAR_X": ""},
+    )
+    assert run.returncode != 0 and message in run.stderr, run.stderr[-2000:]
