@@ -3,7 +3,8 @@
 ``GET /v1/models`` always answers (model ``tiny``, 512 tokens), so the manager keeps
 finding the server alive and re-places calls on it; ``POST /v1/completions`` misbehaves
 as ``Script.mode`` says; ``POST /tokenize`` answers ``Script.tokenize`` when set (404
-otherwise).  Modes: ``ok`` (a valid two-chunk answer), ``500``, ``400``, ``slow`` (no
+otherwise).  Modes: ``ok`` (a valid two-chunk answer), ``ok-ids`` (one that carries
+its token ids), ``slow-ok`` (a valid answer after ``SLOW_S``), ``500``, ``400``, ``slow`` (no
 byte for ``SLOW_S``), ``bad-json``, ``no-text`` (a choice without text), ``wrong-ids``
 (token ids outside the vocabulary), ``no-done`` (the stream ends without ``[DONE]``),
 ``abort`` (finish_reason ``abort``), ``ok-models-only`` (completions answer 404).
@@ -12,7 +13,7 @@ byte for ``SLOW_S``), ``bad-json``, ``no-text`` (a choice without text), ``wrong
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -30,6 +31,7 @@ class Script:
     mode: str
     tokenize: list[int] | None = None
     completions: int = 0  # POST /v1/completions received
+    bodies: list[dict] = field(default_factory=list)  # their JSON bodies
 
 
 @dataclass
@@ -67,8 +69,9 @@ def _app(script: Script) -> Starlette:
             return JSONResponse({"detail": "Not Found"}, status_code=404)
         return JSONResponse({"tokens": script.tokenize})
 
-    async def completions(_: Request) -> Response:
+    async def completions(request: Request) -> Response:
         script.completions += 1
+        script.bodies.append(await request.json())
         mode = script.mode
         if mode == "500":
             return JSONResponse({"error": {"message": "engine exploded"}}, status_code=500)
@@ -76,10 +79,16 @@ def _app(script: Script) -> Starlette:
             return JSONResponse({"error": {"message": "no such sampling option"}}, status_code=400)
         if mode == "ok-models-only":
             return JSONResponse({"detail": "Not Found"}, status_code=404)
-        if mode == "slow":
+        if mode in ("slow", "slow-ok"):
             await asyncio.sleep(SLOW_S)
         events = {
             "ok": [_chunk("he"), _chunk("llo", "length"), "[DONE]"],
+            "ok-ids": [
+                _chunk("he", extra=',"token_ids":[7,8]'),
+                _chunk("llo", "stop", ',"token_ids":[9]'),
+                "[DONE]",
+            ],
+            "slow-ok": [_chunk("late", "length"), "[DONE]"],
             "slow": [_chunk("late", "length"), "[DONE]"],
             "bad-json": [_chunk("he"), "{not json", "[DONE]"],
             "no-text": ['{"choices":[{"index":0,"finish_reason":null}]}', "[DONE]"],

@@ -11,6 +11,7 @@ with an error naming the backend, and the manager keeps serving.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import os
 import subprocess
@@ -268,3 +269,89 @@ def test_parrot_serve_refuses_backends_it_cannot_drive(args, message):
         env={**os.environ, "NO_SUCH_VAR_X": ""},
     )
     assert run.returncode != 0 and message in run.stderr, run.stderr[-2000:]
+
+
+# ------------------------------------------------------------ the adapter's own state
+def test_contexts_fork_grow_by_the_answer_and_are_freed():
+    for mode, appended in (("ok", TINY.encode("hello")), ("ok-ids", [7, 8, 9])):
+        bad = start_misbehaving(Script(mode=mode))
+        try:
+            engine = backend_engine(bad.url)
+
+            async def run(engine=engine) -> list:
+                await engine.fill(TINY.encode("ab"), 1)
+                await engine.fill(TINY.encode("c"), 2, parent_context_id=1)  # a fork: "abc"
+                chunks = [c async for c in engine.generate(P.SamplingParams(max_tokens=4), 2)]
+                ids = list(engine._contexts[2].ids)
+                parent = list(engine._contexts[1].ids)
+                await engine.free_context(2)
+                contexts = (await engine.stats()).num_contexts
+                await engine.close()
+                return [chunks, ids, parent, contexts]
+
+            chunks, ids, parent, contexts = asyncio.run(run())
+            assert bad.script.bodies[0]["prompt"] == "abc" and bad.script.bodies[0]["max_tokens"] == 4
+            assert "".join(c.text for c in chunks) == "hello" and chunks[-1].done
+            assert ids == TINY.encode("abc") + appended and parent == TINY.encode("ab") and contexts == 1
+        finally:
+            bad.stop()
+
+
+def test_at_most_max_inflight_requests_reach_a_backend():
+    bad = start_misbehaving(Script(mode="slow-ok"))
+    try:
+        engine = backend_engine(bad.url, max_inflight=1, timeout_s=10)
+
+        async def run() -> tuple:
+            for cid in (1, 2):
+                await engine.fill(TINY.encode("x"), cid)
+
+            async def gen(cid: int) -> str:
+                return "".join([c.text async for c in engine.generate(P.SamplingParams(max_tokens=4), cid)])
+
+            both = asyncio.gather(gen(1), gen(2))
+            await asyncio.sleep(0.5)
+            during = await engine.stats()
+            texts = await both
+            after = await engine.stats()
+            await engine.close()
+            return during, texts, after
+
+        during, texts, after = asyncio.run(run())
+        assert (during.num_running, during.num_waiting, during.token_load) == (1, 1, 1)
+        assert texts == ["late", "late"] and bad.script.completions == 2
+        assert (after.num_running, after.num_waiting, after.token_load, after.generates) == (0, 0, 0, 2)
+    finally:
+        bad.stop()
+
+
+def test_warming_sends_a_long_prefix_with_max_tokens_1_only_when_asked():
+    bad = start_misbehaving(Script(mode="ok"))
+    try:
+        long, short = TINY.encode("p" * 80), TINY.encode("q" * 10)
+        for warm in (False, True):
+            engine = backend_engine(bad.url, warm_prefix=warm, warm_min_tokens=64)
+
+            async def fill(engine=engine) -> None:
+                await engine.fill(long, 1)
+                await engine.fill(short, 2)
+                await engine.close()
+
+            asyncio.run(fill())
+        warmed = [b for b in bad.script.bodies if b["max_tokens"] == 1]
+        assert [(b["prompt"], b["stream"]) for b in warmed] == [("p" * 80, False)]
+    finally:
+        bad.stop()
+
+
+def test_the_tokenizer_check_passes_when_the_backend_agrees():
+    from parrot.manager.backend_connect import PROBE_TEXTS
+
+    agree = start_misbehaving(Script(mode="ok"))
+    try:
+        agree.script.tokenize = TINY.encode(PROBE_TEXTS[0])
+        # the second probe differs: the check reads every probe, so this fails on it
+        with pytest.raises(BackendSetupError, match="tokenizes '  spaces"):
+            connect_backend(agree.url, BackendOptions(kind="vllm"), TINY)
+    finally:
+        agree.stop()

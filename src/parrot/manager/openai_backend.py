@@ -133,8 +133,10 @@ class OpenAIBackend:
         return self._client
 
     async def close(self) -> None:
+        """Close the HTTP client (a later request opens a new one)."""
         if self._client is not None:
-            await self._client.aclose()
+            client, self._client = self._client, None
+            await client.aclose()
 
     # ------------------------------------------------------------ contexts
     async def fill(
