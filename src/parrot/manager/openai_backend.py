@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 BACKEND_KINDS = ("vllm", "sglang", "openai")
 _TOKEN_ID_KINDS = ("vllm", "sglang")  # servers whose /v1/completions takes a list[int] prompt
 _RETRYABLE_4XX = (408, 429)
+STATS_TIMEOUT_S = 5.0
+"""The longest a stats poll waits for ``GET /v1/models``: the manager polls every engine
+together, so one hung backend must not hold back the others' stats for long."""
 
 
 @dataclass
@@ -317,7 +320,7 @@ class OpenAIBackend:
         """The adapter's counters, once the backend answers ``GET /v1/models`` (an
         EngineError when it does not: the manager keeps a suspected backend out)."""
         try:
-            resp = await self._http().get("/v1/models")
+            resp = await self._http().get("/v1/models", timeout=min(self.options.timeout_s, STATS_TIMEOUT_S))
         except httpx.HTTPError as exc:
             raise EngineError(f"backend {self.url} unreachable: {exc!r}") from exc
         if resp.status_code >= 400:
