@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from parrot.manager.service import ManagerConfig
 
+from parrot.cli_backend import add_backend_args, register_backends
 from parrot.engine.kernels.options import KernelOptions, add_kernel_arguments  # torch-free
 from parrot.engine.latency_probe import LATENCY_FACTOR  # torch-free
 from parrot.protocol.cluster import CLUSTER_SECRET_ENV, client_tls, generate_secret, resolve_secret
@@ -287,6 +288,7 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds a call whose engine was lost waits for another engine before failing",
     )
     _add_tenant_args(serve)
+    add_backend_args(serve)
     _add_tls_args(serve, "engines")
     _add_engine_args(serve)
 
@@ -408,9 +410,15 @@ def serve(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     manager = Manager(manager_config(args))
     engine = None
-    if not args.no_engine:
+    if args.backend:
+        backends = register_backends(args, manager)
+        what = f"{len(backends)} {args.backend} backend(s) serving {backends[0].model_name}"
+    elif not args.no_engine:
         engine = _load_engine(args)
         manager.pool.register(engine, name="embedded")
+        what = "model " + engine.model_name
+    else:
+        what = "no embedded engine"
     app = create_app(manager)
     sock = _bind(args.host, args.port)
     tls = _tls(args, "parrot serve")
@@ -420,7 +428,7 @@ def serve(args: argparse.Namespace) -> None:
     print(
         f"parrot: manager ready at {'https' if tls else 'http'}://{host}:{port} "
         f"in {time.perf_counter() - started:.2f}s "
-        f"({'model ' + engine.model_name if engine else 'no embedded engine'})",
+        f"({what})",
         flush=True,
     )
     try:

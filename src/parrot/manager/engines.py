@@ -1,11 +1,13 @@
 """The pool of engines the manager can place calls on.
 
 An engine is registered either in-process (the embedded engine of
-``parrot serve``) or over HTTP by a separate ``parrot engine`` process, which
-then heartbeats its stats.  The manager polls an in-process engine's stats on
-the same interval instead (and once when it registers), so both kinds reach
-the scheduler the same way: through :meth:`EnginePool.heartbeat`.  A remote
-engine whose heartbeats stop for ``heartbeat_timeout_s`` is dropped;
+``parrot serve``), over HTTP by a separate ``parrot engine`` process, which
+then heartbeats its stats, or as an external OpenAI-compatible backend
+(:mod:`parrot.manager.openai_backend`, which has a URL but sends nothing).
+The manager polls the stats of in-process and external engines (``polled``)
+on the heartbeat interval instead (and once when they register), so every
+kind reaches the scheduler the same way: through :meth:`EnginePool.heartbeat`.
+A remote engine whose heartbeats stop for ``heartbeat_timeout_s`` is dropped;
 listeners learn of registrations (to poll) and drops (so the executor can
 re-run the calls it had there).
 """
@@ -35,7 +37,9 @@ class EngineHandle:
     api: EngineAPI
     name: str | None = None
     url: str | None = None  # None: in-process
+    polled: bool = False  # the manager asks for its stats (in-process and external engines)
     alive: bool = True
+    down_reason: str = ""  # why it was last suspected (cleared when it answers again)
     last_heartbeat: float = field(default_factory=clock.monotonic)
     stats: EngineStats = field(default_factory=EngineStats)
 
@@ -71,8 +75,13 @@ class EnginePool:
     def on_register(self, listener: Callable[[EngineHandle], None]) -> None:
         self._register_listeners.append(listener)
 
-    def register(self, api: EngineAPI, *, name: str | None = None, url: str | None = None) -> EngineHandle:
-        handle = EngineHandle(f"engine-{next(_engine_ids)}", api, name=name, url=url)
+    def register(
+        self, api: EngineAPI, *, name: str | None = None, url: str | None = None, polled: bool | None = None
+    ) -> EngineHandle:
+        """Add an engine; ``polled`` (default: in-process, i.e. no ``url``) when the manager
+        polls its stats instead of waiting for its heartbeats."""
+        polled = url is None if polled is None else polled
+        handle = EngineHandle(f"engine-{next(_engine_ids)}", api, name=name, url=url, polled=polled)
         self._engines[handle.engine_id] = handle
         for listener in self._register_listeners:
             listener(handle)
@@ -90,15 +99,16 @@ class EnginePool:
         handle = self.get(engine_id)
         handle.last_heartbeat = clock.monotonic()
         handle.stats = stats
-        handle.alive = True  # it answers again, if it had been suspected
+        handle.alive, handle.down_reason = True, ""  # it answers again, if it had been suspected
         return handle
 
-    def suspect(self, engine_id: str) -> None:
-        """An engine failed a request: place nothing new on it until it heartbeats
-        (a remote engine) or is dropped.  In-process engines are never suspected."""
+    def suspect(self, engine_id: str, reason: str = "") -> None:
+        """An engine failed a request: place nothing new on it until it heartbeats (a
+        remote engine), answers a poll (an external one) or is dropped.  In-process
+        engines are never suspected."""
         handle = self._engines.get(engine_id)
         if handle is not None and handle.url is not None:
-            handle.alive = False
+            handle.alive, handle.down_reason = False, reason
 
     def drop(self, engine_id: str, reason: str) -> None:
         handle = self._engines.pop(engine_id, None)
@@ -114,7 +124,7 @@ class EnginePool:
         stale = [
             h.engine_id
             for h in self._engines.values()
-            if h.url is not None and now - h.last_heartbeat > self.heartbeat_timeout_s
+            if h.url is not None and not h.polled and now - h.last_heartbeat > self.heartbeat_timeout_s
         ]
         for eid in stale:
             self.drop(eid, f"no heartbeat for more than {self.heartbeat_timeout_s:g}s")
@@ -122,6 +132,16 @@ class EnginePool:
 
     def candidates(self, model: str | None) -> list[EngineHandle]:
         return [h for h in self._engines.values() if h.alive and (model is None or h.model == model)]
+
+    def down(self, model: str | None) -> str:
+        """`` (engines not answering: ...)`` naming the suspected engines of ``model`` and
+        why, to end an error message with ("" if none)."""
+        down = "; ".join(
+            f"{h.engine_id} at {h.url}: {h.down_reason or 'not answering'}"
+            for h in self._engines.values()
+            if not h.alive and (model is None or h.model == model)
+        )
+        return f" (engines not answering: {down})" if down else ""
 
     def longest_context(self, model: str | None) -> EngineHandle | None:
         """The live engine for ``model`` with the longest context (None if there is none):

@@ -108,8 +108,10 @@ def engines_router(manager: Manager) -> APIRouter:
 
     @router.post("/v1/engines/{engine_id}/heartbeat", dependencies=[Depends(cluster_only)])
     async def heartbeat(engine_id: str, body: Heartbeat) -> dict:
-        if manager.pool.get(engine_id).url is None:
-            raise BadRequest(f"engine {engine_id} is in-process: the manager reads its stats itself")
+        if manager.pool.get(engine_id).polled:
+            raise BadRequest(
+                f"engine {engine_id} is in-process or an external backend: the manager polls its stats itself"
+            )
         manager.pool.heartbeat(engine_id, body.stats)
         manager.executor.kick()
         return {"ok": True}

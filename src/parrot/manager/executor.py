@@ -276,9 +276,9 @@ class Executor:
             self.order.leave(ticket.call)
             failed = True
             why = f" lost its engine ({ticket.lost}) and" if ticket.lost else ""
-            fail_call(ticket.call, NoEngine(f"call {call_id}{why} cannot be served: {reason}"))
-        if failed:
-            queue = [q for q in queue if q.call_id in self._queue]
+            down = self.pool.down(ticket.call.model)  # "" or " (engines not answering: ...)"
+            fail_call(ticket.call, NoEngine(f"call {call_id}{why} cannot be served: {reason}{down}"))
+        queue = [q for q in queue if q.call_id in self._queue] if failed else queue
         for placement in sched.schedule(queue):
             ticket = self._queue.pop(placement.call_id)
             ticket.engine = self.pool.get(placement.engine_id)
@@ -492,7 +492,7 @@ class Executor:
         except EngineError as exc:
             if call.state in ("done", "failed"):
                 return None
-            self.pool.suspect(handle.engine_id)  # no new work until it heartbeats again
+            self.pool.suspect(handle.engine_id, exc.message)  # no new work until it heartbeats again
             return exc.message
         except ParrotError as exc:
             fail_call(call, exc)

@@ -134,21 +134,24 @@ class Manager:
 
     # ------------------------------------------------------------- engines
     async def poll_engine_stats(self) -> None:
-        """One heartbeat for every in-process engine: ask it for its stats and record
-        them in the pool, where the scheduler reads them (remote engines send theirs)."""
-        local = [h for h in self.pool if h.url is None]
+        """One heartbeat for every polled engine (in-process or external): ask it for its
+        stats and record them in the pool, where the scheduler reads them (remote engines
+        send theirs)."""
+        local = [h for h in self.pool if h.polled]
         await asyncio.gather(*(self.refresh_stats(h) for h in local))
 
     async def refresh_stats(self, handle: EngineHandle) -> EngineStats:
-        """Ask an in-process engine for its stats now and record them (a remote engine's
-        are those of its last heartbeat).  An engine that fails to answer keeps its
-        previous stats; one dropped meanwhile is left alone."""
-        if handle.url is not None:
+        """Ask a polled engine for its stats now and record them (a remote engine's are
+        those of its last heartbeat).  An engine that fails to answer keeps its previous
+        stats and, if external, is suspected until it answers; one dropped meanwhile is
+        left alone."""
+        if not handle.polled:
             return handle.stats
         try:
             stats = await handle.api.stats()
         except Exception as exc:
             log.warning("engine %s: stats poll failed: %r", handle.engine_id, exc)
+            self.pool.suspect(handle.engine_id, str(getattr(exc, "message", exc)))
             return handle.stats
         caps = (handle.stats.token_capacity, handle.stats.latency_cap_tokens)
         try:
@@ -160,7 +163,7 @@ class Manager:
         return stats
 
     def _engine_registered(self, handle: EngineHandle) -> None:
-        """Poll a new in-process engine's stats at once.  Without a running event loop
+        """Poll a new polled engine's stats at once.  Without a running event loop
         (registered before the server starts) the first poll at start-up does it.
 
         Also computes its tokenizer's byte bound now, once (a pass over the vocabulary,
@@ -168,7 +171,7 @@ class Manager:
         tokenizer = getattr(handle.api, "tokenizer", None)
         if isinstance(tokenizer, TextTokenizer):
             _ = tokenizer.max_token_bytes
-        if handle.url is not None:
+        if not handle.polled:
             return
         try:
             loop = asyncio.get_running_loop()
