@@ -166,7 +166,8 @@ class _Tracer:
         try:
             self.markers.check(out)
         except MarkerDamaged as exc:
-            raise UnsupportedRunnable(r, f"{exc}; steps may move and format a model's text, not change it") from exc
+            why = f"{exc}; steps may move and format a model's text, not change it"
+            raise UnsupportedRunnable(r, why) from exc
         return out
 
     def _lambda(self, r: RunnableLambda, value: Any) -> Any:
