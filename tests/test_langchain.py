@@ -5,6 +5,9 @@ same pipeline run request by request, in one batch request."""
 
 from __future__ import annotations
 
+import importlib
+import sys
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -140,6 +143,7 @@ def test_chat_model_step_in_a_dag(live: LiveServer) -> None:
         expected = fn().get()
         assert session.session_id
     assert out == expected
+    assert out == chain.invoke({"thing": "a lighthouse"})  # request level: /v1/chat/completions
     with pytest.raises(UnsupportedRunnable, match=r"one human message, got \['system', 'human'\]"):
         two = ChatPromptTemplate.from_messages([("system", "S"), ("human", "{q}")])
         invoke_as_dag(two | chat, {"q": "x"})
@@ -180,3 +184,25 @@ def test_input_with_marker_characters_is_refused(live: LiveServer) -> None:
 def test_no_parrot_model_needs_a_url() -> None:
     with pytest.raises(ValueError, match="pass url="):
         invoke_as_dag(PromptTemplate.from_template("{q}") | StrOutputParser(), {"q": "x"})
+
+
+def test_map_reduce_example_runs_both_ways(live: LiveServer, capsys: pytest.CaptureFixture[str]) -> None:
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    sys.path.insert(0, str(examples))
+    try:
+        example = importlib.import_module("langchain_map_reduce")
+    finally:
+        sys.path.remove(str(examples))
+    since = len(live.requests)
+    result = example.main(["--url", live.url, "--max-tokens", "8", "--chunk-words", "150"])
+    out = capsys.readouterr().out
+    chunks = result["chunks"]
+    assert chunks > 5
+    assert result["dag"] == result["plain"] and result["dag"]
+    assert "outputs equal: yes" in out
+    assert f"{result['dag_s']:6.2f} s, one batch request" in out
+    assert f"{result['plain_s']:6.2f} s, {chunks + 1} chat completions" in out
+    seen = live.requests[since:]
+    assert seen.count(("POST", "/v1/chat/completions")) == 2 * (chunks + 1)  # untimed run + timed run
+    assert len(submissions(live, since)) - seen.count(("POST", "/v1/chat/completions")) == 1
+    assert not live.manager.sessions  # the DAG's session was closed
