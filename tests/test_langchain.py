@@ -206,3 +206,12 @@ def test_map_reduce_example_runs_both_ways(live: LiveServer, capsys: pytest.Capt
     assert seen.count(("POST", "/v1/chat/completions")) == 2 * (chunks + 1)  # untimed run + timed run
     assert len(submissions(live, since)) - seen.count(("POST", "/v1/chat/completions")) == 1
     assert not live.manager.sessions  # the DAG's session was closed
+
+
+def test_a_dag_over_the_batch_limit_is_refused_before_sending(live: LiveServer) -> None:
+    chain = (PromptTemplate.from_template("Q: {q}\nA:") | llm(live)).map()
+    since = len(live.requests)
+    with pytest.raises(P.BadRequest, match="at most 512 operations"):
+        invoke_as_dag(chain, [{"q": str(i)} for i in range(513)])
+    assert submissions(live, since) == []
+    assert not live.manager.sessions
