@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("langchain_core", reason="langchain-core is not installed (extra 'langchain')")
 
 from langchain_core.language_models.fake import FakeListLLM
-from langchain_core.messages import HumanMessage
+from langchain_core.messages import ChatMessage, HumanMessage
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate, PromptTemplate
 from langchain_core.runnables import RunnableLambda, RunnableParallel, RunnablePassthrough
@@ -86,6 +86,10 @@ def test_chat_model_answers_as_a_direct_chat_completion(live: LiveServer) -> Non
     lc_messages = [("system", "Be brief."), HumanMessage("Hello there")]
     assert chat.invoke(lc_messages).content == direct
     assert "".join(c.content for c in chat.stream(lc_messages)) == direct
+    since = len(live.requests)
+    with pytest.raises(ValueError, match="cannot send a 'chat' message"):
+        chat.invoke([ChatMessage(role="critic", content="Hello")])
+    assert live.requests[since:] == []
 
 
 def test_model_errors_name_the_problem(live: LiveServer) -> None:

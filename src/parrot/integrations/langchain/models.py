@@ -29,7 +29,7 @@ from pydantic import BaseModel, Field
 from parrot.protocol.errors import error_from_body
 
 DEFAULT_URL = "http://127.0.0.1:9000"
-_ROLES = {"human": "user", "ai": "assistant", "system": "system", "chat": "user"}
+_ROLES = {"human": "user", "ai": "assistant", "system": "system"}
 
 
 class ParrotParams(BaseModel):
