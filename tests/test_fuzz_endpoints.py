@@ -859,6 +859,9 @@ def test_the_routes_come_from_the_schemas(manager_target: Target, engine_target:
         "POST /v1/sessions/{session_id}/calls",
         "POST /v1/completions",
         "POST /v1/engines",
+        "GET /metrics",
+        "GET /docs",
+        "GET /redoc",
     } <= manager_routes
     engine_routes = {r.key for r in engine_target.routes}
     assert {"POST /fill", "POST /generate", "POST /free_context", "GET /stats"} <= engine_routes

@@ -26,7 +26,7 @@ import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI
-from fastapi.responses import StreamingResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -35,6 +35,7 @@ if str(ROOT) not in sys.path:
 from benchmarks.suite.clients import (  # noqa: E402 - after the sys.path line
     Delay,
     Router,
+    _snapshot,
     render_prompt,
     run_baseline_app,
     run_parrot_app,
@@ -70,14 +71,20 @@ class FakeOpenAI:
     seen: list[Seen] = field(default_factory=list)
     in_flight: int = 0
     max_in_flight: int = 0
+    metrics: str = ""  # what GET /metrics answers (vLLM's Prometheus text)
 
     def reset(self) -> None:
         self.seen.clear()
         self.in_flight = self.max_in_flight = 0
+        self.metrics = ""
 
 
 def _fake_app(state: FakeOpenAI) -> FastAPI:
     app = FastAPI()
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(state.metrics, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions")
     async def completions(body: dict[str, Any]) -> Any:
@@ -417,6 +424,62 @@ def test_run_workload_on_parrot_samples_engine_metrics(live) -> None:
     metrics = run.extra["engine_metrics"]
     assert metrics["counters_delta"]["generated_tokens"] >= 5 + 6 + 7
     assert "kv_tokens_used" in metrics["peaks"]
+
+
+# vLLM's /metrics as prometheus_client writes it (v0.10, trimmed): HELP and TYPE lines,
+# counters with their _created series, a histogram, label values with spaces and escapes
+VLLM_METRICS = r"""# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="Smol LM \"2\""} 3.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="Smol LM \"2\""} 0.25
+# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="Smol LM \"2\""} 1200.0
+# HELP vllm:prompt_tokens_created Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_created gauge
+vllm:prompt_tokens_created{engine="0",model_name="Smol LM \"2\""} 1.7e+09
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="Smol LM \"2\""} 3.0e+02
+# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="Smol LM \"2\""} 1000.0
+# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="Smol LM \"2\""} 640.0
+# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="Smol LM \"2\""} 0.0
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="Smol LM \"2\""} 4.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="Smol LM \"2\""} 5.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="Smol LM \"2\""} 5.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="Smol LM \"2\""} 0.9
+"""
+
+
+def test_vllm_metrics_are_read_with_prometheus_clients_parser_and_summed_over_servers(fake) -> None:
+    fake.metrics = VLLM_METRICS
+    system = SystemHandle("vllm", "openai", fake.url, "m", 2, backend="vllm", base_urls=[fake.url, fake.url])
+
+    async def snap() -> dict[str, float] | None:
+        async with httpx.AsyncClient(timeout=10) as client:
+            return await _snapshot(client, system)
+
+    assert asyncio.run(snap()) == {
+        "vllm:num_requests_running": 6.0,
+        "vllm:kv_cache_usage_perc": 0.5,
+        "vllm:prompt_tokens_total": 2400.0,
+        "vllm:generation_tokens_total": 600.0,
+        "vllm:prefix_cache_queries_total": 2000.0,
+        "vllm:prefix_cache_hits_total": 1280.0,
+        "vllm:num_preemptions_total": 0.0,
+    }
+    fake.metrics = 'vllm:num_requests_running{engine="0" 3.0\n'  # cut off: not the format
+    assert asyncio.run(snap()) is None  # a bad scrape is skipped, not half-read
 
 
 # ------------------------------------------------------------------ command line

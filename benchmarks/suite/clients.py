@@ -53,6 +53,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 import parrot as P
 
@@ -437,15 +438,14 @@ async def run_baseline_app(
 
 # ------------------------------------------------------------------ server metrics
 def _prometheus_sums(text: str, names: tuple[str, ...]) -> dict[str, float]:
-    """Sum of every sample of each metric in ``names`` (all label sets) in Prometheus text."""
+    """Sum of every sample named in ``names`` (all label sets) in Prometheus text, read with
+    prometheus_client's parser (a counter's samples are named with their ``_total``).
+    Raises ValueError for text that is not the Prometheus format."""
     sums: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        metric = line.split("{", 1)[0].split(" ", 1)[0]
-        if metric in names:
-            with contextlib.suppress(ValueError, IndexError):
-                sums[metric] = sums.get(metric, 0.0) + float(line.rsplit(" ", 1)[1])
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in names:
+                sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
     return sums
 
 

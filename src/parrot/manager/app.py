@@ -4,8 +4,11 @@ The routes are thin (parse, authorize, delegate to :class:`Manager`, serialise)
 and live in one router per resource: :mod:`parrot.manager.sessions_api`
 (sessions, variables, calls), :mod:`parrot.manager.engines_api` (the engine
 pool, behind the cluster secret), :mod:`parrot.manager.openai_api`
-(``/v1/completions``, ``/v1/models``) and :mod:`parrot.manager.openai_chat`
-(``/v1/chat/completions``).  OpenAPI schema at ``/openapi.json``.
+(``/v1/completions``, ``/v1/models``), :mod:`parrot.manager.openai_chat`
+(``/v1/chat/completions``) and :mod:`parrot.manager.metrics_api` (``/metrics``,
+Prometheus).  OpenAPI schema at ``/openapi.json``, browsable at ``/docs``
+(Swagger UI) and ``/redoc``, both served with their scripts from the
+``fastapi-offline`` package, so they work without internet access.
 
 With API keys (``ManagerConfig.api_keys``), opening a session and
 ``/v1/completions`` need one (``Authorization: Bearer <key>``; 401 without);
@@ -24,9 +27,11 @@ import logging
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
+from fastapi_offline import FastAPIOffline
 
 from parrot.manager.engines import EngineHandle
 from parrot.manager.engines_api import engines_router
+from parrot.manager.metrics_api import RequestCounter, metrics_router
 from parrot.manager.openai_api import openai_router
 from parrot.manager.openai_chat import chat_router
 from parrot.manager.remote_engine import RemoteEngine
@@ -53,7 +58,7 @@ def create_app(manager: Manager) -> FastAPI:
             expirer.cancel()
             await manager.executor.drain()
 
-    app = FastAPI(
+    app = FastAPIOffline(
         title="Parrot manager",
         version="0.1.0",
         lifespan=lifespan,
@@ -63,6 +68,7 @@ def create_app(manager: Manager) -> FastAPI:
     install_error_handlers(app)
     manager.pool.on_drop(_close_remote_client)
     app.add_middleware(BodyLimitMiddleware, max_bytes=manager.config.max_body_bytes)
+    app.add_middleware(RequestCounter, metrics=manager.metrics)  # outermost: counts 413s too
     app.state.manager = manager
 
     @app.get("/healthz")
@@ -73,6 +79,7 @@ def create_app(manager: Manager) -> FastAPI:
     app.include_router(engines_router(manager))
     app.include_router(openai_router(manager))
     app.include_router(chat_router(manager))
+    app.include_router(metrics_router(manager, manager.metrics))
     return app
 
 

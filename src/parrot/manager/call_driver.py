@@ -5,7 +5,8 @@ the text before each output (the engine reuses any cached prefix of it),
 generate the output (streaming each piece of text into the variable's
 ``partial``), apply the output's transform, materialise the value, which may
 make consumer calls ready (handed to ``on_ready``).  No value travels to the
-client on the way.
+client on the way.  With ``metrics``, each run's time from placement to its first
+token and each output's time per output token are observed.
 
 Invariants: the call is marked done as its last value is set, before anything
 else is awaited, so whoever reads that value and then the call sees it done;
@@ -20,6 +21,7 @@ from collections.abc import Callable
 
 from parrot.manager.engines import EngineHandle
 from parrot.manager.graph import Call, materialise
+from parrot.manager.metrics import ManagerMetrics
 from parrot.manager.render import FillStep, Rendered
 from parrot.protocol import clock
 from parrot.protocol.errors import CallFailed
@@ -28,9 +30,14 @@ __all__ = ["drive"]
 
 
 async def drive(
-    call: Call, handle: EngineHandle, rendered: Rendered, on_ready: Callable[[Call], None]
+    call: Call,
+    handle: EngineHandle,
+    rendered: Rendered,
+    on_ready: Callable[[Call], None],
+    metrics: ManagerMetrics | None = None,
 ) -> None:
-    """Run ``rendered``'s steps for ``call`` on ``handle`` (see the module docstring).
+    """Run ``rendered``'s steps for ``call`` on ``handle`` (see the module docstring),
+    observing its time to first token and each output's time per token in ``metrics``.
     Engine failures propagate (an EngineError); the caller decides about re-running."""
     api = handle.api
     context_id = handle.new_context_id()
@@ -43,6 +50,7 @@ async def drive(
                 continue
             out = step.output
             text: list[str] = []
+            tokens, first_at, last_at = 0, 0.0, 0.0
             async for chunk in api.generate(out.sampling, context_id):
                 if chunk.finish_reason == "cancelled":  # the manager never cancels this way
                     raise CallFailed(
@@ -50,13 +58,21 @@ async def drive(
                         f"{call.generated_tokens} tokens because its context was freed or "
                         "cancelled from outside the manager"
                     )
-                if chunk.token_ids and call.first_token_at is None:
-                    call.first_token_at = clock.wall()
+                if chunk.token_ids:
+                    last_at = clock.monotonic()
+                    first_at = first_at if tokens else last_at
+                    tokens += len(chunk.token_ids)
+                    if call.first_token_at is None:
+                        call.first_token_at = clock.wall()
+                        if metrics is not None and call.dispatched_at is not None:
+                            metrics.first_token(handle.engine_id, call.first_token_at - call.dispatched_at)
                 if chunk.text:
                     text.append(chunk.text)
                     out.var.partial.append(chunk.text)
                     out.var.notify()
                 call.generated_tokens += len(chunk.token_ids)
+            if metrics is not None:
+                metrics.output_done(handle.engine_id, tokens, first_at, last_at)
             value = "".join(text)
             if out.transform is not None:  # off the loop: a regex may take its whole budget
                 value = await asyncio.to_thread(out.transform.apply, value)

@@ -1,35 +1,30 @@
 """Runs calls as soon as their inputs exist, entirely inside the server.
 
-A call that becomes ready joins the executor's queue.  A scheduling round
-(run on every event that may change a decision — a call ready or finished,
-an engine joining, a session gaining a call or a criterion — and on a short
-tick while calls wait) deduces each
-session's objectives from its DAG (:mod:`parrot.manager.objectives`; only
-sessions that changed are deduced again), snapshots the engines (only those
-that changed), and asks the scheduler (:mod:`parrot.manager.scheduler`, the
-paper's Algorithm 1) where queued calls go.  A placed call's
-prefix keys are recorded for its engine, so later calls sharing a prefix go
-where the engine's prefix cache holds it.  A placed call renders its prompt
-from the materialised inputs and drives its engine
-(:func:`~parrot.manager.call_driver.drive`); its outputs may make consumer
-calls ready, which are queued in turn.  No value travels to the client on the
-way.
+A call that becomes ready joins the executor's queue. A scheduling round (run on every
+event that may change a decision — a call ready or finished, an engine joining, a
+session gaining a call or a criterion — and on a short tick while calls wait) deduces
+each session's objectives from its DAG (:mod:`parrot.manager.objectives`; only
+sessions that changed are deduced again), snapshots the engines (only those that
+changed), and asks the scheduler (:mod:`parrot.manager.scheduler`, the paper's
+Algorithm 1) where queued calls go. A placed call's prefix keys are recorded for its
+engine, so later calls sharing a prefix go where the engine's prefix cache holds it. A
+placed call renders its prompt from the materialised inputs and drives its engine
+(:func:`~parrot.manager.call_driver.drive`); its outputs may make consumer calls
+ready, which are queued in turn. No value travels to the client on the way.
 
-Queue order: application-level FIFO within a tenant, fair turns between
-tenants (:mod:`parrot.manager.queue_order`).  The module's parts: the
-objectives (:mod:`parrot.manager.objective_cache`), the engines' loads and the
-scheduler's view of them (:mod:`parrot.manager.engine_loads`), one run of a
-call on its engine (:mod:`parrot.manager.call_driver`); this module queues,
-places, runs and retries.
+Queue order: application-level FIFO within a tenant, fair turns between tenants
+(:mod:`parrot.manager.queue_order`).  Its parts: objectives (:mod:`~parrot.manager.objective_cache`),
+engine loads (:mod:`~parrot.manager.engine_loads`), one run of a call on its engine
+(:mod:`~parrot.manager.call_driver`); this module queues, places, runs and retries, and
+observes each call's queue wait (:mod:`parrot.manager.metrics`).
 
-Guarantees: every call ends ``done`` or ``failed``; an unexpected error
-while one queued call is scheduled fails that call alone (rounds go on); a
-failure fails the call's outputs and everything downstream; a call no engine
-can ever serve fails at once, one that waits longer than ``queue_timeout_s``
-fails with a timeout; a call whose engine is lost before any of its outputs
-materialised is queued again and re-run elsewhere (waiting up to
-``engine_wait_s`` for an engine); the engine context of a call is freed
-however the call ends.
+Guarantees: every call ends ``done`` or ``failed``; an unexpected error while one
+queued call is scheduled fails that call alone (rounds go on); a failure fails the
+call's outputs and everything downstream; a call no engine can ever serve fails at
+once, one that waits longer than ``queue_timeout_s`` fails with a timeout; a call
+whose engine is lost before any of its outputs materialised is queued again and re-run
+elsewhere (waiting up to ``engine_wait_s`` for an engine); the engine context of a
+call is freed however the call ends.
 """
 
 from __future__ import annotations
@@ -45,6 +40,7 @@ from parrot.manager.call_driver import drive
 from parrot.manager.engine_loads import EngineLoads, PlacedShare
 from parrot.manager.engines import EngineHandle, EnginePool
 from parrot.manager.graph import Call, fail_call
+from parrot.manager.metrics import ManagerMetrics
 from parrot.manager.objective_cache import ObjectiveCache
 from parrot.manager.prefix import PrefixIndex, prefix_keys
 from parrot.manager.queue_order import QueueOrder
@@ -72,10 +68,8 @@ class _Ticket:
     call: Call
     arrival: int  # when it was first queued, in the executor's order of queueing
     queued_at: float = field(default_factory=clock.monotonic)
-    # Estimated KV tokens of its own: prompt + max new tokens, less ``shared_prefix``'s.
-    tokens: int | None = None
-    # (key, tokens) of its leading constant text when long enough to be shared (a system
-    # prompt): an engine's load counts it once however many calls there fork from it.
+    tokens: int | None = None  # estimated KV tokens of its own: prompt + max new tokens, less shared_prefix's
+    # (key, tokens) of a leading constant text long enough to share (a system prompt): counted once per engine
     shared_prefix: tuple[str, int] | None = None
     rendered: dict[str, Rendered] = field(default_factory=dict)  # by model
     attempts: int = 0
@@ -86,8 +80,7 @@ class _Ticket:
     prefix_keys: tuple[str, ...] = ()
     started: bool = False  # its task began running (a task cancelled before that never runs at all)
     queued: QueuedCall | None = None  # what the last round saw (reused while nothing changes)
-    # long text of its prompt, tokenized off the loop before a round renders it
-    token_source: TokenSource | None = None
+    token_source: TokenSource | None = None  # its long prompt text, tokenized off the loop first
     tokenizing: asyncio.Task[None] | None = None  # while that runs, rounds pass the call over
 
 
@@ -106,6 +99,7 @@ class Executor:
         queue_timeout_s: float | None = 600.0,
         app_fifo: bool = True,
         inline_tokenize_bytes: int | None = INLINE_TOKENIZE_BYTES,
+        metrics: ManagerMetrics | None = None,
     ):
         self.pool = pool
         self.prefixes = prefixes or PrefixIndex()
@@ -116,6 +110,7 @@ class Executor:
         self.queue_timeout_s = queue_timeout_s
         self.app_fifo = app_fifo
         self.inline_tokenize_bytes = inline_tokenize_bytes
+        self.metrics = metrics or ManagerMetrics()  # queue waits here, token timings in drive()
         self.loads = EngineLoads(pool, self.prefixes, engine_token_capacity)
         self.order = QueueOrder()
         self.objectives = ObjectiveCache(calls_of_session)
@@ -133,6 +128,10 @@ class Executor:
     def task(self, call_id: str) -> asyncio.Task[None] | None:
         """The task running a placed call, if any."""
         return self._tasks.get(call_id)
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
 
     def snapshots(self) -> list[EngineSnapshot]:
         """What the scheduler knows of each engine in the pool, built afresh."""
@@ -285,6 +284,7 @@ class Executor:
             self.prefixes.record(placement.engine_id, ticket.prefix_keys)
             ticket.call.placement = placement.reason
             ticket.call.dispatched_at = clock.wall()
+            self.metrics.placed(placement.engine_id, now - ticket.queued_at)
             self.order.served(ticket.call)
             self._start(ticket)
 
@@ -480,7 +480,7 @@ class Executor:
             call.prompt_tokens = rendered.prompt_tokens
             call.state = "running"
             call.started_at, call.first_token_at = clock.wall(), None
-            await drive(call, handle, rendered, self.dispatch)
+            await drive(call, handle, rendered, self.dispatch, self.metrics)
         except asyncio.CancelledError as exc:
             lost = exc.args[0] if exc.args and isinstance(exc.args[0], _EngineLost) else None
             if lost is None or call.state in ("done", "failed"):

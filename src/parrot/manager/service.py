@@ -43,6 +43,7 @@ from parrot.manager.graph import (
     materialise,
     new_id,
 )
+from parrot.manager.metrics import ManagerMetrics
 from parrot.manager.prefix import PrefixIndex
 from parrot.manager.render import check_chat_shape, check_starts_with_text, render
 from parrot.manager.scheduler import SchedulerConfig
@@ -94,6 +95,7 @@ def _hash_token(token: str) -> bytes:
 class Manager:
     def __init__(self, config: ManagerConfig | None = None):
         self.config = config or ManagerConfig()
+        self.metrics = ManagerMetrics()  # its own registry: managers in one process never mix series
         self.pool = EnginePool(heartbeat_timeout_s=self.config.heartbeat_timeout_s)
         self.executor = Executor(
             self.pool,
@@ -114,6 +116,7 @@ class Manager:
             engine_wait_s=self.config.engine_wait_s,
             app_fifo=self.config.app_fifo,
             inline_tokenize_bytes=self.config.inline_tokenize_bytes,
+            metrics=self.metrics,
         )
         self.sessions: dict[str, Session] = {}
         self.api_keys = ApiKeys(self.config.api_keys)
@@ -123,6 +126,7 @@ class Manager:
         self._tokens: TokenSource | None = None
         self._polls: set[asyncio.Task[EngineStats]] = set()  # stats polls of newly registered engines
         self.pool.on_register(self._engine_registered)
+        self.metrics.watch(self)
 
     def _unfinished_calls(self, session_id: str) -> list[Call]:
         session = self.sessions.get(session_id)
