@@ -5,7 +5,8 @@ and live in one router per resource: :mod:`parrot.manager.sessions_api`
 (sessions, variables, calls), :mod:`parrot.manager.engines_api` (the engine
 pool, behind the cluster secret), :mod:`parrot.manager.openai_api`
 (``/v1/completions``, ``/v1/models``) and :mod:`parrot.manager.openai_chat`
-(``/v1/chat/completions``).  OpenAPI schema at ``/openapi.json``.
+(``/v1/chat/completions``), :mod:`parrot.manager.ui_api` (the session page,
+``/ui/sessions/{id}``).  OpenAPI schema at ``/openapi.json``.
 
 With API keys (``ManagerConfig.api_keys``), opening a session and
 ``/v1/completions`` need one (``Authorization: Bearer <key>``; 401 without);
@@ -32,6 +33,7 @@ from parrot.manager.openai_chat import chat_router
 from parrot.manager.remote_engine import RemoteEngine
 from parrot.manager.service import Manager
 from parrot.manager.sessions_api import sessions_router
+from parrot.manager.ui_api import ui_router
 from parrot.protocol.asgi import BodyLimitMiddleware, OffLoopJsonRoute, install_error_handlers
 
 __all__ = ["create_app"]
@@ -73,6 +75,7 @@ def create_app(manager: Manager) -> FastAPI:
     app.include_router(engines_router(manager))
     app.include_router(openai_router(manager))
     app.include_router(chat_router(manager))
+    app.include_router(ui_router())
     return app
 
 
