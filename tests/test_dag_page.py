@@ -4,8 +4,9 @@ right nodes and edges, shows each call's figures, updates as a call finishes, an
 shows the API's refusal when its token is wrong or missing.
 
 Chromium and ChromeDriver come from the system's packages (``scripts/test.sh``
-installs them with apt-get when missing); the tests skip, saying so, only where
-neither is installed.  The browser reaches nothing but the loopback server."""
+installs them with apt-get when missing; ``PARROT_CHROMIUM`` and
+``PARROT_CHROMEDRIVER`` name others); the tests skip, saying so, only where they are
+not installed.  The browser reaches nothing but the loopback server."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 import parrot as P
 
-CHROMIUM = os.environ.get("PARROT_CHROMIUM", "/usr/bin/chromium")
-CHROMEDRIVER = os.environ.get("PARROT_CHROMEDRIVER", "/usr/bin/chromedriver")
+CHROMIUM = os.environ.get("PARROT_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+CHROMEDRIVER = os.environ.get("PARROT_CHROMEDRIVER") or shutil.which("chromedriver") or "/usr/bin/chromedriver"
 FLAGS = (
     "--headless",
     "--no-sandbox",
