@@ -24,7 +24,9 @@ from selenium.webdriver.support.ui import WebDriverWait
 import parrot as P
 
 CHROMIUM = os.environ.get("PARROT_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
-CHROMEDRIVER = os.environ.get("PARROT_CHROMEDRIVER") or shutil.which("chromedriver") or "/usr/bin/chromedriver"
+CHROMEDRIVER = (
+    os.environ.get("PARROT_CHROMEDRIVER") or shutil.which("chromedriver") or "/usr/bin/chromedriver"
+)
 FLAGS = (
     "--headless",
     "--no-sandbox",
