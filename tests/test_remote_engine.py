@@ -135,6 +135,9 @@ def test_engine_registers_heartbeats_and_serves_an_app_like_the_embedded_engine(
         assert call["engine_id"] == engine_id, call
         assert call["generated_tokens"] == PROMPT_TOKENS, call
         assert call["error"] is None
+        # the engine's fills said over HTTP how many prompt tokens its prefix cache gave
+        assert isinstance(call["prefix_reused_tokens"], int) and call["prefix_reused_tokens"] >= 0, call
+        assert call["prefix_reused_tokens"] + call["filled_tokens"] == call["prompt_tokens"], call
     assert all(values), values
 
     # The manager never polls a remote engine: only heartbeats can carry its stats.
