@@ -155,3 +155,24 @@ def test_page_data_requests_without_the_right_token_are_refused(live):
         for r in (missing, wrong, foreign, absent):
             assert "secret" not in r.text and out.id not in r.text
         assert [c["state"] for c in s.graph()["calls"]] == ["done"]
+
+
+def test_prefix_figures_are_unknown_when_the_engine_does_not_say():
+    """An engine whose fill answers nothing about its prefix cache (here a fake one):
+    the call's figures are None, not a guess."""
+    from parrot.manager.service import Manager
+    from tests.conftest import start_server
+    from tests.fake_engine import GatedEngine
+
+    manager = Manager()
+    manager.pool.register(GatedEngine(), name="gated")
+    live = start_server(manager)
+    f = P.template_function("x {{input:a}} {{output:b}}", b=P.Output(max_tokens=2))
+    try:
+        with P.connect(live.url) as s:
+            assert s.call(f, a="1").get(timeout=30) == "A"
+            [call] = s.graph()["calls"]
+        assert call["state"] == "done" and call["prompt_tokens"] > 0
+        assert call["prefix_reused_tokens"] is None and call["filled_tokens"] is None
+    finally:
+        live.stop()
