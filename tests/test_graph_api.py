@@ -176,3 +176,12 @@ def test_prefix_figures_are_unknown_when_the_engine_does_not_say():
         assert call["prefix_reused_tokens"] is None and call["filled_tokens"] is None
     finally:
         live.stop()
+
+
+def test_graph_text_is_capped_for_the_whole_answer(live, monkeypatch):
+    """Past the answer's budget of text, later variables' text is cut (and says so)."""
+    monkeypatch.setattr("parrot.manager.sessions_api.MAX_GRAPH_TEXT_CHARS", 25)
+    with P.connect(live.url) as s:
+        made = [s.variable(value=c * 10) for c in "abc"]
+        texts = {v["var_id"]: (v["text"], v["text_truncated"]) for v in s.graph(value_chars=100)["variables"]}
+    assert [texts[v.id] for v in made] == [("a" * 10, False), ("b" * 10, False), ("c" * 5, True)]

@@ -17,7 +17,7 @@ from fastapi.responses import StreamingResponse
 from parrot.manager.batch import apply_batch
 from parrot.manager.service import Manager
 from parrot.manager.var_stream import variable_events
-from parrot.manager.views import MAX_GRAPH_VALUE_CHARS, call_info, var_info, var_text
+from parrot.manager.views import MAX_GRAPH_TEXT_CHARS, MAX_GRAPH_VALUE_CHARS, call_info, var_info, var_text
 from parrot.protocol.asgi import OffLoopJsonRoute, bearer_token, ndjson_line
 from parrot.protocol.schemas import (
     BatchRequest,
@@ -168,15 +168,19 @@ def sessions_router(manager: Manager) -> APIRouter:
         ] = 0,
         authorization: Auth = None,
     ) -> dict:
-        """The session's calls and variables.  Consistent with reads: a variable shown
+        """The session's calls and variables (with ``value_chars``, each variable's text,
+        at most MAX_GRAPH_TEXT_CHARS in all).  Consistent with reads: a variable shown
         ready is readable, and a call is shown done once its last output is ready (a
         call's earlier outputs are readable, and shown ready, while it still runs)."""
         session = manager.authorize(session_id, bearer_token(authorization))
         variables = []
+        budget = MAX_GRAPH_TEXT_CHARS  # for the whole answer
         for v in session.variables.values():
             info = var_info(v).model_dump(exclude={"value"})
             if value_chars:
-                info["text"], info["text_truncated"] = var_text(v, value_chars)
+                text, cut = var_text(v, min(value_chars, budget))
+                budget -= len(text)
+                info["text"], info["text_truncated"] = text, cut
             variables.append(info)
         return {"calls": [call_info(c).model_dump() for c in session.calls.values()], "variables": variables}
 

@@ -6,12 +6,17 @@ from parrot.manager.graph import Call, Variable
 from parrot.protocol.errors import ParrotError
 from parrot.protocol.schemas import CallInfo, ErrorInfo, VariableInfo
 
-__all__ = ["MAX_GRAPH_VALUE_CHARS", "call_info", "error_info", "var_info", "var_text"]
+__all__ = ["MAX_GRAPH_TEXT_CHARS", "MAX_GRAPH_VALUE_CHARS", "call_info", "error_info", "var_info", "var_text"]
 
 MAX_GRAPH_VALUE_CHARS = 65536
 """The most characters of each variable's text one ``/graph`` answer carries (its
 ``value_chars``): a page polling a session twice a second must not move whole
 large values each time."""
+
+MAX_GRAPH_TEXT_CHARS = 1 << 20
+"""The most characters of variables' text one ``/graph`` answer carries in all: past
+it, the remaining variables' text is cut to nothing (``text_truncated``), so one
+answer stays small enough to build on the event loop whatever the session holds."""
 
 
 def error_info(err: ParrotError | None) -> ErrorInfo | None:
