@@ -3,6 +3,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# The session page's browser tests (tests/test_dag_page.py) drive the system's Chromium
+# through its ChromeDriver: install both when missing (never a downloaded browser).
+# Where that cannot be done, those tests skip and say why.
+if ! { command -v chromium && command -v chromedriver; } >/dev/null 2>&1 && command -v apt-get >/dev/null; then
+    as_root=()
+    if [ "$(id -u)" -ne 0 ]; then as_root=(sudo -n); fi
+    { "${as_root[@]}" apt-get update -qq \
+        && "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; } \
+        || echo "scripts/test.sh: could not install chromium and chromium-driver; the browser tests will skip" >&2
+fi
 . .venv/bin/activate
 ruff check src tests examples
 python -m pytest "$@"

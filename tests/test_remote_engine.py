@@ -135,6 +135,9 @@ def test_engine_registers_heartbeats_and_serves_an_app_like_the_embedded_engine(
         assert call["engine_id"] == engine_id, call
         assert call["generated_tokens"] == PROMPT_TOKENS, call
         assert call["error"] is None
+        # the engine's fills said over HTTP how many prompt tokens its prefix cache gave
+        assert isinstance(call["prefix_reused_tokens"], int) and call["prefix_reused_tokens"] >= 0, call
+        assert call["prefix_reused_tokens"] + call["filled_tokens"] == call["prompt_tokens"], call
     assert all(values), values
 
     # The manager never polls a remote engine: only heartbeats can carry its stats.
@@ -296,7 +299,7 @@ def test_engine_http_api(procs: Procs, tiny_model: LoadedModel, tiny_engine: Loc
     prompt = tokenizer.encode("Once upon a time")
     extra = tokenizer.encode(", far away")
     a, b = 10_001, 10_002
-    assert _post(eng, "/fill", {"tokens": prompt, "context_id": a}).json() == {"ok": True}
+    assert _post(eng, "/fill", {"tokens": prompt, "context_id": a}).json() == {"ok": True, "cached_tokens": 0}
     # b forks a's current KV (the prompt) and appends more tokens
     resp = _post(eng, "/fill", {"tokens": extra, "context_id": b, "parent_context_id": a})
     assert resp.status_code == 200, resp.text
@@ -356,6 +359,17 @@ def test_engine_http_api(procs: Procs, tiny_model: LoadedModel, tiny_engine: Loc
     )
     assert [t for ln in more[1] for t in ln["token_ids"]] == local_b_more
     assert _post(eng, "/free_context", {"context_id": b}).status_code == 200
+
+    # ---- a fill says how many of its tokens came from the prefix cache: whole blocks,
+    # never the last token
+    long = tokenizer.encode("the lamp in the lighthouse turns all night " * 12)
+    block = stats["kv_block_size"]
+    first = _post(eng, "/fill", {"tokens": long, "context_id": 10_007}).json()
+    again = _post(eng, "/fill", {"tokens": long, "context_id": 10_008}).json()
+    assert first == {"ok": True, "cached_tokens": 0}
+    assert again == {"ok": True, "cached_tokens": (len(long) - 1) // block * block} and len(long) > 2 * block
+    for ctx in (10_007, 10_008):
+        assert _post(eng, "/free_context", {"context_id": ctx}).status_code == 200
 
     # ---- the manager's client for this API rebuilds the engine's errors
     async def through_remote_engine() -> None:

@@ -71,8 +71,10 @@ def create_engine_app(
 
     @protected.post("/fill")
     async def fill(body: FillRequest) -> dict:
-        await engine.fill(body.tokens, body.context_id, body.parent_context_id, cache_salt=body.cache_salt)
-        return {"ok": True}
+        reused = await engine.fill(
+            body.tokens, body.context_id, body.parent_context_id, cache_salt=body.cache_salt
+        )
+        return {"ok": True, "cached_tokens": reused}
 
     @protected.post("/generate", response_class=StreamingResponse)
     async def generate(body: GenerateRequest) -> StreamingResponse:

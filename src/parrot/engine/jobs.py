@@ -16,7 +16,7 @@ from parrot.protocol.tokenizer import IncrementalDecoder
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ChunkCallback", "FinishCallback", "Job", "check_token_ids", "finish_job"]
+__all__ = ["ChunkCallback", "FinishCallback", "Job", "check_token_ids", "finish_job", "reused_of"]
 
 FinishCallback = Callable[[ParrotError | None], None]
 ChunkCallback = Callable[[GenerateChunk], None]
@@ -34,6 +34,7 @@ class Job:
     on_finish: FinishCallback | None = None
     internal: bool = False  # a flush the runner made itself
     cache_salt: str = ""  # the prefix-cache salt of the context it creates (a fill's)
+    cached_tokens: int = 0  # pending tokens whose KV it took from the prefix cache
     ctx: Context | None = None  # set once admitted; the job then owns ``ctx.busy``
     cancelled: bool = False
     arrival: int = 0  # first-come first-served order, kept across preemptions
@@ -59,6 +60,13 @@ def finish_job(job: Job, error: ParrotError | None, finish_reason: str | None = 
     if job.on_finish is not None:
         job.on_finish(error)
         job.on_finish = None
+
+
+def reused_of(job: Job) -> int:
+    """How many of a fill's own tokens took their KV from the prefix cache: at most its
+    token count (a context preempted and resumed may take back blocks it computed itself;
+    those count once, as the fill's tokens)."""
+    return min(job.cached_tokens, len(job.tokens))
 
 
 def check_token_ids(tokens: Sequence[int], vocab_size: int) -> list[int]:

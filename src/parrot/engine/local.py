@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from parrot.engine.config import EngineConfig
-from parrot.engine.jobs import check_token_ids
+from parrot.engine.jobs import check_token_ids, reused_of
 from parrot.engine.loader import LoadedModel
 from parrot.engine.runner import EngineRunner, Job
 from parrot.protocol.errors import ParrotError
@@ -159,19 +159,21 @@ class LocalEngine:
         context_id: int,
         parent_context_id: int | None = None,
         cache_salt: str = "",
-    ) -> None:
+    ) -> int:
+        """Append ``tokens`` (see the module); returns how many of them took their KV from
+        the prefix cache instead of being computed."""
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
+        fut: asyncio.Future[int] = loop.create_future()
         job = Job(
             context_id,
             parent_context_id,
             tokens=self._check_tokens(tokens),
             cache_salt=cache_salt,
-            on_finish=lambda err: loop.call_soon_threadsafe(_settle, fut, None, err),
+            on_finish=lambda err: loop.call_soon_threadsafe(_settle, fut, reused_of(job), err),
         )
         self.runner.submit(job)
         try:
-            await fut
+            return await fut
         except asyncio.CancelledError:
             self.runner.call(lambda: self.runner.cancel(job), lambda *_: None)
             raise

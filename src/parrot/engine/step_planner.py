@@ -290,7 +290,9 @@ class StepPlanner:
             ctx = job.ctx
             assert ctx is not None
             if ctx.num_pending > 1:
-                self.counters["cached_tokens"] += self.contexts.reuse_cached(ctx)
+                reused = self.contexts.reuse_cached(ctx)
+                self.counters["cached_tokens"] += reused
+                job.cached_tokens += reused
             if ctx.num_pending == 1:
                 decodes.append((job, SeqSlice(ctx, ctx.computed_len, 1)))
         budget = self.max_step_tokens - len(decodes)

@@ -350,6 +350,15 @@ class AsyncSession(SessionBase):
             var._pending = job
         return one_or_tuple(outputs)
 
+    async def graph(self, value_chars: int = 0) -> dict[str, Any]:
+        """The session's DAG as the manager sees it once everything queued so far was
+        sent (see :meth:`Session.graph <parrot.frontend.sync_session.Session.graph>`)."""
+        params = self._graph_params(value_chars)
+        await self.flush()
+        if self.session_id is None:
+            raise NoSession(f"session to {self.url} has no manager session yet: nothing was sent")
+        return await self._request("GET", f"{self._sp}/graph", params=params)
+
     def variable(self, value: str | None = None, name: str | None = None) -> SemanticVariable:
         """Queue the creation of a variable (or record it in a batch); returns it at once (id pending)."""
         body = create_body(value, name)

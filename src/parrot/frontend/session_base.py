@@ -72,6 +72,22 @@ class SessionBase:
     def _sp(self) -> str:
         return f"/v1/sessions/{quote_part(self.session_id or '')}"
 
+    @property
+    def ui_url(self) -> str:
+        """The manager's page that draws this session's DAG as it runs
+        (``/ui/sessions/{id}``), with the session's token in the URL's fragment
+        (``#token=...``): browsers never send a fragment to the server, and the page's
+        script presents it as the ``Authorization`` header of its data requests.  The URL
+        gives whoever holds it read access to the session: share it as the token."""
+        if self.session_id is None or self.token is None:
+            raise NoSession(f"session to {self.url} is not open yet: it has no page")
+        return f"{self.url}/ui/sessions/{quote_part(self.session_id)}#token={quote_part(self.token)}"
+
+    def _graph_params(self, value_chars: int) -> dict[str, str]:
+        if isinstance(value_chars, bool) or not isinstance(value_chars, int) or value_chars < 0:
+            raise BadRequest(f"value_chars must be an int >= 0, got {value_chars!r}")
+        return {"value_chars": str(value_chars)} if value_chars else {}
+
     def _vp(self, var: SemanticVariable) -> str:
         return f"{self._sp}/variables/{quote_part(var.id or '')}"
 

@@ -168,6 +168,14 @@ class Session(SessionBase):
         data = self._request("POST", f"{self._sp}/calls", json=fn.submit_body(inputs))
         return one_or_tuple(self._output_vars(fn, data))
 
+    def graph(self, value_chars: int = 0) -> dict[str, Any]:
+        """The session's DAG as the manager sees it now (``GET /v1/sessions/{id}/graph``):
+        ``calls`` (state, objective, task group, engine, placement, token figures,
+        timings) and ``variables`` (state, producer, consumers; with ``value_chars``, up
+        to that many characters of each one's text)."""
+        self._require_open()
+        return self._request("GET", f"{self._sp}/graph", params=self._graph_params(value_chars))
+
     def variable(self, value: str | None = None, name: str | None = None) -> SemanticVariable:
         """Create a variable, ready if ``value`` is given, else to be :meth:`~SemanticVariable.set`."""
         self._require_open()

@@ -5,8 +5,9 @@ and live in one router per resource: :mod:`parrot.manager.sessions_api`
 (sessions, variables, calls), :mod:`parrot.manager.engines_api` (the engine
 pool, behind the cluster secret), :mod:`parrot.manager.openai_api`
 (``/v1/completions``, ``/v1/models``), :mod:`parrot.manager.openai_chat`
-(``/v1/chat/completions``) and :mod:`parrot.manager.metrics_api` (``/metrics``,
-Prometheus).  OpenAPI schema at ``/openapi.json``, browsable at ``/docs``
+(``/v1/chat/completions``), :mod:`parrot.manager.metrics_api` (``/metrics``,
+Prometheus) and :mod:`parrot.manager.ui_api` (the session page,
+``/ui/sessions/{id}``).  OpenAPI schema at ``/openapi.json``, browsable at ``/docs``
 (Swagger UI) and ``/redoc``, both served with their scripts from the
 ``fastapi-offline`` package, so they work without internet access.
 
@@ -37,6 +38,7 @@ from parrot.manager.openai_chat import chat_router
 from parrot.manager.remote_engine import RemoteEngine
 from parrot.manager.service import Manager
 from parrot.manager.sessions_api import sessions_router
+from parrot.manager.ui_api import ui_router
 from parrot.protocol.asgi import BodyLimitMiddleware, OffLoopJsonRoute, install_error_handlers
 
 __all__ = ["create_app"]
@@ -80,6 +82,7 @@ def create_app(manager: Manager) -> FastAPI:
     app.include_router(openai_router(manager))
     app.include_router(chat_router(manager))
     app.include_router(metrics_router(manager, manager.metrics))
+    app.include_router(ui_router())
     return app
 
 

@@ -1,7 +1,8 @@
 """One run of a placed call on its engine: fill, generate, transform, materialise.
 
 :func:`drive` runs a call's rendered engine steps in a context of its own: fill
-the text before each output (the engine reuses any cached prefix of it),
+the text before each output (the engine reuses any cached prefix of it and says how
+many tokens it reused: the call's ``prefix_reused_tokens`` and ``filled_tokens``),
 generate the output (streaming each piece of text into the variable's
 ``partial``), apply the output's transform, materialise the value, which may
 make consumer calls ready (handed to ``on_ready``).  No value travels to the
@@ -42,11 +43,13 @@ async def drive(
     api = handle.api
     context_id = handle.new_context_id()
     opened = False
+    call.prefix_reused_tokens, call.filled_tokens = 0, 0
     try:
         for step in rendered.steps:
             if isinstance(step, FillStep):
                 opened = True
-                await api.fill(step.tokens, context_id, cache_salt=call.cache_salt)
+                reused = await api.fill(step.tokens, context_id, cache_salt=call.cache_salt)
+                _count_fill(call, len(step.tokens), reused)
                 continue
             out = step.output
             text: list[str] = []
@@ -86,3 +89,13 @@ async def drive(
         if opened and handle.alive:
             with contextlib.suppress(Exception):
                 await asyncio.shield(api.free_context(context_id))
+
+
+def _count_fill(call: Call, tokens: int, reused: int | None) -> None:
+    """Add one fill's tokens to the call's prefix figures; once an engine does not say how
+    many it reused (None), both figures are unknown (None) for this run."""
+    if reused is None or call.prefix_reused_tokens is None or call.filled_tokens is None:
+        call.prefix_reused_tokens = call.filled_tokens = None
+        return
+    call.prefix_reused_tokens += reused
+    call.filled_tokens += tokens - reused

@@ -137,6 +137,10 @@ class Call:
     fanin_cache: tuple[int, tuple[str, ...]] | None = field(default=None, repr=False)
     prompt_tokens: int | None = None
     generated_tokens: int = 0
+    # of its last run's prompt: tokens whose KV the engine took from its prefix cache, and
+    # tokens it computed; None until it runs, or when its engine does not say
+    prefix_reused_tokens: int | None = None
+    filled_tokens: int | None = None
     submitted_at: float = field(default_factory=clock.wall)
     # submission order, process-wide (a batch's calls in op order): a session's program order
     seq: int = field(default_factory=lambda: next(_seqs), repr=False)

@@ -88,17 +88,21 @@ class RemoteEngine:
         context_id: int,
         parent_context_id: int | None = None,
         cache_salt: str = "",
-    ) -> None:
+    ) -> int | None:
+        """Append ``tokens``; returns how many took their KV from the engine's prefix cache
+        (None from an engine whose answer does not say)."""
         body = {"tokens": list(tokens), "context_id": context_id, "parent_context_id": parent_context_id}
         if cache_salt:
             body["cache_salt"] = cache_salt
-        await _request(
+        answer = await _request(
             self._client,
             "POST",
             "/fill",
             body,
             timeout=_NO_READ_TIMEOUT,  # a long prompt on a busy engine takes a while
         )
+        reused = answer.get("cached_tokens")
+        return reused if isinstance(reused, int) and 0 <= reused <= len(tokens) else None
 
     async def generate(
         self, sampling: SamplingParams, context_id: int, parent_context_id: int | None = None

@@ -17,7 +17,7 @@ from fastapi.responses import StreamingResponse
 from parrot.manager.batch import apply_batch
 from parrot.manager.service import Manager
 from parrot.manager.var_stream import variable_events
-from parrot.manager.views import call_info, var_info
+from parrot.manager.views import MAX_GRAPH_TEXT_CHARS, MAX_GRAPH_VALUE_CHARS, call_info, var_info, var_text
 from parrot.protocol.asgi import OffLoopJsonRoute, bearer_token, ndjson_line
 from parrot.protocol.schemas import (
     BatchRequest,
@@ -155,11 +155,33 @@ def sessions_router(manager: Manager) -> APIRouter:
         return call_info(manager.call(session, call_id))
 
     @router.get("/v1/sessions/{session_id}/graph")
-    async def get_graph(session_id: str, authorization: Auth = None) -> dict:
+    async def get_graph(
+        session_id: str,
+        value_chars: Annotated[
+            int,
+            Query(
+                ge=0,
+                le=MAX_GRAPH_VALUE_CHARS,
+                description="With each variable, up to this many characters of its text: its "
+                "value when ready, what its producer has streamed so far while pending.",
+            ),
+        ] = 0,
+        authorization: Auth = None,
+    ) -> dict:
+        """The session's calls and variables (with ``value_chars``, each variable's text,
+        at most MAX_GRAPH_TEXT_CHARS in all).  Consistent with reads: a variable shown
+        ready is readable, and a call is shown done once its last output is ready (a
+        call's earlier outputs are readable, and shown ready, while it still runs)."""
         session = manager.authorize(session_id, bearer_token(authorization))
-        return {
-            "calls": [call_info(c).model_dump() for c in session.calls.values()],
-            "variables": [var_info(v).model_dump(exclude={"value"}) for v in session.variables.values()],
-        }
+        variables = []
+        budget = MAX_GRAPH_TEXT_CHARS  # for the whole answer
+        for v in session.variables.values():
+            info = var_info(v).model_dump(exclude={"value"})
+            if value_chars:
+                text, cut = var_text(v, min(value_chars, budget))
+                budget -= len(text)
+                info["text"], info["text_truncated"] = text, cut
+            variables.append(info)
+        return {"calls": [call_info(c).model_dump() for c in session.calls.values()], "variables": variables}
 
     return router

@@ -30,10 +30,12 @@ class EngineAPI(Protocol):
         context_id: int,
         parent_context_id: int | None = None,
         cache_salt: str = "",
-    ) -> None:
+    ) -> int | None:
         """Append ``tokens`` to the context, creating it (forked from the parent) if needed.
         A context created here reuses and offers cached prefix blocks only among
-        contexts of the same ``cache_salt`` (a fork keeps its parent's)."""
+        contexts of the same ``cache_salt`` (a fork keeps its parent's).  Returns how
+        many of ``tokens`` took their KV from the prefix cache instead of being computed
+        (0 to ``len(tokens)``), or None when the engine does not know."""
 
     def generate(
         self, sampling: SamplingParams, context_id: int, parent_context_id: int | None = None

@@ -107,6 +107,15 @@ class CallInfo(BaseModel):
     error: ErrorInfo | None = None
     prompt_tokens: int | None = None
     generated_tokens: int | None = None
+    prefix_reused_tokens: int | None = Field(
+        default=None,
+        description="Prompt tokens of its last run whose KV came from the engine's prefix cache "
+        "(None before it runs, or when its engine does not say).",
+    )
+    filled_tokens: int | None = Field(
+        default=None,
+        description="Prompt tokens of its last run the engine computed (the rest of prompt_tokens).",
+    )
     submitted_at: float
     dispatched_at: float | None = None
     started_at: float | None = None

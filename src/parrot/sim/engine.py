@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from parrot.engine.block_pool import DEFAULT_BLOCK_SIZE, BlockPool
 from parrot.engine.contexts import ContextTable
-from parrot.engine.jobs import Job, check_token_ids, finish_job
+from parrot.engine.jobs import Job, check_token_ids, finish_job, reused_of
 from parrot.engine.memory import MemoryManager
 from parrot.engine.step_planner import StepPlanner
 from parrot.protocol.errors import BadRequest, ParrotError
@@ -131,7 +131,7 @@ class SimEngine:
         context_id: int,
         parent_context_id: int | None = None,
         cache_salt: str = "",
-    ) -> None:
+    ) -> int:
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         job = Job(
             context_id,
@@ -143,6 +143,7 @@ class SimEngine:
         self._submit(job)
         try:
             await done
+            return reused_of(job)
         except asyncio.CancelledError:
             self._cancel(job)
             raise
