@@ -19,9 +19,10 @@ import contextlib
 from collections.abc import Callable
 
 from parrot.manager.engines import EngineHandle
-from parrot.manager.graph import Call, materialise
+from parrot.manager.graph import Call, OutputSpec, materialise
 from parrot.manager.render import FillStep, Rendered
 from parrot.protocol import clock
+from parrot.protocol.engine_api import EngineAPI
 from parrot.protocol.errors import CallFailed
 
 __all__ = ["drive"]
@@ -31,7 +32,11 @@ async def drive(
     call: Call, handle: EngineHandle, rendered: Rendered, on_ready: Callable[[Call], None]
 ) -> None:
     """Run ``rendered``'s steps for ``call`` on ``handle`` (see the module docstring).
-    Engine failures propagate (an EngineError); the caller decides about re-running."""
+    Engine failures propagate (an EngineError); the caller decides about re-running.
+
+    An output with forks (``n`` samples) is generated in ``n`` contexts forked from the
+    filled prompt's, concurrently: the prompt is computed once and every sample reads
+    its KV blocks in place."""
     api = handle.api
     context_id = handle.new_context_id()
     opened = False
@@ -42,26 +47,15 @@ async def drive(
                 await api.fill(step.tokens, context_id, cache_salt=call.cache_salt)
                 continue
             out = step.output
-            text: list[str] = []
-            async for chunk in api.generate(out.sampling, context_id):
-                if chunk.finish_reason == "cancelled":  # the manager never cancels this way
-                    raise CallFailed(
-                        f"call {call.call_id}: the engine stopped its generation after "
-                        f"{call.generated_tokens} tokens because its context was freed or "
-                        "cancelled from outside the manager"
-                    )
-                if chunk.token_ids and call.first_token_at is None:
-                    call.first_token_at = clock.wall()
-                if chunk.text:
-                    text.append(chunk.text)
-                    out.var.partial.append(chunk.text)
-                    out.var.notify()
-                call.generated_tokens += len(chunk.token_ids)
-            value = "".join(text)
-            if out.transform is not None:  # off the loop: a regex may take its whole budget
-                value = await asyncio.to_thread(out.transform.apply, value)
-            for ready in materialise(out.var, value):
-                on_ready(ready)
+            if out.forks:
+                values = await _generate_forked(call, handle, context_id, [out, *out.forks])
+            else:
+                values = [await _generate(call, api, out, context_id)]
+            for spec, value in zip([out, *out.forks], values, strict=True):
+                if spec.transform is not None:  # off the loop: a regex may take its whole budget
+                    value = await asyncio.to_thread(spec.transform.apply, value)
+                for ready in materialise(spec.var, value):
+                    on_ready(ready)
         # done as its last value is set, before the await below: whoever reads that
         # value (a get, a stream's end) and then the call sees it done, never running
         call.state = "done"
@@ -70,3 +64,52 @@ async def drive(
         if opened and handle.alive:
             with contextlib.suppress(Exception):
                 await asyncio.shield(api.free_context(context_id))
+
+
+async def _generate(
+    call: Call, api: EngineAPI, out: OutputSpec, context_id: int, parent_id: int | None = None
+) -> str:
+    """Generate ``out`` in ``context_id`` (created forked from ``parent_id`` if given),
+    streaming its text into the variable's ``partial``; returns the whole text."""
+    text: list[str] = []
+    out.generated_tokens, out.finish_reason = 0, None
+    async for chunk in api.generate(out.sampling, context_id, parent_id):
+        if chunk.finish_reason == "cancelled":  # the manager never cancels this way
+            raise CallFailed(
+                f"call {call.call_id}: the engine stopped its generation after "
+                f"{call.generated_tokens} tokens because its context was freed or "
+                "cancelled from outside the manager"
+            )
+        if chunk.token_ids and call.first_token_at is None:
+            call.first_token_at = clock.wall()
+        if chunk.text:
+            text.append(chunk.text)
+            out.var.partial.append(chunk.text)
+            out.var.notify()
+        call.generated_tokens += len(chunk.token_ids)
+        out.generated_tokens += len(chunk.token_ids)
+        if chunk.done:
+            out.finish_reason = chunk.finish_reason
+    return "".join(text)
+
+
+async def _generate_forked(
+    call: Call, handle: EngineHandle, parent_id: int, outs: list[OutputSpec]
+) -> list[str]:
+    """Generate each of ``outs`` in a context of its own forked from ``parent_id``, all
+    at once; if one fails the others are cancelled.  The forks are freed however it ends."""
+    children = [handle.new_context_id() for _ in outs]
+    tasks = [
+        asyncio.ensure_future(_generate(call, handle.api, out, child, parent_id))
+        for out, child in zip(outs, children, strict=True)
+    ]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if handle.alive:
+            for child in children:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(handle.api.free_context(child))

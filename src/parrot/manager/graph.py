@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
 from parrot.protocol import clock
@@ -33,6 +33,7 @@ CallState = Literal["waiting", "ready", "running", "done", "failed"]
 Criteria = Literal["LATENCY", "THROUGHPUT"]
 
 _ids = itertools.count(1)
+_SEED_MASK = (1 << 64) - 1
 _seqs = itertools.count()
 
 
@@ -106,6 +107,13 @@ class OutputSpec:
     var: Variable
     sampling: SamplingParams
     transform: object | None = None  # parrot.protocol.transforms.TransformChain
+    # further samples of this output from the same prompt (OpenAI's ``n``): each is
+    # generated in an engine context forked from the filled prompt, so the prompt is
+    # computed once; only a call's last output has forks, and forks have no consumers
+    forks: list[OutputSpec] = field(default_factory=list)
+    # of the last run: tokens generated, and the engine's reason for stopping
+    generated_tokens: int = 0
+    finish_reason: str | None = None
 
 
 @dataclass(eq=False)
@@ -137,6 +145,9 @@ class Call:
     fanin_cache: tuple[int, tuple[str, ...]] | None = field(default=None, repr=False)
     prompt_tokens: int | None = None
     generated_tokens: int = 0
+    # the prompt as token ids (an OpenAI token-id prompt), filled as given in place of
+    # the template's text (whose inputs are then empty)
+    prompt_ids: tuple[int, ...] | None = None
     submitted_at: float = field(default_factory=clock.wall)
     # submission order, process-wide (a batch's calls in op order): a session's program order
     seq: int = field(default_factory=lambda: next(_seqs), repr=False)
@@ -147,6 +158,10 @@ class Call:
 
     def input_vars(self) -> list[Variable]:
         return [v for v in self.inputs.values() if isinstance(v, Variable)]
+
+    def all_outputs(self) -> list[OutputSpec]:
+        """Its outputs and their forks."""
+        return [spec for o in self.outputs.values() for spec in (o, *o.forks)]
 
     def effective_producers(self) -> tuple[str, ...]:
         """Ids of the distinct calls producing this call's inputs, less any that is
@@ -283,7 +298,7 @@ def fail_call(call: Call, error: ParrotError) -> None:
         c.state = "failed"
         c.error = err
         c.finished_at = clock.wall()
-        for out in c.outputs.values():
+        for out in c.all_outputs():
             var = out.var
             if var.state != "pending":
                 continue
@@ -298,6 +313,23 @@ def fail_call(call: Call, error: ParrotError) -> None:
                     detail={"origin_call": c.call_id, **err.detail},  # keeps the root cause
                 )
                 stack.append((consumer, downstream))
+
+
+def add_forks(call: Call, n: int) -> list[Variable]:
+    """Give the call's last output ``n - 1`` forks (so ``n`` samples in all) and return
+    their fresh variables.  Fork ``i``'s sampling is the output's with seed ``seed + i``
+    (mod 2**64) when it has a seed, so a seeded request is reproducible and its samples
+    differ."""
+    last = next(o for o in reversed(list(call.outputs.values())))
+    new_vars: list[Variable] = []
+    for i in range(1, n):
+        seed = last.sampling.seed
+        sampling = last.sampling if seed is None else replace(last.sampling, seed=(seed + i) & _SEED_MASK)
+        var = Variable(new_id("v"), call.session_id, name=f"{last.name}#{i}")
+        var.producer = call
+        last.forks.append(OutputSpec(var.name or last.name, var, sampling, last.transform))
+        new_vars.append(var)
+    return new_vars
 
 
 def fail_variable(var: Variable, error: ParrotError) -> None:

@@ -11,8 +11,11 @@ Supported: ``model``, ``messages`` (roles ``system``/``developer``, ``user``,
 ``assistant``, ``tool``; ``content`` a string or a list of ``{"type": "text"}``
 parts; at most :data:`MAX_MESSAGES`), ``max_tokens`` / ``max_completion_tokens``
 (default: up to the model's context, as OpenAI), ``temperature`` (default 1),
-``top_p``, ``top_k``, ``seed``, ``stop``, ``stream`` with
-``stream_options.include_usage``, ``n`` = 1, ``response_format`` ``{"type":
+``top_p``, ``top_k``, ``seed``, ``stop`` (up to 4 strings), ``stream`` with
+``stream_options.include_usage``, ``n`` (up to
+:data:`~parrot.manager.openai_api.MAX_N` samples forked from one filled
+prompt, ``choices[j]``; streamed chunks carry their choice's ``index``),
+``response_format`` ``{"type":
 "text"}``, and vLLM's ``ignore_eos`` / ``stop_token_ids``.  Refused with 400
 rather than ignored: ``logprobs``, penalties other than 0, ``logit_bias``,
 ``tools``, other response formats and content parts.
@@ -32,14 +35,14 @@ from fastapi import APIRouter, Request
 from pydantic import Field
 
 from parrot.manager.openai_api import (
-    Completion,
     OpenAIRequest,
-    answer,
-    check_model,
     check_shared,
+    context_of,
+    samples_of,
     sampling_of,
     unsupported,
 )
+from parrot.manager.openai_response import Completion, answer
 from parrot.manager.service import Manager
 from parrot.protocol.asgi import OffLoopJsonRoute, bearer_token
 from parrot.protocol.chat_template import ChatMessage, render_chat
@@ -119,20 +122,22 @@ def chat_router(manager: Manager) -> APIRouter:
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
         tenant = manager.api_keys.tenant(bearer_token(request.headers.get("authorization")))
         _check_supported(req)
-        check_model(manager, req.model)
+        max_seq_len = context_of(manager, req.model)
         engine = manager.pool.longest_context(req.model)
         if engine is None:  # gone since the check
             raise NoEngine(f"no live engine serves model {req.model!r}")
         if req.max_tokens is None and req.max_completion_tokens is not None:
             req = req.model_copy(update={"max_tokens": req.max_completion_tokens})
-        sampling = sampling_of(req, default_max_tokens=engine.max_seq_len)
+        sampling = sampling_of(req, default_max_tokens=max_seq_len)
         messages = _messages(req)
         tokenizer = engine.api.tokenizer
         if sum(len(m.content) for m in messages) > INLINE_RENDER_CHARS:
             prompt = await asyncio.to_thread(render_chat, tokenizer, messages)
         else:
             prompt = render_chat(tokenizer, messages)
-        comp = await Completion.open(manager, prompt, sampling, req.model, tenant, chat=True)
+        comp = await Completion.open(
+            manager, prompt, sampling, req.model, tenant, chat=True, n=samples_of(req)
+        )
         return await answer(comp, request, req.stream, req.stream_options)
 
     return router
