@@ -188,6 +188,31 @@ def test_default_max_tokens_is_16(client: httpx.Client) -> None:
     assert body["usage"]["completion_tokens"] == 16
 
 
+def test_null_max_tokens_runs_up_to_the_context(
+    oa: conftest.LiveServer, client: httpx.Client, tiny_engine: LocalEngine
+) -> None:
+    room = 5
+    ids = [7] * (tiny_engine.max_seq_len - room)
+    body = complete(client, prompt=ids, max_tokens=None, ignore_eos=True)
+    assert body["usage"] == {
+        "prompt_tokens": len(ids),
+        "completion_tokens": room,
+        "total_tokens": tiny_engine.max_seq_len,
+    }
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+def test_four_stop_strings_each_stop(client: httpx.Client) -> None:
+    full = complete(client, prompt="abc", max_tokens=12, ignore_eos=True)["choices"][0]["text"]
+    clean = [full[i : i + 2] for i in range(2, len(full) - 1) if "\ufffd" not in full[i : i + 2]]
+    assert clean, "the tiny model's greedy text has no clean two-character stop string"
+    first = clean[0]
+    stops = ["\x00a", "\x00b", "\x00c", first]  # OpenAI's maximum: four
+    body = complete(client, prompt="abc", max_tokens=12, ignore_eos=True, stop=stops)
+    assert body["choices"][0]["text"] == full[: full.find(first)]
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+
 def test_models_lists_live_engines(client: httpx.Client) -> None:
     r = client.get("/v1/models")
     assert r.status_code == 200
