@@ -1,5 +1,5 @@
-"""``/v1/completions`` with several prompts, token-id prompts and ``n`` samples (and chat
-with ``n``), driven by the official ``openai`` client against a real manager HTTP server on
+"""``/v1/completions`` with several prompts, token-id prompts, ``n`` samples and penalties
+(and chat with ``n``), driven by the official ``openai`` client against a real manager HTTP server on
 loopback with the tiny seeded engine embedded.
 
 The ``n`` samples of a prompt are forks of one filled context, so each request also checks
@@ -210,3 +210,26 @@ def test_an_abandoned_n_request_frees_every_fork(
     time.sleep(0.3)
     assert stats(live, tiny_engine).generated_tokens == generated  # nothing runs on
     assert generated < 4 * 1500
+
+
+def test_penalties_reach_the_engines_sampler(
+    live: conftest.LiveServer, api: openai.OpenAI, tiny_engine: LocalEngine
+) -> None:
+    plain = greedy(api, PROMPTS[0], max_tokens=24)
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0}
+    penalised = api.completions.create(frequency_penalty=2.0, extra_body={"ignore_eos": True}, **body)
+    assert penalised.choices[0].text != plain  # the tiny model's greedy text repeats itself
+    again = api.completions.create(frequency_penalty=2.0, extra_body={"ignore_eos": True}, **body)
+    assert again.choices[0].text == penalised.choices[0].text
+    chat = api.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        presence_penalty=1.0,
+        frequency_penalty=-1.0,
+        temperature=0,
+    )
+    assert chat.choices[0].message.content is not None
+    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+        api.completions.create(presence_penalty=-2.5, **body)
+    settled(live, tiny_engine, 0)

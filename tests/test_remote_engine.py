@@ -10,6 +10,7 @@ frozen engine re-registers when it resumes), and the engine's own HTTP API.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import signal
 import time
@@ -268,14 +269,20 @@ def _error_code(resp: httpx.Response, lines: list[dict]) -> str:
     return lines[0]["error"]["code"]
 
 
-async def _local_tokens(engine: LocalEngine, tokens: list[int], steps: list[int]) -> list[list[int]]:
-    """What the in-process tiny engine generates: fill ``tokens`` then generate ``steps`` in turn."""
+async def _local_tokens(
+    engine: LocalEngine, tokens: list[int], steps: list[int], sampling: P.SamplingParams | None = None
+) -> list[list[int]]:
+    """What the in-process tiny engine generates: fill ``tokens`` then generate ``steps`` in
+    turn (greedily, or with ``sampling`` but for its ``max_tokens``)."""
     cid = EngineHandle.new_context_id()
     await engine.fill(tokens, cid)
     out = []
     for n in steps:
         ids: list[int] = []
-        async for chunk in engine.generate(P.SamplingParams(max_tokens=n, ignore_eos=True), cid):
+        sp = P.SamplingParams(max_tokens=n, ignore_eos=True)
+        if sampling is not None:
+            sp = dataclasses.replace(sampling, max_tokens=n)
+        async for chunk in engine.generate(sp, cid):
             ids += chunk.token_ids
         out.append(ids)
     await engine.free_context(cid)
@@ -391,9 +398,19 @@ def test_engine_http_api(procs: Procs, tiny_model: LoadedModel, tiny_engine: Loc
                 hits.append((await remote.stats()).cached_tokens - before)
                 await remote.free_context(context_id)
             assert hits == [0, 0, 32]
+            # penalties travel too, and sample as in the in-process engine
+            await remote.fill(prompt, 10_013)
+            got = [t async for c in remote.generate(penalised, 10_013) for t in c.token_ids]
+            assert got == local_penalised and got != local_plain
+            await remote.free_context(10_013)
         finally:
             await remote.close()
 
+    penalised = P.SamplingParams(max_tokens=24, ignore_eos=True, frequency_penalty=2.0, presence_penalty=0.5)
+    [local_penalised] = asyncio.run(_local_tokens(tiny_engine, prompt, [24], penalised))
+    [local_plain] = asyncio.run(_local_tokens(tiny_engine, prompt, [24]))
+    resp = _post(eng, "/generate", {"sampling": {"max_tokens": 2, "presence_penalty": 2.5}, "context_id": b})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_sampling", resp.text
     asyncio.run(through_remote_engine())
 
 

@@ -354,6 +354,7 @@ class EngineRunner:
         job.generator = make_generator(job.sampling.seed)
         job.decoder = self.tokenizer.incremental_decoder()
         job.stops = StopStringFilter(job.sampling.stop)
+        job.counts = {} if job.sampling.penalized else None
 
     # -------------------------------------------------------------- forward
     def _forward(self) -> tuple[list[Job], torch.Tensor | None]:
@@ -442,6 +443,7 @@ class EngineRunner:
             logits,
             [j.sampling for j in jobs],  # type: ignore[misc]
             [j.generator for j in jobs],
+            [j.counts for j in jobs] if any(j.counts is not None for j in jobs) else None,
         ).tolist()
         eos = set(self.tokenizer.eos_token_ids)
         for job, token in zip(jobs, tokens, strict=True):
@@ -452,6 +454,8 @@ class EngineRunner:
         assert sp is not None and ctx is not None and job.decoder is not None and job.stops is not None
         job.generated += 1
         self.counters["generated_tokens"] += 1
+        if job.counts is not None:
+            job.counts[token] = job.counts.get(token, 0) + 1
         if token in sp.stop_token_ids or (token in eos and not sp.ignore_eos):
             self._end_generate(job, [token], "stop")
             return

@@ -17,12 +17,14 @@ token in its context); ``n`` (1..:data:`MAX_N`, at most :data:`MAX_CHOICES`
 choices per request; ``best_of`` only equal to ``n``); ``max_tokens``
 (default 16, as OpenAI; ``null``: up to the model's context); ``temperature``
 (default 1); ``top_p``; ``top_k`` (vLLM's extension; -1 or 0 = off);
-``seed`` (sample ``j`` of ``n`` uses ``seed + j``); ``stop`` (a string or up
+``seed`` (sample ``j`` of ``n`` uses ``seed + j``); ``presence_penalty`` /
+``frequency_penalty`` (-2..2, OpenAI's formula, applied by the engine's
+sampler: :class:`~parrot.protocol.sampling.SamplingParams`); ``stop`` (a string or up
 to :data:`MAX_STOP` strings, as OpenAI); ``stream`` (server-sent events
 ``data: {...}`` then ``data: [DONE]``; ``stream_options.include_usage`` adds a
 usage chunk); and vLLM's ``ignore_eos`` / ``stop_token_ids``.  Parameters
-Parrot cannot honour (``logprobs``, ``echo``, ``suffix``, non-zero penalties,
-a non-empty ``logit_bias``) are rejected with 400 rather than silently
+Parrot cannot honour (``logprobs``, ``echo``, ``suffix``, a non-empty
+``logit_bias``) are rejected with 400 rather than silently
 ignored.  Errors use Parrot's JSON error body ``{"error": {"code",
 "message"}}`` with its HTTP status (400 invalid parameters, 503 ``no_engine``
 for a model no live engine serves).
@@ -78,9 +80,9 @@ class OpenAIRequest(StrictBody):
     n: int | None = 1
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
-    # Accepted only at their no-op values:
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
+    # Accepted only at its no-op value:
     logit_bias: dict[str, float] | None = None
     user: str | None = Field(default=None, max_length=1000)
 
@@ -104,8 +106,6 @@ def samples_of(req: OpenAIRequest) -> int:
 def check_shared(req: OpenAIRequest) -> None:
     """Refuse the shared fields Parrot cannot honour (400) rather than ignore them."""
     samples_of(req)
-    if req.presence_penalty or req.frequency_penalty:
-        raise unsupported("presence_penalty / frequency_penalty other than 0")
     if req.logit_bias:
         raise unsupported("logit_bias")
     if req.stream_options is not None and not req.stream:
@@ -196,6 +196,8 @@ def sampling_of(req: Any, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> Sampl
         stop=tuple(stop),
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
     )
 
 

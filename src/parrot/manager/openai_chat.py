@@ -15,9 +15,9 @@ parts; at most :data:`MAX_MESSAGES`), ``max_tokens`` / ``max_completion_tokens``
 ``stream_options.include_usage``, ``n`` (up to
 :data:`~parrot.manager.openai_api.MAX_N` samples forked from one filled
 prompt, ``choices[j]``; streamed chunks carry their choice's ``index``),
-``response_format`` ``{"type":
+``presence_penalty`` / ``frequency_penalty`` (-2..2), ``response_format`` ``{"type":
 "text"}``, and vLLM's ``ignore_eos`` / ``stop_token_ids``.  Refused with 400
-rather than ignored: ``logprobs``, penalties other than 0, ``logit_bias``,
+rather than ignored: ``logprobs``, ``logit_bias``,
 ``tools``, other response formats and content parts.
 
 Answers are OpenAI's shapes: ``chat.completion`` (``choices[0].message``) or,
