@@ -94,6 +94,16 @@ def test_bad_token_ids_are_400_and_disturb_nothing(
     assert greedy(api, [1, 2, 3], max_tokens=2) == greedy(api, [1, 2, 3], max_tokens=2)
 
 
+def test_a_refused_prompt_refuses_the_whole_request(
+    live: conftest.LiveServer, api: openai.OpenAI, tiny_engine: LocalEngine
+) -> None:
+    with pytest.raises(openai.BadRequestError, match="context"):
+        api.completions.create(model="tiny", prompt=["fine", "x" * 5000], max_tokens=2)
+    assert live.manager.sessions == {}  # the first prompt's call went with its session
+    settled(live, tiny_engine, 0)
+    assert greedy(api, "fine", max_tokens=2)  # the server still answers
+
+
 def test_n_samples_fork_one_filled_prompt(
     live: conftest.LiveServer, api: openai.OpenAI, tiny_engine: LocalEngine
 ) -> None:

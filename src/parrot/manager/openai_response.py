@@ -105,7 +105,9 @@ class Completion:
         session, token = manager.create_session(tenant)
         calls: list[Call] = []
         try:
-            for prompt in prompts:
+            for i, prompt in enumerate(prompts):
+                if i:
+                    await asyncio.sleep(0)  # other requests run between prompts: one holds the loop briefly
                 submit = SubmitCall(
                     template=COMPLETION_TEMPLATE,
                     placeholders=[
