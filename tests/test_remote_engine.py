@@ -25,6 +25,7 @@ from parrot.engine.loader import LoadedModel
 from parrot.engine.local import LocalEngine
 from parrot.manager.engines import EngineHandle
 from parrot.manager.remote_engine import RemoteEngine
+from parrot.protocol.schemas import TokenLogprob
 from parrot.protocol.tokenizer import TextTokenizer
 from tests.procs import OPERATOR, TEST_CLUSTER_SECRET, Proc, Procs, engine_by_url, engines, wait_until
 
@@ -403,12 +404,31 @@ def test_engine_http_api(procs: Procs, tiny_model: LoadedModel, tiny_engine: Loc
             got = [t async for c in remote.generate(penalised, 10_013) for t in c.token_ids]
             assert got == local_penalised and got != local_plain
             await remote.free_context(10_013)
+            # and so do logprobs: one entry per token, as the in-process engine gives them
+            await remote.fill(prompt, 10_014)
+            chunks = [c async for c in remote.generate(with_logprobs, 10_014)]
+            await remote.free_context(10_014)
+            entries = [e for c in chunks for e in c.logprobs or []]
+            assert (
+                [e.token_id for e in entries] == [t for c in chunks for t in c.token_ids] == local_plain[:4]
+            )
+            assert [(e.logprob, e.top) for e in entries] == [(e.logprob, e.top) for e in local_entries]
         finally:
             await remote.close()
 
     penalised = P.SamplingParams(max_tokens=24, ignore_eos=True, frequency_penalty=2.0, presence_penalty=0.5)
     [local_penalised] = asyncio.run(_local_tokens(tiny_engine, prompt, [24], penalised))
     [local_plain] = asyncio.run(_local_tokens(tiny_engine, prompt, [24]))
+    with_logprobs = P.SamplingParams(max_tokens=4, ignore_eos=True, logprobs=2)
+
+    async def local_logprobs() -> list[TokenLogprob]:
+        cid = EngineHandle.new_context_id()
+        await tiny_engine.fill(prompt, cid)
+        out = [e async for c in tiny_engine.generate(with_logprobs, cid) for e in c.logprobs or []]
+        await tiny_engine.free_context(cid)
+        return out
+
+    local_entries = asyncio.run(local_logprobs())
     resp = _post(eng, "/generate", {"sampling": {"max_tokens": 2, "presence_penalty": 2.5}, "context_id": b})
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_sampling", resp.text
     asyncio.run(through_remote_engine())

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from parrot.protocol.sampling import SamplingParams
+from parrot.protocol.schemas import TokenLogprob
 
 _SEED_MASK = (1 << 64) - 1
 
@@ -107,4 +108,35 @@ def sample(
     target = (u * cdf[:, -1])[:, None]  # [R, 1] in [0, kept mass)
     pick = torch.searchsorted(cdf, target, right=True).clamp(max=vocab - 1)  # [R, 1]: first cdf > target
     out[idx] = order.gather(1, pick).squeeze(1)  # [R]
+    return out
+
+
+def token_logprobs(logits: Tensor, tokens: Sequence[int], top: Sequence[int]) -> list[TokenLogprob]:
+    """Per row of ``logits`` [B, V]: the log-probability of ``tokens[i]`` and of the
+    ``top[i]`` most likely tokens (log-softmax over the whole vocabulary, most likely
+    first, lowest id first on ties)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
+    k = min(max(top, default=0), logp.shape[-1])
+    values, ids = logp.topk(k, dim=-1, sorted=True) if k else (None, None)  # [B, k] each
+    chosen = logp.gather(1, torch.tensor(list(tokens), dtype=torch.long)[:, None]).squeeze(1).tolist()
+    out = []
+    for i, token in enumerate(tokens):
+        pairs: list[tuple[int, float]] = []
+        if top[i] and values is not None and ids is not None:
+            pairs = list(zip(ids[i, : top[i]].tolist(), values[i, : top[i]].tolist(), strict=True))
+        out.append(TokenLogprob(token_id=int(token), logprob=float(chosen[i]), top=pairs))
+    return out
+
+
+def logprobs_of(
+    logits: Tensor, params: Sequence[SamplingParams], tokens: Sequence[int]
+) -> list[TokenLogprob | None]:
+    """Per row, the logprobs its sampling asked for (``params[i].logprobs``) of the token
+    it drew, ``tokens[i]``; None for rows that did not ask (left untouched)."""
+    out: list[TokenLogprob | None] = [None] * len(tokens)
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if rows:
+        got = token_logprobs(logits[rows], [tokens[i] for i in rows], [params[i].logprobs or 0 for i in rows])
+        for i, lp in zip(rows, got, strict=True):
+            out[i] = lp
     return out

@@ -73,6 +73,7 @@ async def _generate(
     streaming its text into the variable's ``partial``; returns the whole text."""
     text: list[str] = []
     out.generated_tokens, out.finish_reason = 0, None
+    out.logprobs.clear()
     async for chunk in api.generate(out.sampling, context_id, parent_id):
         if chunk.finish_reason == "cancelled":  # the manager never cancels this way
             raise CallFailed(
@@ -80,6 +81,8 @@ async def _generate(
                 f"{call.generated_tokens} tokens because its context was freed or "
                 "cancelled from outside the manager"
             )
+        if chunk.logprobs:  # before the text is announced: a stream sends both together
+            out.logprobs.extend(chunk.logprobs)
         if chunk.token_ids and call.first_token_at is None:
             call.first_token_at = clock.wall()
         if chunk.text:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Literal
 from parrot.protocol import clock
 from parrot.protocol.errors import CallFailed, Conflict, CycleError, ParrotError
 from parrot.protocol.sampling import SamplingParams
+from parrot.protocol.schemas import TokenLogprob
 from parrot.protocol.template import Template
 
 if TYPE_CHECKING:
@@ -111,9 +112,11 @@ class OutputSpec:
     # generated in an engine context forked from the filled prompt, so the prompt is
     # computed once; only a call's last output has forks, and forks have no consumers
     forks: list[OutputSpec] = field(default_factory=list)
-    # of the last run: tokens generated, and the engine's reason for stopping
+    # of the last run: tokens generated, the engine's reason for stopping, and the
+    # tokens' logprobs when the sampling asked for them
     generated_tokens: int = 0
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(eq=False)

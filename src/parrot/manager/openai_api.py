@@ -19,13 +19,14 @@ choices per request; ``best_of`` only equal to ``n``); ``max_tokens``
 (default 1); ``top_p``; ``top_k`` (vLLM's extension; -1 or 0 = off);
 ``seed`` (sample ``j`` of ``n`` uses ``seed + j``); ``presence_penalty`` /
 ``frequency_penalty`` (-2..2, OpenAI's formula, applied by the engine's
-sampler: :class:`~parrot.protocol.sampling.SamplingParams`); ``stop`` (a string or up
+sampler: :class:`~parrot.protocol.sampling.SamplingParams`); ``logprobs``
+(0..:data:`MAX_COMPLETION_LOGPROBS`: each generated token's logprob and that
+many most likely alternatives, :mod:`parrot.manager.openai_logprobs`); ``stop`` (a string or up
 to :data:`MAX_STOP` strings, as OpenAI); ``stream`` (server-sent events
 ``data: {...}`` then ``data: [DONE]``; ``stream_options.include_usage`` adds a
 usage chunk); and vLLM's ``ignore_eos`` / ``stop_token_ids``.  Parameters
-Parrot cannot honour (``logprobs``, ``echo``, ``suffix``, a non-empty
-``logit_bias``) are rejected with 400 rather than silently
-ignored.  Errors use Parrot's JSON error body ``{"error": {"code",
+Parrot cannot honour (``echo``, ``suffix``, a non-empty ``logit_bias``) are
+rejected with 400 rather than silently ignored.  Errors use Parrot's JSON error body ``{"error": {"code",
 "message"}}`` with its HTTP status (400 invalid parameters, 503 ``no_engine``
 for a model no live engine serves).
 
@@ -63,6 +64,8 @@ MAX_CHOICES = 128
 """Choices (prompts times ``n``) in one request."""
 MAX_STOP = 4
 """Stop strings per request, as OpenAI allows."""
+MAX_COMPLETION_LOGPROBS = 5
+"""Most likely tokens a completion's ``logprobs`` may ask for, as OpenAI allows."""
 
 
 class OpenAIRequest(StrictBody):
@@ -120,8 +123,8 @@ class CompletionRequest(OpenAIRequest):
     prompt: str | list[Any]
     max_tokens: int | None = DEFAULT_MAX_TOKENS
     best_of: int | None = None
-    # Accepted only at their no-op values:
     logprobs: int | None = None
+    # Accepted only at their no-op values:
     echo: bool = False
     suffix: str | None = None
 
@@ -166,8 +169,8 @@ def _check_supported(req: CompletionRequest, n_prompts: int) -> int:
         raise unsupported(f"best_of={req.best_of} greater than n={n} (best_of may only equal n)")
     if n * n_prompts > MAX_CHOICES:
         raise invalid(f"at most {MAX_CHOICES} choices (prompts x n) per request, got {n * n_prompts}")
-    if req.logprobs is not None:
-        raise unsupported("logprobs")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise invalid(f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}, got {req.logprobs}")
     if req.echo:
         raise unsupported("echo")
     if req.suffix:
@@ -175,10 +178,13 @@ def _check_supported(req: CompletionRequest, n_prompts: int) -> int:
     return n
 
 
-def sampling_of(req: Any, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> SamplingParams:
+def sampling_of(
+    req: Any, default_max_tokens: int = DEFAULT_MAX_TOKENS, logprobs: int | None = None
+) -> SamplingParams:
     """Parrot sampling settings for an OpenAI request (a completion's or a chat's, which
     share these fields; raises InvalidSampling, 400).  ``max_tokens`` null or absent
-    means ``default_max_tokens``."""
+    means ``default_max_tokens``; ``logprobs``: how many most likely tokens to report
+    per generated token (None: no logprobs)."""
     top_k = req.top_k
     if top_k is None or top_k == -1:  # vLLM's "disabled"
         top_k = 0
@@ -198,6 +204,7 @@ def sampling_of(req: Any, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> Sampl
         ignore_eos=req.ignore_eos,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
+        logprobs=logprobs,
     )
 
 
@@ -252,7 +259,7 @@ def openai_router(manager: Manager) -> APIRouter:
         prompts = prompts_of(req.prompt)
         n = _check_supported(req, len(prompts))
         # validate before creating anything; an explicit null max_tokens: up to the context
-        sampling = sampling_of(req, default_max_tokens=context_of(manager, req.model))
+        sampling = sampling_of(req, context_of(manager, req.model), req.logprobs)
         comp = await Completion.open(manager, prompts, sampling, req.model, tenant, chat=False, n=n)
         return await answer(comp, request, req.stream, req.stream_options)
 

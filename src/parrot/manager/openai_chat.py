@@ -15,9 +15,10 @@ parts; at most :data:`MAX_MESSAGES`), ``max_tokens`` / ``max_completion_tokens``
 ``stream_options.include_usage``, ``n`` (up to
 :data:`~parrot.manager.openai_api.MAX_N` samples forked from one filled
 prompt, ``choices[j]``; streamed chunks carry their choice's ``index``),
-``presence_penalty`` / ``frequency_penalty`` (-2..2), ``response_format`` ``{"type":
+``presence_penalty`` / ``frequency_penalty`` (-2..2), ``logprobs`` with
+``top_logprobs`` (0..20), ``response_format`` ``{"type":
 "text"}``, and vLLM's ``ignore_eos`` / ``stop_token_ids``.  Refused with 400
-rather than ignored: ``logprobs``, ``logit_bias``,
+rather than ignored: ``logit_bias``,
 ``tools``, other response formats and content parts.
 
 Answers are OpenAI's shapes: ``chat.completion`` (``choices[0].message``) or,
@@ -47,6 +48,7 @@ from parrot.manager.service import Manager
 from parrot.protocol.asgi import OffLoopJsonRoute, bearer_token
 from parrot.protocol.chat_template import ChatMessage, render_chat
 from parrot.protocol.errors import BadRequest, NoEngine
+from parrot.protocol.sampling import MAX_LOGPROBS
 from parrot.protocol.schemas import StrictBody
 
 __all__ = ["MAX_MESSAGES", "ChatCompletionRequest", "chat_router"]
@@ -70,9 +72,9 @@ class ChatCompletionRequest(OpenAIRequest):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     response_format: dict[str, Any] | None = None
-    # Accepted only at their no-op values:
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    # Accepted only at their no-op values:
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -80,8 +82,14 @@ class ChatCompletionRequest(OpenAIRequest):
 
 def _check_supported(req: ChatCompletionRequest) -> None:
     check_shared(req)
-    if req.logprobs or req.top_logprobs:
-        raise unsupported("logprobs")
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise BadRequest("top_logprobs needs logprobs=true", code="invalid_request")
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise BadRequest(
+                f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {req.top_logprobs}",
+                code="invalid_request",
+            )
     if req.tools or req.tool_choice not in (None, "none"):
         raise unsupported("tools")
     if req.response_format not in (None, {"type": "text"}):
@@ -128,7 +136,7 @@ def chat_router(manager: Manager) -> APIRouter:
             raise NoEngine(f"no live engine serves model {req.model!r}")
         if req.max_tokens is None and req.max_completion_tokens is not None:
             req = req.model_copy(update={"max_tokens": req.max_completion_tokens})
-        sampling = sampling_of(req, default_max_tokens=max_seq_len)
+        sampling = sampling_of(req, max_seq_len, (req.top_logprobs or 0) if req.logprobs else None)
         messages = _messages(req)
         tokenizer = engine.api.tokenizer
         if sum(len(m.content) for m in messages) > INLINE_RENDER_CHARS:

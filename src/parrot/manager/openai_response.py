@@ -29,12 +29,14 @@ from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
 from parrot.manager.graph import Call, OutputSpec, Session, Variable
+from parrot.manager.openai_logprobs import chat_logprobs, completion_logprobs, text_length
 from parrot.manager.service import Manager
 from parrot.manager.views import error_info
 from parrot.protocol import clock
 from parrot.protocol.errors import CallFailed, EngineError, NoEngine, ParrotError
 from parrot.protocol.sampling import SamplingParams
-from parrot.protocol.schemas import PlaceholderBinding, SubmitCall
+from parrot.protocol.schemas import PlaceholderBinding, SubmitCall, TokenLogprob
+from parrot.protocol.tokenizer import TextTokenizer
 
 __all__ = ["COMPLETION_TEMPLATE", "Choice", "Completion", "Prompt", "answer", "check_model"]
 
@@ -191,31 +193,59 @@ class Completion:
         completion = sum(c.generated_tokens for c in self.calls)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
+    def tokenizer(self, call: Call) -> TextTokenizer | None:
+        """The tokenizer of the engine that ran ``call`` (to show its tokens)."""
+        handle = None
+        if call.engine_id is not None:
+            with contextlib.suppress(ParrotError):
+                handle = self.manager.pool.get(call.engine_id)
+        if handle is None:
+            handle = self.manager.pool.longest_context(self.requested_model)
+        return None if handle is None else handle.api.tokenizer
+
+    def logprobs(
+        self, choice: Choice, entries: Sequence[TokenLogprob], offset: int = 0
+    ) -> dict[str, Any] | None:
+        """``entries`` in the request's shape (the first token at character ``offset`` of
+        the choice's text); None when the request asked for no logprobs."""
+        tokenizer = self.tokenizer(choice.call)
+        if choice.out.sampling.logprobs is None or tokenizer is None:
+            return None
+        if self.chat:
+            return chat_logprobs(tokenizer, entries)
+        return completion_logprobs(tokenizer, entries, offset)
+
     def chunk(
-        self, index: int, text: str, finish_reason: str | None, *, role: bool = False
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        *,
+        role: bool = False,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """A streamed piece of choice ``index``'s answer (``role``: a chat stream's first,
-        naming the role)."""
+        naming the role), with the logprobs of the tokens it adds when they were asked for."""
         if not self.chat:
-            choice = {"text": text, "index": index, "finish_reason": finish_reason, "logprobs": None}
+            choice = {"text": text, "index": index, "finish_reason": finish_reason, "logprobs": logprobs}
             return self._envelope("text_completion", [choice])
         delta: dict[str, str] = {"role": "assistant"} if role else {}
         if text or role:
             delta["content"] = text
-        choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
         return self._envelope("chat.completion.chunk", [choice])
 
     def body(self) -> dict[str, Any]:
         """The whole answer, when not streamed (every choice ready)."""
         choices: list[dict[str, Any]] = []
         for c in self.choices:
-            text, reason = c.var.value or "", self.finish_reason(c)
+            text, reason, lp = c.var.value or "", self.finish_reason(c), self.logprobs(c, c.out.logprobs)
             if not self.chat:
-                choices.append({"text": text, "index": c.index, "finish_reason": reason, "logprobs": None})
+                choices.append({"text": text, "index": c.index, "finish_reason": reason, "logprobs": lp})
             else:
                 message = {"role": "assistant", "content": text}
                 choices.append(
-                    {"index": c.index, "message": message, "finish_reason": reason, "logprobs": None}
+                    {"index": c.index, "message": message, "finish_reason": reason, "logprobs": lp}
                 )
         out = self._envelope("chat.completion" if self.chat else "text_completion", choices)
         out["usage"] = self.usage()
@@ -264,6 +294,8 @@ async def answer(
         await comp.wait_call()
         if any(c.var.state != "ready" for c in comp.choices):
             raise comp.error()
+        if any(c.out.sampling.logprobs is not None for c in comp.choices):
+            return await asyncio.to_thread(comp.body)  # thousands of tokens to show: off the loop
         return comp.body()
     finally:
         comp.close()
@@ -305,6 +337,27 @@ async def _wait_any(vars_: list[Variable], timeout: float) -> None:
 _DIVERGED = "the call was re-run on another engine and its output changed"
 
 
+class _Sent:
+    """What a stream sent of one choice: its text, and its tokens' logprobs (how many,
+    and the characters they read as, which offset the next ones)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.tokens = 0
+        self.chars = 0
+
+    def take(self, comp: Completion, choice: Choice) -> dict[str, Any] | None:
+        """The logprobs of the choice's tokens not sent yet, in the request's shape (None
+        when it asked for none); they count as sent from now on."""
+        entries = choice.out.logprobs[self.tokens :]
+        shaped = comp.logprobs(choice, entries, self.chars)
+        self.tokens += len(entries)
+        tokenizer = comp.tokenizer(choice.call)
+        if shaped is not None and tokenizer is not None:
+            self.chars += text_length(tokenizer, entries)
+        return shaped
+
+
 async def _stream(comp: Completion, include_usage: bool) -> AsyncIterator[bytes]:
     """SSE chunks of the choices' text as it is generated, interleaved by arrival, each
     choice ended by a chunk with its ``finish_reason``; the session is closed however it
@@ -318,18 +371,19 @@ async def _stream(comp: Completion, include_usage: bool) -> AsyncIterator[bytes]
         if comp.chat:
             for c in comp.choices:
                 yield _sse(comp.chunk(c.index, "", None, role=True))
-        sent = ["" for _ in comp.choices]  # text already sent, per choice
+        sent = [_Sent() for _ in comp.choices]  # what each choice has sent
         open_ = list(comp.choices)  # choices not ended yet
         failed: ParrotError | None = None
         while open_ and failed is None:
             for c in list(open_):
-                text = c.var.value if c.var.state == "ready" else "".join(c.var.partial)
-                text = text or ""
-                if text.startswith(sent[c.index]):
-                    if len(text) > len(sent[c.index]):
-                        yield _sse(comp.chunk(c.index, text[len(sent[c.index]) :], None))
-                        sent[c.index] = text
-                elif not sent[c.index].startswith(text) or c.var.state == "ready":
+                text = (c.var.value if c.var.state == "ready" else "".join(c.var.partial)) or ""
+                done = sent[c.index]
+                if text.startswith(done.text):
+                    if len(text) > len(done.text):
+                        piece = text[len(done.text) :]
+                        done.text = text
+                        yield _sse(comp.chunk(c.index, piece, None, logprobs=done.take(comp, c)))
+                elif not done.text.startswith(text) or c.var.state == "ready":
                     failed = EngineError(_DIVERGED)  # a re-run diverged from what the client has
                     break
                 if c.var.state == "failed":
@@ -337,7 +391,7 @@ async def _stream(comp: Completion, include_usage: bool) -> AsyncIterator[bytes]
                     break
                 if c.var.state == "ready":
                     await comp.wait_call([c.call])
-                    yield _sse(comp.chunk(c.index, "", comp.finish_reason(c)))
+                    yield _sse(comp.chunk(c.index, "", comp.finish_reason(c), logprobs=done.take(comp, c)))
                     open_.remove(c)
             if open_ and failed is None:
                 await _wait_any([c.var for c in open_], 30.0)

@@ -12,6 +12,7 @@ MAX_STOP_STRINGS = 16
 MIN_TEMPERATURE = 1e-5
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64  # each is checked on every decode step of the request
+MAX_LOGPROBS = 20  # most likely tokens reported per generated token (OpenAI's chat limit)
 MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty / frequency_penalty is [-2, 2]
 MAX_TOP_K = (1 << 31) - 1  # anything >= the vocabulary means "no limit"; must fit the engine's int64 tensors
 
@@ -41,6 +42,9 @@ class SamplingParams:
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # report each generated token's logprob and this many most likely alternatives
+    # (0..MAX_LOGPROBS); None: no logprobs
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("stop", "stop_token_ids"):
@@ -87,6 +91,12 @@ class SamplingParams:
             or not 0 <= self.top_k <= MAX_TOP_K
         ):
             raise bad(f"top_k must be an integer in [0, {MAX_TOP_K}] (0 disables it), got {self.top_k!r}")
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool)
+            or not isinstance(self.logprobs, int)
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or null, got {self.logprobs!r}")
         if not isinstance(self.ignore_eos, bool):
             raise bad(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
@@ -103,14 +113,17 @@ class SamplingParams:
                 raise bad(f"stop_token_ids must be non-negative integers, got {t!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON form.  The penalties are left out at 0, so that an engine that predates
-        them (whose :meth:`from_dict` refuses unknown fields) still takes what it can honour."""
+        """The JSON form.  The penalties are left out at 0 and ``logprobs`` when None, so
+        that an engine that predates them (whose :meth:`from_dict` refuses unknown
+        fields) still takes what it can honour."""
         d = asdict(self)
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
         for name in ("presence_penalty", "frequency_penalty"):
             if not d[name]:
                 del d[name]
+        if d["logprobs"] is None:
+            del d["logprobs"]
         return d
 
     @classmethod
