@@ -218,3 +218,26 @@ def test_vanishing_temperature_is_greedy_not_nan(tiny_engine):
 
     greedy, tiny = asyncio.run(run())
     assert tiny == greedy
+
+
+def test_penalties_change_greedy_output_only_from_its_first_repeat(tiny_engine):
+    """Penalties lower only tokens already generated, so a penalised greedy run agrees
+    with the plain one until the plain one first repeats a token; for this seeded model a
+    frequency penalty of 2 then picks another token, and the run repeats less."""
+    p = tiny_engine.tokenizer.encode("The quick brown fox")
+
+    async def go():
+        plain = await from_scratch(tiny_engine, p, GREEDY)
+        pen = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, frequency_penalty=2.0)
+        penalised = await from_scratch(tiny_engine, p, pen)
+        again = await from_scratch(tiny_engine, p, pen)
+        # the same penalised row next to unpenalised ones: the batch does not matter
+        both = await asyncio.gather(from_scratch(tiny_engine, p, pen), from_scratch(tiny_engine, p, GREEDY))
+        return plain, penalised, again, both
+
+    plain, penalised, again, both = asyncio.run(go())
+    first_repeat = next(i for i, t in enumerate(plain) if t in plain[:i])
+    assert penalised[:first_repeat] == plain[:first_repeat]
+    assert penalised[first_repeat] != plain[first_repeat]
+    assert len(set(penalised)) > len(set(plain))
+    assert again == penalised and both == [penalised, plain]

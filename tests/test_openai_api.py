@@ -188,6 +188,31 @@ def test_default_max_tokens_is_16(client: httpx.Client) -> None:
     assert body["usage"]["completion_tokens"] == 16
 
 
+def test_null_max_tokens_runs_up_to_the_context(
+    oa: conftest.LiveServer, client: httpx.Client, tiny_engine: LocalEngine
+) -> None:
+    room = 5
+    ids = [7] * (tiny_engine.max_seq_len - room)
+    body = complete(client, prompt=ids, max_tokens=None, ignore_eos=True)
+    assert body["usage"] == {
+        "prompt_tokens": len(ids),
+        "completion_tokens": room,
+        "total_tokens": tiny_engine.max_seq_len,
+    }
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+def test_four_stop_strings_each_stop(client: httpx.Client) -> None:
+    full = complete(client, prompt="abc", max_tokens=12, ignore_eos=True)["choices"][0]["text"]
+    clean = [full[i : i + 2] for i in range(2, len(full) - 1) if "\ufffd" not in full[i : i + 2]]
+    assert clean, "the tiny model's greedy text has no clean two-character stop string"
+    first = clean[0]
+    stops = ["\x00a", "\x00b", "\x00c", first]  # OpenAI's maximum: four
+    body = complete(client, prompt="abc", max_tokens=12, ignore_eos=True, stop=stops)
+    assert body["choices"][0]["text"] == full[: full.find(first)]
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+
 def test_models_lists_live_engines(client: httpx.Client) -> None:
     r = client.get("/v1/models")
     assert r.status_code == 200
@@ -317,11 +342,27 @@ def test_completion_frees_its_engine_context(
 @pytest.mark.parametrize(
     ("changes", "code"),
     [
-        ({"n": 2}, "unsupported_parameter"),
+        ({"n": 0}, "invalid_request"),
+        ({"n": 17}, "invalid_request"),
+        ({"n": 2, "best_of": 3}, "unsupported_parameter"),
         ({"best_of": 3}, "unsupported_parameter"),
-        ({"logprobs": 1}, "unsupported_parameter"),
+        ({"n": 3, "best_of": 2}, "invalid_request"),
+        ({"n": 16, "prompt": ["a"] * 9}, "invalid_request"),
+        ({"prompt": ["a"] * 65}, "invalid_request"),
+        ({"prompt": []}, "invalid_request"),
+        ({"prompt": ["a", 1]}, "invalid_request"),
+        ({"prompt": [[1, 2], "b"]}, "invalid_request"),
+        ({"prompt": [1, True]}, "invalid_request"),
+        ({"prompt": [1, -2]}, "invalid_token_id"),
+        ({"prompt": [[1], [999999]]}, "invalid_token_id"),
+        ({"prompt": [[]]}, "empty_prompt"),
+        ({"prompt": list(range(2, 100)) * 30}, "context_too_long"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "invalid_request"),
+        ({"logprobs": 6}, "invalid_request"),
+        ({"suffix": "x"}, "unsupported_parameter"),
         ({"echo": True}, "unsupported_parameter"),
-        ({"presence_penalty": 0.5}, "unsupported_parameter"),
+        ({"presence_penalty": 2.5}, "invalid_sampling"),
+        ({"frequency_penalty": -2.01}, "invalid_sampling"),
         ({"logit_bias": {"50": 10}}, "unsupported_parameter"),
         ({"temperature": -1}, "invalid_sampling"),
         ({"top_p": 0}, "invalid_sampling"),
@@ -329,8 +370,6 @@ def test_completion_frees_its_engine_context(
         ({"max_tokens": 0}, "invalid_sampling"),
         ({"stop": [""]}, "invalid_sampling"),
         ({"stop_token_ids": [-1]}, "invalid_sampling"),
-        ({"prompt": ["a", "b"]}, "invalid_request"),
-        ({"prompt": [[1, 2, 3]]}, "invalid_request"),
         ({"prompt": None}, "invalid_request"),
         ({"prompt": ""}, "empty_prompt"),
         ({"max_tokens": "many"}, "invalid_request"),

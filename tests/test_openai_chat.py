@@ -174,8 +174,9 @@ def test_text_parts_and_max_completion_tokens(client: httpx.Client) -> None:
     [
         ({"messages": []}, 400, "invalid_request"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "invalid_messages"),
-        ({"messages": HELLO, "n": 2}, 400, "unsupported_parameter"),
-        ({"messages": HELLO, "logprobs": True}, 400, "unsupported_parameter"),
+        ({"messages": HELLO, "n": 17}, 400, "invalid_request"),
+        ({"messages": HELLO, "stop": ["a", "b", "c", "d", "e"]}, 400, "invalid_request"),
+        ({"messages": HELLO, "top_logprobs": 1}, 400, "invalid_request"),
         ({"messages": HELLO, "tools": [{"type": "function"}]}, 400, "unsupported_parameter"),
         ({"messages": HELLO, "response_format": {"type": "json_object"}}, 400, "unsupported_parameter"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "unsupported_parameter"),

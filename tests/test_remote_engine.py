@@ -10,6 +10,7 @@ frozen engine re-registers when it resumes), and the engine's own HTTP API.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import signal
 import time
@@ -24,6 +25,7 @@ from parrot.engine.loader import LoadedModel
 from parrot.engine.local import LocalEngine
 from parrot.manager.engines import EngineHandle
 from parrot.manager.remote_engine import RemoteEngine
+from parrot.protocol.schemas import TokenLogprob
 from parrot.protocol.tokenizer import TextTokenizer
 from tests.procs import OPERATOR, TEST_CLUSTER_SECRET, Proc, Procs, engine_by_url, engines, wait_until
 
@@ -271,14 +273,20 @@ def _error_code(resp: httpx.Response, lines: list[dict]) -> str:
     return lines[0]["error"]["code"]
 
 
-async def _local_tokens(engine: LocalEngine, tokens: list[int], steps: list[int]) -> list[list[int]]:
-    """What the in-process tiny engine generates: fill ``tokens`` then generate ``steps`` in turn."""
+async def _local_tokens(
+    engine: LocalEngine, tokens: list[int], steps: list[int], sampling: P.SamplingParams | None = None
+) -> list[list[int]]:
+    """What the in-process tiny engine generates: fill ``tokens`` then generate ``steps`` in
+    turn (greedily, or with ``sampling`` but for its ``max_tokens``)."""
     cid = EngineHandle.new_context_id()
     await engine.fill(tokens, cid)
     out = []
     for n in steps:
         ids: list[int] = []
-        async for chunk in engine.generate(P.SamplingParams(max_tokens=n, ignore_eos=True), cid):
+        sp = P.SamplingParams(max_tokens=n, ignore_eos=True)
+        if sampling is not None:
+            sp = dataclasses.replace(sampling, max_tokens=n)
+        async for chunk in engine.generate(sp, cid):
             ids += chunk.token_ids
         out.append(ids)
     await engine.free_context(cid)
@@ -405,9 +413,38 @@ def test_engine_http_api(procs: Procs, tiny_model: LoadedModel, tiny_engine: Loc
                 hits.append((await remote.stats()).cached_tokens - before)
                 await remote.free_context(context_id)
             assert hits == [0, 0, 32]
+            # penalties travel too, and sample as in the in-process engine
+            await remote.fill(prompt, 10_013)
+            got = [t async for c in remote.generate(penalised, 10_013) for t in c.token_ids]
+            assert got == local_penalised and got != local_plain
+            await remote.free_context(10_013)
+            # and so do logprobs: one entry per token, as the in-process engine gives them
+            await remote.fill(prompt, 10_014)
+            chunks = [c async for c in remote.generate(with_logprobs, 10_014)]
+            await remote.free_context(10_014)
+            entries = [e for c in chunks for e in c.logprobs or []]
+            assert (
+                [e.token_id for e in entries] == [t for c in chunks for t in c.token_ids] == local_plain[:4]
+            )
+            assert [(e.logprob, e.top) for e in entries] == [(e.logprob, e.top) for e in local_entries]
         finally:
             await remote.close()
 
+    penalised = P.SamplingParams(max_tokens=24, ignore_eos=True, frequency_penalty=2.0, presence_penalty=0.5)
+    [local_penalised] = asyncio.run(_local_tokens(tiny_engine, prompt, [24], penalised))
+    [local_plain] = asyncio.run(_local_tokens(tiny_engine, prompt, [24]))
+    with_logprobs = P.SamplingParams(max_tokens=4, ignore_eos=True, logprobs=2)
+
+    async def local_logprobs() -> list[TokenLogprob]:
+        cid = EngineHandle.new_context_id()
+        await tiny_engine.fill(prompt, cid)
+        out = [e async for c in tiny_engine.generate(with_logprobs, cid) for e in c.logprobs or []]
+        await tiny_engine.free_context(cid)
+        return out
+
+    local_entries = asyncio.run(local_logprobs())
+    resp = _post(eng, "/generate", {"sampling": {"max_tokens": 2, "presence_penalty": 2.5}, "context_id": b})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_sampling", resp.text
     asyncio.run(through_remote_engine())
 
 

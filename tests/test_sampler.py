@@ -8,7 +8,8 @@ from collections import Counter
 import pytest
 import torch
 
-from parrot.engine.sampler import make_generator, sample
+from parrot.engine.sampler import make_generator, penalize, sample
+from parrot.protocol.errors import InvalidSampling
 from parrot.protocol.sampling import SamplingParams
 
 GREEDY = SamplingParams()
@@ -130,3 +131,52 @@ def test_invalid_inputs(logits: torch.Tensor, params: list, gens: list, needle: 
 def test_greedy_takes_the_lowest_id_on_ties_and_skips_minus_inf() -> None:
     logits = torch.tensor([[1.0, 3.0, 3.0], [2.0, 2.0, 0.0], [-math.inf, -math.inf, -5.0]])
     assert sample(logits, [GREEDY] * 3, [None] * 3).tolist() == [1, 0, 2]
+
+
+# ------------------------------------------------------------------ penalties
+
+
+def test_penalties_follow_openais_formula() -> None:
+    logits = _logits(batch=2, vocab=10)
+    pen = SamplingParams(presence_penalty=1.0, frequency_penalty=0.5)
+    counts: list[dict[int, int] | None] = [{3: 2, 5: 1}, None]
+    out = penalize(logits, [pen, GREEDY], counts)
+    expected = logits.clone()
+    expected[0, 3] -= 2 * 0.5 + 1.0
+    expected[0, 5] -= 1 * 0.5 + 1.0
+    assert torch.equal(out, expected)
+    assert torch.equal(out[1], logits[1])  # the row without penalties is untouched
+
+
+def test_rows_without_penalties_are_bit_identical() -> None:
+    logits = _logits(batch=3, vocab=40)
+    before = logits.clone()
+    params = [GREEDY, SamplingParams(temperature=0.8, seed=1), GREEDY]
+    assert penalize(logits, params, [{1: 3}, {2: 1}, None]) is logits  # no row is penalised: no copy
+    plain = sample(logits, params, [None, make_generator(5), None])
+    counted = sample(logits, params, [None, make_generator(5), None], counts=[{1: 3}, {2: 1}, None])
+    assert torch.equal(plain, counted) and torch.equal(logits, before)
+
+
+def test_a_penalty_moves_the_greedy_choice_off_a_repeated_token() -> None:
+    logits = torch.tensor([[2.0, 1.5, 0.0, -1.0]])
+    assert int(sample(logits, [GREEDY], [None])[0]) == 0
+    repeat = SamplingParams(frequency_penalty=0.3)
+    assert int(sample(logits, [repeat], [None], counts=[{0: 1}])[0]) == 0  # 1.7 still beats 1.5
+    assert int(sample(logits, [repeat], [None], counts=[{0: 2}])[0]) == 1  # 1.4 does not
+    encourage = SamplingParams(presence_penalty=-2.0)  # a negative penalty favours what was generated
+    assert int(sample(logits, [encourage], [None], counts=[{1: 1}])[0]) == 1
+
+
+@pytest.mark.parametrize("field", ["presence_penalty", "frequency_penalty"])
+@pytest.mark.parametrize("value", [2.01, -2.5, float("nan"), float("inf")])
+def test_penalties_outside_minus_two_to_two_are_invalid(field: str, value: float) -> None:
+    with pytest.raises(InvalidSampling, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_zero_penalties_stay_off_the_wire() -> None:
+    assert "presence_penalty" not in SamplingParams().to_dict()  # an older engine takes it
+    wire = SamplingParams(presence_penalty=0.5).to_dict()
+    assert wire["presence_penalty"] == 0.5 and "frequency_penalty" not in wire
+    assert SamplingParams.from_dict(wire) == SamplingParams(presence_penalty=0.5)

@@ -44,6 +44,8 @@ class Job:
     generator: torch.Generator | None = None
     decoder: IncrementalDecoder | None = None
     stops: StopStringFilter | None = None
+    # times each token was generated so far, kept only when the sampling has penalties
+    counts: dict[int, int] | None = None
 
     @property
     def is_generate(self) -> bool:

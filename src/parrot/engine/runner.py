@@ -48,11 +48,11 @@ from parrot.engine.latency_probe import StepLatency, probe
 from parrot.engine.loader import LoadedModel
 from parrot.engine.memory import MemoryManager
 from parrot.engine.paged import PagedStepAttention
-from parrot.engine.sampler import make_generator, sample
+from parrot.engine.sampler import logprobs_of, make_generator, sample
 from parrot.engine.step_planner import KVLoad, SeqSlice, StepPlanner
 from parrot.engine.stopping import StopStringFilter
 from parrot.protocol.errors import BadRequest, ParrotError
-from parrot.protocol.schemas import EngineStats, GenerateChunk
+from parrot.protocol.schemas import EngineStats, GenerateChunk, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -362,6 +362,7 @@ class EngineRunner:
         job.generator = make_generator(job.sampling.seed)
         job.decoder = self.tokenizer.incremental_decoder()
         job.stops = StopStringFilter(job.sampling.stop)
+        job.counts = {} if job.sampling.penalized else None
 
     # -------------------------------------------------------------- forward
     def _forward(self) -> tuple[list[Job], torch.Tensor | None]:
@@ -450,36 +451,51 @@ class EngineRunner:
             logits,
             [j.sampling for j in jobs],  # type: ignore[misc]
             [j.generator for j in jobs],
+            [j.counts for j in jobs] if any(j.counts is not None for j in jobs) else None,
         ).tolist()
         eos = set(self.tokenizer.eos_token_ids)
-        for job, token in zip(jobs, tokens, strict=True):
-            self._advance(job, int(token), eos)
+        logprobs = logprobs_of(logits, [j.sampling for j in jobs], tokens)  # type: ignore[misc]
+        for job, token, lp in zip(jobs, tokens, logprobs, strict=True):
+            self._advance(job, int(token), eos, lp)
 
-    def _advance(self, job: Job, token: int, eos: set[int]) -> None:
+    def _advance(self, job: Job, token: int, eos: set[int], lp: TokenLogprob | None = None) -> None:
         sp, ctx = job.sampling, job.ctx
         assert sp is not None and ctx is not None and job.decoder is not None and job.stops is not None
         job.generated += 1
         self.counters["generated_tokens"] += 1
+        if job.counts is not None:
+            job.counts[token] = job.counts.get(token, 0) + 1
+        lps = None if lp is None else [lp]
         if token in sp.stop_token_ids or (token in eos and not sp.ignore_eos):
-            self._end_generate(job, [token], "stop")
+            self._end_generate(job, [token], "stop", logprobs=lps)
             return
         ctx.own_tokens.append(token)
         text = job.stops.push(job.decoder.feed(token))
         if job.stops.stopped:
-            self._end_generate(job, [token], "stop", text)
+            self._end_generate(job, [token], "stop", text, lps)
         elif job.generated >= sp.max_tokens or ctx.length >= self.max_seq_len:
-            self._end_generate(
-                job, [token], "length", text + job.stops.push(job.decoder.flush()) + job.stops.flush()
-            )
+            rest = job.stops.push(job.decoder.flush()) + job.stops.flush()
+            self._end_generate(job, [token], "length", text + rest, lps)
         elif job.on_chunk is not None:
-            job.on_chunk(GenerateChunk(token_ids=[token], text=text))
+            job.on_chunk(GenerateChunk(token_ids=[token], text=text, logprobs=lps))
 
-    def _end_generate(self, job: Job, token_ids: list[int], reason: str, text: str = "") -> None:
+    def _end_generate(
+        self,
+        job: Job,
+        token_ids: list[int],
+        reason: str,
+        text: str = "",
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> None:
         assert job.ctx is not None
         self._release_ctx(job.ctx)
         self.planner.running.remove(job)
         if job.on_chunk is not None:
-            job.on_chunk(GenerateChunk(token_ids=token_ids, text=text, done=True, finish_reason=reason))
+            job.on_chunk(
+                GenerateChunk(
+                    token_ids=token_ids, text=text, done=True, finish_reason=reason, logprobs=logprobs
+                )
+            )
         self._finish(job, None)
 
     def _finish(self, job: Job, error: ParrotError | None, finish_reason: str | None = None) -> None:

@@ -21,7 +21,7 @@ import contextlib
 from collections.abc import Callable
 
 from parrot.manager.engines import EngineHandle
-from parrot.manager.graph import Call, materialise
+from parrot.manager.graph import Call, OutputSpec, materialise
 from parrot.manager.metrics import ManagerMetrics
 from parrot.manager.render import FillStep, Rendered
 from parrot.protocol import clock
@@ -39,7 +39,11 @@ async def drive(
 ) -> None:
     """Run ``rendered``'s steps for ``call`` on ``handle`` (see the module docstring),
     observing its time to first token and each output's time per token in ``metrics``.
-    Engine failures propagate (an EngineError); the caller decides about re-running."""
+    Engine failures propagate (an EngineError); the caller decides about re-running.
+
+    An output with forks (``n`` samples) is generated in ``n`` contexts forked from the
+    filled prompt's, concurrently: the prompt is computed once and every sample reads
+    its KV blocks in place."""
     api = handle.api
     context_id = handle.new_context_id()
     opened = False
@@ -52,35 +56,15 @@ async def drive(
                 _count_fill(call, len(step.tokens), reused)
                 continue
             out = step.output
-            text: list[str] = []
-            tokens, first_at, last_at = 0, 0.0, 0.0
-            async for chunk in api.generate(out.sampling, context_id):
-                if chunk.finish_reason == "cancelled":  # the manager never cancels this way
-                    raise CallFailed(
-                        f"call {call.call_id}: the engine stopped its generation after "
-                        f"{call.generated_tokens} tokens because its context was freed or "
-                        "cancelled from outside the manager"
-                    )
-                if chunk.token_ids:
-                    last_at = clock.monotonic()
-                    first_at = first_at if tokens else last_at
-                    tokens += len(chunk.token_ids)
-                    if call.first_token_at is None:
-                        call.first_token_at = clock.wall()
-                        if metrics is not None and call.dispatched_at is not None:
-                            metrics.first_token(handle.engine_id, call.first_token_at - call.dispatched_at)
-                if chunk.text:
-                    text.append(chunk.text)
-                    out.var.partial.append(chunk.text)
-                    out.var.notify()
-                call.generated_tokens += len(chunk.token_ids)
-            if metrics is not None:
-                metrics.output_done(handle.engine_id, tokens, first_at, last_at)
-            value = "".join(text)
-            if out.transform is not None:  # off the loop: a regex may take its whole budget
-                value = await asyncio.to_thread(out.transform.apply, value)
-            for ready in materialise(out.var, value):
-                on_ready(ready)
+            if out.forks:
+                values = await _generate_forked(call, handle, context_id, [out, *out.forks], metrics)
+            else:
+                values = [await _generate(call, handle, out, context_id, None, metrics)]
+            for spec, value in zip([out, *out.forks], values, strict=True):
+                if spec.transform is not None:  # off the loop: a regex may take its whole budget
+                    value = await asyncio.to_thread(spec.transform.apply, value)
+                for ready in materialise(spec.var, value):
+                    on_ready(ready)
         # done as its last value is set, before the await below: whoever reads that
         # value (a get, a stream's end) and then the call sees it done, never running
         call.state = "done"
@@ -99,3 +83,72 @@ def _count_fill(call: Call, tokens: int, reused: int | None) -> None:
         return
     call.prefix_reused_tokens += reused
     call.filled_tokens += tokens - reused
+
+
+async def _generate(
+    call: Call,
+    handle: EngineHandle,
+    out: OutputSpec,
+    context_id: int,
+    parent_id: int | None = None,
+    metrics: ManagerMetrics | None = None,
+) -> str:
+    """Generate ``out`` in ``context_id`` (created forked from ``parent_id`` if given),
+    streaming its text into the variable's ``partial``; returns the whole text."""
+    text: list[str] = []
+    out.generated_tokens, out.finish_reason = 0, None
+    out.logprobs.clear()
+    first_at = last_at = 0.0
+    async for chunk in handle.api.generate(out.sampling, context_id, parent_id):
+        if chunk.finish_reason == "cancelled":  # the manager never cancels this way
+            raise CallFailed(
+                f"call {call.call_id}: the engine stopped its generation after "
+                f"{call.generated_tokens} tokens because its context was freed or "
+                "cancelled from outside the manager"
+            )
+        if chunk.logprobs:  # before the text is announced: a stream sends both together
+            out.logprobs.extend(chunk.logprobs)
+        if chunk.token_ids:
+            last_at = clock.monotonic()
+            first_at = first_at if out.generated_tokens else last_at
+            if call.first_token_at is None:
+                call.first_token_at = clock.wall()
+                if metrics is not None and call.dispatched_at is not None:
+                    metrics.first_token(handle.engine_id, call.first_token_at - call.dispatched_at)
+        if chunk.text:
+            text.append(chunk.text)
+            out.var.partial.append(chunk.text)
+            out.var.notify()
+        call.generated_tokens += len(chunk.token_ids)
+        out.generated_tokens += len(chunk.token_ids)
+        if chunk.done:
+            out.finish_reason = chunk.finish_reason
+    if metrics is not None:
+        metrics.output_done(handle.engine_id, out.generated_tokens, first_at, last_at)
+    return "".join(text)
+
+
+async def _generate_forked(
+    call: Call,
+    handle: EngineHandle,
+    parent_id: int,
+    outs: list[OutputSpec],
+    metrics: ManagerMetrics | None = None,
+) -> list[str]:
+    """Generate each of ``outs`` in a context of its own forked from ``parent_id``, all
+    at once; if one fails the others are cancelled.  The forks are freed however it ends."""
+    children = [handle.new_context_id() for _ in outs]
+    tasks = [
+        asyncio.ensure_future(_generate(call, handle, out, child, parent_id, metrics))
+        for out, child in zip(outs, children, strict=True)
+    ]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if handle.alive:
+            for child in children:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(handle.api.free_context(child))

@@ -353,7 +353,11 @@ class Executor:
                 ticket.shared_prefix = constant
             shared = ticket.shared_prefix[1] if ticket.shared_prefix else 0
             # engines stop generating at their context: a call never holds more than that
-            total = min(rendered.prompt_tokens + new_tokens, max_len)
+            # forks (n samples) share the prompt and add their own tokens; the scheduler
+            # measures a call against one context's length, so the estimate stops there and
+            # the engine's own admission paces forks that would hold more
+            forks = sum(f.sampling.max_tokens for o in call.outputs.values() for f in o.forks)
+            total = min(rendered.prompt_tokens + new_tokens + forks, max_len)
             ticket.tokens = max(1, total - shared)
         return ticket.tokens
 
@@ -453,13 +457,11 @@ class Executor:
     def _requeue(self, ticket: _Ticket, lost: str) -> bool:
         """The call's engine was lost: queue it again (True), unless it cannot be re-run."""
         call = ticket.call
-        if ticket.attempts >= self.max_attempts or any(
-            o.var.state != "pending" for o in call.outputs.values()
-        ):
+        if ticket.attempts >= self.max_attempts or any(o.var.state != "pending" for o in call.all_outputs()):
             fail_call(call, EngineError(f"call {call.call_id} failed on its engine: {lost}"))
             return False
         log.warning("call %s: %s; re-running it elsewhere", call.call_id, lost)
-        for out in call.outputs.values():
+        for out in call.all_outputs():
             out.var.partial.clear()
             out.var.notify()
         call.state = "ready"

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
 from parrot.protocol import clock
 from parrot.protocol.errors import CallFailed, Conflict, CycleError, ParrotError
 from parrot.protocol.sampling import SamplingParams
+from parrot.protocol.schemas import TokenLogprob
 from parrot.protocol.template import Template
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ CallState = Literal["waiting", "ready", "running", "done", "failed"]
 Criteria = Literal["LATENCY", "THROUGHPUT"]
 
 _ids = itertools.count(1)
+_SEED_MASK = (1 << 64) - 1
 _seqs = itertools.count()
 
 
@@ -106,6 +108,15 @@ class OutputSpec:
     var: Variable
     sampling: SamplingParams
     transform: object | None = None  # parrot.protocol.transforms.TransformChain
+    # further samples of this output from the same prompt (OpenAI's ``n``): each is
+    # generated in an engine context forked from the filled prompt, so the prompt is
+    # computed once; only a call's last output has forks, and forks have no consumers
+    forks: list[OutputSpec] = field(default_factory=list)
+    # of the last run: tokens generated, the engine's reason for stopping, and the
+    # tokens' logprobs when the sampling asked for them
+    generated_tokens: int = 0
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -141,6 +152,9 @@ class Call:
     # tokens it computed; None until it runs, or when its engine does not say
     prefix_reused_tokens: int | None = None
     filled_tokens: int | None = None
+    # the prompt as token ids (an OpenAI token-id prompt), filled as given in place of
+    # the template's text (whose inputs are then empty)
+    prompt_ids: tuple[int, ...] | None = None
     submitted_at: float = field(default_factory=clock.wall)
     # submission order, process-wide (a batch's calls in op order): a session's program order
     seq: int = field(default_factory=lambda: next(_seqs), repr=False)
@@ -151,6 +165,10 @@ class Call:
 
     def input_vars(self) -> list[Variable]:
         return [v for v in self.inputs.values() if isinstance(v, Variable)]
+
+    def all_outputs(self) -> list[OutputSpec]:
+        """Its outputs and their forks."""
+        return [spec for o in self.outputs.values() for spec in (o, *o.forks)]
 
     def effective_producers(self) -> tuple[str, ...]:
         """Ids of the distinct calls producing this call's inputs, less any that is
@@ -287,7 +305,7 @@ def fail_call(call: Call, error: ParrotError) -> None:
         c.state = "failed"
         c.error = err
         c.finished_at = clock.wall()
-        for out in c.outputs.values():
+        for out in c.all_outputs():
             var = out.var
             if var.state != "pending":
                 continue
@@ -302,6 +320,23 @@ def fail_call(call: Call, error: ParrotError) -> None:
                     detail={"origin_call": c.call_id, **err.detail},  # keeps the root cause
                 )
                 stack.append((consumer, downstream))
+
+
+def add_forks(call: Call, n: int) -> list[Variable]:
+    """Give the call's last output ``n - 1`` forks (so ``n`` samples in all) and return
+    their fresh variables.  Fork ``i``'s sampling is the output's with seed ``seed + i``
+    (mod 2**64) when it has a seed, so a seeded request is reproducible and its samples
+    differ."""
+    last = next(o for o in reversed(list(call.outputs.values())))
+    new_vars: list[Variable] = []
+    for i in range(1, n):
+        seed = last.sampling.seed
+        sampling = last.sampling if seed is None else replace(last.sampling, seed=(seed + i) & _SEED_MASK)
+        var = Variable(new_id("v"), call.session_id, name=f"{last.name}#{i}")
+        var.producer = call
+        last.forks.append(OutputSpec(var.name or last.name, var, sampling, last.transform))
+        new_vars.append(var)
+    return new_vars
 
 
 def fail_variable(var: Variable, error: ParrotError) -> None:

@@ -11,10 +11,14 @@ Supported: ``model``, ``messages`` (roles ``system``/``developer``, ``user``,
 ``assistant``, ``tool``; ``content`` a string or a list of ``{"type": "text"}``
 parts; at most :data:`MAX_MESSAGES`), ``max_tokens`` / ``max_completion_tokens``
 (default: up to the model's context, as OpenAI), ``temperature`` (default 1),
-``top_p``, ``top_k``, ``seed``, ``stop``, ``stream`` with
-``stream_options.include_usage``, ``n`` = 1, ``response_format`` ``{"type":
+``top_p``, ``top_k``, ``seed``, ``stop`` (up to 4 strings), ``stream`` with
+``stream_options.include_usage``, ``n`` (up to
+:data:`~parrot.manager.openai_api.MAX_N` samples forked from one filled
+prompt, ``choices[j]``; streamed chunks carry their choice's ``index``),
+``presence_penalty`` / ``frequency_penalty`` (-2..2), ``logprobs`` with
+``top_logprobs`` (0..20), ``response_format`` ``{"type":
 "text"}``, and vLLM's ``ignore_eos`` / ``stop_token_ids``.  Refused with 400
-rather than ignored: ``logprobs``, penalties other than 0, ``logit_bias``,
+rather than ignored: ``logit_bias``,
 ``tools``, other response formats and content parts.
 
 Answers are OpenAI's shapes: ``chat.completion`` (``choices[0].message``) or,
@@ -32,18 +36,19 @@ from fastapi import APIRouter, Request
 from pydantic import Field
 
 from parrot.manager.openai_api import (
-    Completion,
     OpenAIRequest,
-    answer,
-    check_model,
     check_shared,
+    context_of,
+    samples_of,
     sampling_of,
     unsupported,
 )
+from parrot.manager.openai_response import Completion, answer
 from parrot.manager.service import Manager
 from parrot.protocol.asgi import OffLoopJsonRoute, bearer_token
 from parrot.protocol.chat_template import ChatMessage, render_chat
 from parrot.protocol.errors import BadRequest, NoEngine
+from parrot.protocol.sampling import MAX_LOGPROBS
 from parrot.protocol.schemas import StrictBody
 
 __all__ = ["MAX_MESSAGES", "ChatCompletionRequest", "chat_router"]
@@ -67,9 +72,9 @@ class ChatCompletionRequest(OpenAIRequest):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     response_format: dict[str, Any] | None = None
-    # Accepted only at their no-op values:
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    # Accepted only at their no-op values:
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -77,8 +82,14 @@ class ChatCompletionRequest(OpenAIRequest):
 
 def _check_supported(req: ChatCompletionRequest) -> None:
     check_shared(req)
-    if req.logprobs or req.top_logprobs:
-        raise unsupported("logprobs")
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise BadRequest("top_logprobs needs logprobs=true", code="invalid_request")
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise BadRequest(
+                f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {req.top_logprobs}",
+                code="invalid_request",
+            )
     if req.tools or req.tool_choice not in (None, "none"):
         raise unsupported("tools")
     if req.response_format not in (None, {"type": "text"}):
@@ -119,20 +130,22 @@ def chat_router(manager: Manager) -> APIRouter:
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
         tenant = manager.api_keys.tenant(bearer_token(request.headers.get("authorization")))
         _check_supported(req)
-        check_model(manager, req.model)
+        max_seq_len = context_of(manager, req.model)
         engine = manager.pool.longest_context(req.model)
         if engine is None:  # gone since the check
             raise NoEngine(f"no live engine serves model {req.model!r}")
         if req.max_tokens is None and req.max_completion_tokens is not None:
             req = req.model_copy(update={"max_tokens": req.max_completion_tokens})
-        sampling = sampling_of(req, default_max_tokens=engine.max_seq_len)
+        sampling = sampling_of(req, max_seq_len, (req.top_logprobs or 0) if req.logprobs else None)
         messages = _messages(req)
         tokenizer = engine.api.tokenizer
         if sum(len(m.content) for m in messages) > INLINE_RENDER_CHARS:
             prompt = await asyncio.to_thread(render_chat, tokenizer, messages)
         else:
             prompt = render_chat(tokenizer, messages)
-        comp = await Completion.open(manager, prompt, sampling, req.model, tenant, chat=True)
+        comp = await Completion.open(
+            manager, prompt, sampling, req.model, tenant, chat=True, n=samples_of(req)
+        )
         return await answer(comp, request, req.stream, req.stream_options)
 
     return router

@@ -55,6 +55,9 @@ def prefix_keys(call: Call) -> list[str]:
         return list(call.prefix_cache)
     keys: list[str] = []
     h = _chain(b"", b"C" if call.chat else b"R", call.cache_salt)
+    if call.prompt_ids is not None:  # a token-id prompt: one boundary, after its ids
+        call.prefix_cache = (_chain(h, b"I", ",".join(map(str, call.prompt_ids))).hex(),)
+        return list(call.prefix_cache)
     pieces = user_pieces(call)
     for i, piece in enumerate(pieces):
         if isinstance(piece, Text):

@@ -132,6 +132,8 @@ def render(
     such text of the call recorded at once); without one, everything is tokenized
     here.  A prompt that has more UTF-8 bytes than ``max_seq_len`` tokens can hold is
     rejected before anything is tokenized."""
+    if call.prompt_ids is not None:
+        return _render_ids(call, call.prompt_ids, tokenizer, max_seq_len)
     source = tokens if tokens is not None else TokenSource(None)
     pieces = user_pieces(call)
     before = between = ""
@@ -168,6 +170,28 @@ def render(
     if steps and isinstance(steps[0], GenerateStep):
         raise BadRequest("the rendered prompt before the first output is empty", code="empty_prompt")
     return Rendered(steps, constant)
+
+
+def _render_ids(call: Call, ids: tuple[int, ...], tokenizer: TextTokenizer, max_seq_len: int) -> Rendered:
+    """The steps of a token-id prompt: its ids filled as given (no BOS added, as OpenAI
+    and vLLM take them), then the call's one output.  Raises BadRequest for an id outside
+    the vocabulary or an empty prompt, ContextTooLong when no token fits after it."""
+    if not ids:
+        raise BadRequest("the token-id prompt is empty", code="empty_prompt")
+    bad = next((t for t in ids if not 0 <= t < tokenizer.vocab_size), None)
+    if bad is not None:
+        raise BadRequest(
+            f"token id {bad} is outside the model's vocabulary [0, {tokenizer.vocab_size})",
+            code="invalid_token_id",
+        )
+    if len(ids) >= max_seq_len:
+        raise ContextTooLong(
+            f"the prompt has {len(ids)} tokens; the model's context is {max_seq_len} "
+            "(generation needs at least one more)",
+            detail={"prompt_tokens": len(ids), "max_seq_len": max_seq_len},
+        )
+    (output,) = call.outputs.values()
+    return Rendered([FillStep(list(ids)), GenerateStep(output)])
 
 
 def _fill_texts(call: Call, pieces: list[Piece], before: str, between: str) -> list[tuple[str, OutputSpec]]:

@@ -37,6 +37,7 @@ from parrot.manager.graph import (
     PreRendered,
     Session,
     Variable,
+    add_forks,
     fail_call,
     fail_variable,
     link_call,
@@ -388,10 +389,21 @@ class Manager:
             await var.wait_change(left)
 
     # --------------------------------------------------------------- calls
-    def submit_call(self, session: Session, req: SubmitCall) -> Call:
+    def submit_call(
+        self,
+        session: Session,
+        req: SubmitCall,
+        *,
+        prompt_ids: tuple[int, ...] | None = None,
+        samples: int = 1,
+    ) -> Call:
+        """Validate, link and start ``req``'s call (``prompt_ids``, ``samples``: see
+        :meth:`stage_call`)."""
         size = inline_bytes(req)
         self.check_room(session, calls=1, value_bytes=size)
-        staged = self.stage_call(session, req, self.lookup_in(session))
+        staged = self.stage_call(
+            session, req, self.lookup_in(session), prompt_ids=prompt_ids, samples=samples
+        )
         self.settle_tokens()
         link_call(staged.call)  # validates (producer conflicts, cycles) before linking anything
         self.add_call(session, staged)
@@ -408,10 +420,20 @@ class Manager:
 
         return lookup
 
-    def stage_call(self, session: Session, req: SubmitCall, lookup: VarLookup) -> StagedCall:
+    def stage_call(
+        self,
+        session: Session,
+        req: SubmitCall,
+        lookup: VarLookup,
+        *,
+        prompt_ids: tuple[int, ...] | None = None,
+        samples: int = 1,
+    ) -> StagedCall:
         """Validate ``req`` and build its call, unlinked: the session and every
         variable in it are left untouched (outputs that need a fresh variable get
-        one in ``StagedCall.new_vars``, outside the session)."""
+        one in ``StagedCall.new_vars``, outside the session).  ``prompt_ids``: the
+        prompt as token ids, filled in place of the template's text; ``samples``: how
+        many samples of its last output (:func:`~parrot.manager.graph.add_forks`)."""
         template = parse_template(req.template)
         bindings = _index_bindings(req.placeholders)
         names = template.names
@@ -456,7 +478,10 @@ class Manager:
             chat=req.chat,
             tenant=session.tenant,
             cache_salt=cache_salt(session.tenant, self.config.prefix_sharing),
+            prompt_ids=prompt_ids,
         )
+        if samples > 1:
+            new_vars.extend(add_forks(call, samples))
         self._check_rendered_length(call, longest)
         criteria = {n: c for n in outputs if (c := bindings[n].criteria) is not None}
         return StagedCall(call, new_vars, criteria)

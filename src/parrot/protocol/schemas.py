@@ -320,11 +320,23 @@ class TokenCapacityRequest(StrictBody):
     token_capacity: int
 
 
+class TokenLogprob(BaseModel):
+    """A generated token's log-probability and the ``top`` most likely tokens at its
+    step, as ``[token_id, logprob]`` pairs, most likely first (log-softmax of the
+    model's logits, before temperature and the other filters)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = Field(default_factory=list)
+
+
 class GenerateChunk(BaseModel):
-    """One line of a generate stream.  The last line has ``done`` set."""
+    """One line of a generate stream.  The last line has ``done`` set.  ``logprobs``
+    (only when the sampling asked for them) has one entry per id of ``token_ids``."""
 
     token_ids: list[int] = Field(default_factory=list)
     text: str = ""
     done: bool = False
     finish_reason: Literal["stop", "length", "cancelled"] | None = None
     error: ErrorInfo | None = None
+    logprobs: list[TokenLogprob] | None = None
