@@ -1,5 +1,9 @@
 """Command line: ``parrot serve`` (manager + embedded engine) and
-``parrot engine --manager URL`` (a separate engine process)."""
+``parrot engine --manager URL`` (a separate engine process).
+
+Length (just over 500 lines): mostly the options' declarations and help texts;
+the backend options live in :mod:`parrot.cli_backend`, the kernel options in
+:mod:`parrot.engine.kernels.options`."""
 
 from __future__ import annotations
 

@@ -23,6 +23,10 @@ child forks from it — never by a wasted step when the context is freed next.
 A request that fits the KV pool at all is never failed for lack of memory (it
 waits or is preempted); a context longer than the whole pool is rejected
 (``kv_capacity_exceeded``).
+
+Length (just over 500 lines): the worker thread's step loop and its request
+handling; planning (step_planner), the forward (step_forward) and finishing jobs
+(jobs) live apart.
 """
 
 from __future__ import annotations

@@ -25,6 +25,10 @@ once, one that waits longer than ``queue_timeout_s`` fails with a timeout; a cal
 whose engine is lost before any of its outputs materialised is queued again and re-run
 elsewhere (waiting up to ``engine_wait_s`` for an engine); the engine context of a
 call is freed however the call ends.
+
+Length (just over 500 lines): one job, the life of a placed call from queue to
+finish; its parts with a job of their own live in queue_order, engine_loads,
+objective_cache and call_driver.
 """
 
 from __future__ import annotations

@@ -35,6 +35,9 @@ reuses it (:mod:`parrot.engine.paged`).
 
 Every piece produces per-query unnormalised partials (out, max, den) that are
 merged exactly by :func:`merge_partials`.
+
+Length (just over 500 lines): the PyTorch decode attention's pieces and the plan
+they share per step, kept together because the plan's layout is what the pieces read.
 """
 
 from __future__ import annotations
