@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import time
 
@@ -279,15 +280,18 @@ def prompt_heavy(n):
     return [q(f"p{i}", tokens=254, new=25, rank=i) for i in range(n)]
 
 
-def test_batch_tokens_stays_at_the_cap_unless_calls_queue():
-    assert saturation.batch_tokens(1, 174, 64, 1000, 1800, 24.0) == 1800  # one call: the cap
-    assert saturation.batch_tokens(32, 174, 0, 1000, 1800, 24.0) == 1800  # nothing to decode
-    k32 = saturation.batch_tokens(32, 174, 64, 1000, 1800, 24.0)
-    k8 = saturation.batch_tokens(8, 174, 64, 1000, 1800, 24.0)
-    assert 1800 < k8 < k32  # grows with the calls competing ...
-    assert (k32 - 1000) / (k8 - 1000) == pytest.approx(2.0, rel=0.02)  # ... as its square root
-    # prompt-heavy calls: about what the cap admits already (k* = sqrt(25*25/10.4) ~ 7.8 calls)
-    assert 1800 <= saturation.batch_tokens(25, 254, 25, 0, 1800, 24.0) < 8 * 254
+def k_star(competing, tokens, new, cap=1800, pi=24.0):
+    return saturation.batch_calls(competing, tokens, new, cap, pi)
+
+
+def test_batch_calls_grows_with_the_calls_competing_and_shrinks_with_their_prompts():
+    assert k_star(1, 174, 64) == 0  # one call competing: no batch to argue for
+    assert k_star(32, 174, 0) == 0  # nothing to decode
+    assert k_star(32, 174, 64) / k_star(8, 174, 64) == pytest.approx(2.0)  # as the square root
+    # k* = sqrt(32*64 / (110/24 + 0.25*64*142/1800)) ~ 18.7 for calls under a cached prompt
+    assert k_star(32, 174, 64) == pytest.approx(18.7, abs=0.05)
+    # a chain's prompt-heavy steps: ~7.8, about the 7 the cap admits (7 x 254 <= 1,800)
+    assert 7 < k_star(25, 254, 25) < 8
 
 
 def test_queued_decode_heavy_calls_batch_past_the_latency_cap():
@@ -296,8 +300,7 @@ def test_queued_decode_heavy_calls_batch_past_the_latency_cap():
     capped = run(calls, engines)
     assert len(capped) == 1 + (1800 - 174) // 174  # the paper's rule: the cap (the first alone)
     batched = run_saturated(calls, engines)
-    bound = saturation.batch_tokens(32, 174, 64, 1000, 1800, 24.0)
-    assert len(batched) == bound // 174 > len(capped)
+    assert len(batched) == math.floor(k_star(32, 174, 64)) > len(capped)
     assert {p.engine_id for p in batched} == {"e1"}
     # never past the engine's token capacity
     assert len(run_saturated(calls, [eng("e1", lat=1800, cap=2500)])) == 2500 // 174
@@ -307,15 +310,7 @@ def test_prompt_heavy_calls_keep_the_cap_and_throughput_work_always_does():
     engines = [eng("e1", lat=1800, cap=20_000)]
     assert run_saturated(prompt_heavy(25), engines) == run(prompt_heavy(25), engines)
     # throughput calls next to latency work stay under the cap
-    busy = [
-        eng(
-            "e1",
-            load=1700,
-            mode="latency",
-            lat=1800,
-            cap=20_000,
-        )
-    ]
+    busy = [dataclasses.replace(eng("e1", load=1700, mode="latency", lat=1800, cap=20_000), latency_calls=5)]
     thr = [q(f"t{i}", kind="throughput", tokens=174, new=64, rank=i) for i in range(20)]
     assert run_saturated(thr, busy) == []
     # latency work does not batch past the cap into throughput work
@@ -323,12 +318,20 @@ def test_prompt_heavy_calls_keep_the_cap_and_throughput_work_always_does():
     assert run_saturated(decode_heavy(32), loaded) == []
 
 
-def test_running_latency_calls_count_as_competing():
-    engines = [eng("e1", load=1700, mode="latency", lat=1800, cap=20_000)]
-    alone = run_saturated(decode_heavy(2), engines)  # two queued, nothing known to run: the cap
-    assert alone == []
-    busy = [dataclasses.replace(engines[0], latency_calls=30)]
-    assert len(run_saturated(decode_heavy(2), busy)) == 2
+def test_running_latency_calls_count_as_competing_and_as_the_batch():
+    busy = dataclasses.replace(eng("e1", load=1700, mode="latency", lat=1800, cap=20_000), latency_calls=10)
+    # 2 queued + 10 running compete: k* ~ 11.5, so one more joins the ten
+    assert len(run_saturated(decode_heavy(2), [busy])) == math.floor(k_star(12, 174, 64)) - 10 == 1
+    # 20 queued + 10 running: k* ~ 18.1, eight more
+    assert len(run_saturated(decode_heavy(20), [busy])) == math.floor(k_star(30, 174, 64)) - 10 == 8
+
+
+def test_no_call_overtakes_a_waiting_latency_call_past_the_cap():
+    busy = dataclasses.replace(eng("e1", load=1700, mode="latency", lat=1800, cap=20_000), latency_calls=8)
+    waiting = q("chain", tokens=254, new=25, rank=0)  # k* ~ 6.8 < 9: it waits for the cap
+    later = decode_heavy(10, rank0=1)
+    assert len(run_saturated(later, [busy])) > 0  # alone, they batch past the cap ...
+    assert run_saturated([waiting, *later], [busy]) == []  # ... but not ahead of the chain's step
 
 
 def test_baselines_ignore_saturation_batching():

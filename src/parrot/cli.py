@@ -263,14 +263,15 @@ def _parser() -> argparse.ArgumentParser:
         "--saturation-batching",
         action="store_true",
         help="while latency calls queue for an engine, let it batch them past its latency cap up "
-        "to the size that finishes them soonest on average (parrot.manager.saturation)",
+        "to the size that finishes them soonest on average (parrot.manager.saturation; off by "
+        "default: it made a chain under background chat slower, docs/evaluation.md)",
     )
     serve.add_argument(
         "--prefill-tokens-per-step",
         type=float,
         default=24.0,
         help="how many prompt tokens cost one unloaded decode step on the engines (default 24: "
-        "SmolLM2 on a 2-core Xeon; a GPU: a few hundred); used by --saturation-batching",
+        "SmolLM2 on a 2-core Xeon; a GPU: a few hundred); sizes saturation batching",
     )
     serve.add_argument(
         "--no-app-fifo",

@@ -27,39 +27,35 @@ Prompt-heavy calls (a chain's step over a fresh chunk) get ``k*`` near what the
 cap admits already; calls that decode much after a short prompt of their own
 (requests under one cached system prompt) get larger batches: the decode steps
 they share cost little more than one.  With one call waiting, ``k*`` is below
-the cap and nothing changes.
+what the cap admits and nothing changes.
+
+``k*`` is a number of calls, not of tokens: an engine's load also holds the
+prefixes its calls share (several system prompts, say), which the batch does
+not grow with.
 """
 
 from __future__ import annotations
 
 import math
 
-__all__ = ["CAP_SLOWDOWN", "batch_tokens"]
+__all__ = ["CAP_SLOWDOWN", "batch_calls"]
 
 CAP_SLOWDOWN = 0.25
 """How much slower than an unloaded one a decode step is at the latency cap (1.25x)."""
 
 
-def batch_tokens(
-    competing: float,
-    own_tokens: int,
-    new_tokens: int,
-    shared_tokens: int,
-    latency_cap: int,
-    prefill_tokens_per_step: float,
-) -> int:
-    """The token load up to which an engine should take latency calls like this one
-    when ``competing`` of them compete for it (running there or queued): room for
-    ``k*`` calls of ``own_tokens`` KV tokens each (``new_tokens`` of them generated)
-    next to the ``shared_tokens`` of a prefix they share.  Never below
-    ``latency_cap``; the caller bounds it by the engine's token capacity."""
+def batch_calls(
+    competing: float, own_tokens: int, new_tokens: int, latency_cap: int, prefill_tokens_per_step: float
+) -> float:
+    """``k*``: how many latency calls like this one (``own_tokens`` KV tokens of its own,
+    ``new_tokens`` of them generated) an engine should run at once when ``competing`` of
+    them compete for it (running there or queued); 0 when nothing argues for a batch
+    (one call competing, nothing to generate).  The caller admits a call past the cap
+    while the engine runs fewer than ``k*`` latency calls, within its token capacity."""
     out = min(max(new_tokens, 0), own_tokens)
     if competing <= 1 or out <= 0 or latency_cap <= 0 or prefill_tokens_per_step <= 0:
-        return latency_cap
+        return 0.0
     prompt = own_tokens - out
     mean_held = prompt + out / 2
     per_call_cost = prompt / prefill_tokens_per_step + out * CAP_SLOWDOWN * mean_held / latency_cap
-    if per_call_cost <= 0:
-        return latency_cap
-    k = math.sqrt(competing * out / per_call_cost)
-    return max(latency_cap, shared_tokens + int(k * own_tokens))
+    return math.sqrt(competing * out / per_call_cost)

@@ -34,11 +34,13 @@ throughput work.  Under ``parrot`` the cap that applies when placing call
 
 With ``config.saturation_batching`` (off by default), a latency call that
 the cap would keep waiting may still join an engine not in throughput mode
-while ``e.load + c.tokens`` stays within the batch that finishes the latency
-calls competing for the engines soonest on average, and within
-``e.token_capacity`` (:func:`parrot.manager.saturation.batch_tokens`; the
-calls competing are those running plus those queued, per live engine).  With
-few calls competing that batch is below the cap and nothing changes.
+while the latency calls running there (and placed there this round) number
+fewer than ``k*``, the batch that finishes the calls competing for the engines
+soonest on average (:func:`parrot.manager.saturation.batch_calls`; the calls
+competing are those running plus those queued, per live engine), and
+``e.load + c.tokens <= e.token_capacity``.  It never overtakes: once a latency
+call of the round waits, later ones get only the cap.  With few calls
+competing ``k*`` is below what the cap admits and nothing changes.
 
 The baselines apply one cap to everything.  A call *fits* ``e`` when ``e``
 is alive, serves the call's model, ``c.tokens <= e.max_seq_len``, and either
@@ -168,7 +170,7 @@ __all__ = [
 class _Eng:
     """Working copy of one live engine's snapshot: what a round has placed on it so far."""
 
-    __slots__ = ("blocked", "id", "load", "mode", "recency", "snap", "touched", "version")
+    __slots__ = ("blocked", "id", "lat_calls", "load", "mode", "recency", "snap", "touched", "version")
 
     def __init__(self, snap: EngineSnapshot):
         self.snap = snap
@@ -181,12 +183,14 @@ class _Eng:
         self.load = snap.token_load
         self.mode: str | None = snap.mode if snap.token_load > 0 else None
         self.recency = snap.last_assigned  # raised by placements of the running round
+        self.lat_calls = snap.latency_calls  # latency calls running there or placed this round
 
     def reset(self) -> None:
         snap = self.snap
         self.load = snap.token_load
         self.mode = snap.mode if snap.token_load > 0 else None
         self.recency = snap.last_assigned
+        self.lat_calls = snap.latency_calls
 
 
 def _matches(model: str | None, eng_model: str) -> bool:
@@ -278,6 +282,7 @@ class Scheduler:
         self.affinity_spill = config.affinity_spill
         self.saturation = config.saturation_batching and not self.baseline
         self._competing = 0.0  # latency calls per engine this round (running or queued)
+        self._saturation_open = False  # no latency call of this round has waited yet
 
         self._snaps: dict[str, EngineSnapshot] = {}  # every engine it was told of, live or not
         self._engs: dict[str, _Eng] = {}  # live engines
@@ -446,23 +451,21 @@ class Scheduler:
             return min(lat_cap, capacity)
         return capacity if self.thr_cap is None else min(self.thr_cap, capacity)
 
-    def _room(
-        self, kind: str, mode: str | None, load: int, c: QueuedCall, capacity: int, lat_cap: int
-    ) -> bool:
-        """Whether call ``c`` (as work of ``kind``) fits an engine in ``mode`` carrying ``load``."""
-        tokens = c.tokens
+    def _room(self, kind: str, mode: str | None, e: _Eng, c: QueuedCall, capacity: int, lat_cap: int) -> bool:
+        """Whether call ``c`` (as work of ``kind``) fits engine ``e`` in ``mode`` (its load,
+        its latency calls; ``capacity``, ``lat_cap``: its token capacity and latency cap)."""
+        load, tokens = e.load, c.tokens
         if kind == "latency" and mode == "throughput" and self.cap_mixed_only and self.fixed_kind is None:
             # Latency work joins throughput work that is within the latency cap.
             return load <= min(lat_cap, capacity) and load + tokens <= capacity
         if load + tokens <= self._cap(kind, mode, capacity, lat_cap):
             return True
-        if self.saturation and kind == "latency" and mode != "throughput" and not self.cap_mixed_only:
-            # latency calls queue: the batch that finishes them soonest, within the capacity
-            bound = saturation.batch_tokens(
-                self._competing, c.tokens, c.new_tokens, c.shared_tokens, lat_cap,
-                self.config.prefill_tokens_per_step,
-            )  # fmt: skip
-            return load + tokens <= min(bound, capacity)
+        if self._saturation_open and kind == "latency" and mode != "throughput" and not self.cap_mixed_only:
+            # latency calls queue: up to the batch that finishes them soonest, within the capacity
+            k = saturation.batch_calls(
+                self._competing, tokens, c.new_tokens, lat_cap, self.config.prefill_tokens_per_step
+            )
+            return e.lat_calls + 1 <= k and load + tokens <= capacity
         return False
 
     def _fits(self, e: _Eng, c: QueuedCall, kind: str) -> bool:
@@ -471,7 +474,7 @@ class Scheduler:
             not e.blocked
             and _matches(c.model, s.model)
             and c.tokens <= s.max_seq_len
-            and (e.load == 0 or self._room(kind, e.mode, e.load, c, s.token_capacity, self._lat(s)))
+            and (e.load == 0 or self._room(kind, e.mode, e, c, s.token_capacity, self._lat(s)))
         )
 
     # -- heap index
@@ -529,9 +532,11 @@ class Scheduler:
                     top = self._top(cls)
                     if top is None:
                         continue
-                    load = top[0]
-                    if load and not self._room(kind, mode, load, c, cls[2], cls[4]):
-                        continue  # the same rule in the class: nothing else here fits either
+                    if top[0] and not self._room(kind, mode, top[4], c, cls[2], cls[4]):
+                        # the same cap in the class: nothing else here fits either (saturation
+                        # batching also counts calls: a less loaded engine running more latency
+                        # calls would not fit; one running fewer may, and waits a round)
+                        continue
                     if best is None or top[:3] < best[:3]:
                         best = top
         return None if best is None else best[4]
@@ -573,6 +578,7 @@ class Scheduler:
         out: list[Placement] = []
         if self.saturation:
             self._competing = self._latency_demand(queue)
+            self._saturation_open = True
         try:
             for c in sorted(queue, key=_rank):
                 if self.baseline:
@@ -585,6 +591,8 @@ class Scheduler:
                     kind, group = "latency", None
                 eng, reason = self._choose(c, kind, group)
                 if eng is None:
+                    if kind == "latency":
+                        self._saturation_open = False  # no later latency call overtakes it past a cap
                     self._blocked(c, kind)
                     continue
                 self._place(eng, c, kind, group)
@@ -602,6 +610,7 @@ class Scheduler:
         return (queued + running) / len(self._engs)
 
     def _end_round(self) -> None:
+        self._saturation_open = False
         for e in self._touched:
             e.touched = e.blocked = False
             e.reset()
@@ -677,6 +686,8 @@ class Scheduler:
     def _place(self, e: _Eng, c: QueuedCall, kind: str, group: str | None) -> None:
         self._touch(e)
         e.load += c.tokens
+        if kind == "latency":
+            e.lat_calls += 1
         e.recency = self._recency
         self._recency += 1
         if kind == "latency":
