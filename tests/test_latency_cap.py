@@ -320,7 +320,7 @@ def test_the_scheduler_keeps_each_engine_under_its_own_reported_cap():
     takes one and b the rest (under one manager-wide cap of 6,144, a would take every other)."""
 
     async def main() -> None:
-        manager = Manager(ManagerConfig(latency_cap_scope="all"))
+        manager = Manager(ManagerConfig(latency_cap_scope="all", saturation_batching=False))
         tokenizer = TextTokenizer.byte_level_tiny()
         a = HeldEngine(tokenizer, 300)
         b = HeldEngine(tokenizer, 5000)
@@ -341,7 +341,7 @@ def test_the_scheduler_keeps_each_engine_under_its_own_reported_cap():
 
 def test_the_operator_cap_overrides_every_engine_and_heartbeats_carry_remote_caps():
     async def main() -> None:
-        manager = Manager(ManagerConfig(latency_cap_tokens=6000))
+        manager = Manager(ManagerConfig(latency_cap_tokens=6000, saturation_batching=False))
         tokenizer = TextTokenizer.byte_level_tiny()
         a, b = HeldEngine(tokenizer, 300), HeldEngine(tokenizer, 5000)
         ha, _ = manager.pool.register(a), manager.pool.register(b)

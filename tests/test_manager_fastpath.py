@@ -71,7 +71,6 @@ def queues(draw) -> list[QueuedCall]:
                 draw(st.sampled_from([1, 50, 1000, 3000, 7000, 20_000])),
                 draw(st.integers(0, 3)),
                 draw(st.sampled_from([0, 16, 64, 500])),  # new tokens
-                draw(st.sampled_from([0, 0, 1000])),  # shared prefix tokens
             )
         )
     return queue

@@ -36,7 +36,7 @@ WAIT = 20.0
 def server() -> Iterator[GatedServer]:
     # A latency cap of one token that binds every call (the paper's scope): while the
     # blocker (latency work) runs, nothing else fits.
-    manager = Manager(ManagerConfig(latency_cap_tokens=1, latency_cap_scope="all"))
+    manager = Manager(ManagerConfig(latency_cap_tokens=1, latency_cap_scope="all", saturation_batching=False))
     engine = GatedEngine()
     manager.pool.register(engine, name="gated")
     live = start_server(manager, record=False)
@@ -296,7 +296,7 @@ def test_objectives_are_the_same_however_a_dag_is_submitted_and_read(server, spe
 def fresh_server(monkeypatch) -> Iterator[GatedServer]:
     """A server of its own whose rounds run only on events: no periodic tick to hide a missing one."""
     monkeypatch.setattr(executor_module, "TICK_S", 3600.0)
-    manager = Manager(ManagerConfig(latency_cap_tokens=1, latency_cap_scope="all"))
+    manager = Manager(ManagerConfig(latency_cap_tokens=1, latency_cap_scope="all", saturation_batching=False))
     engine = GatedEngine()
     manager.pool.register(engine, name="gated")
     live = start_server(manager, record=False)

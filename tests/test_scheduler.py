@@ -46,9 +46,9 @@ def eng(
     )
 
 
-def q(cid, kind="latency", group=None, tokens=100, rank=0, prefixes=(), model="m", new=0, shared=0):
+def q(cid, kind="latency", group=None, tokens=100, rank=0, prefixes=(), model="m", new=0):
     obj = CallObjective("throughput", group, "test") if group else (LAT if kind == "latency" else THR)
-    return QueuedCall(cid, model, obj, tuple(prefixes), tokens, rank, new, shared)
+    return QueuedCall(cid, model, obj, tuple(prefixes), tokens, rank, new)
 
 
 def run(queue, engines, policy="parrot", **kw):
@@ -272,7 +272,7 @@ def run_saturated(queue, engines, policy="parrot", **kw):
 
 def decode_heavy(n, rank0=0):
     """Calls under one 1,000-token cached prompt: 110 prompt tokens of their own, 64 to generate."""
-    return [q(f"d{i}", tokens=174, new=64, shared=1000, rank=rank0 + i) for i in range(n)]
+    return [q(f"d{i}", tokens=174, new=64, rank=rank0 + i) for i in range(n)]
 
 
 def prompt_heavy(n):
@@ -332,6 +332,13 @@ def test_no_call_overtakes_a_waiting_latency_call_past_the_cap():
     later = decode_heavy(10, rank0=1)
     assert len(run_saturated(later, [busy])) > 0  # alone, they batch past the cap ...
     assert run_saturated([waiting, *later], [busy]) == []  # ... but not ahead of the chain's step
+
+
+def test_a_call_no_engine_can_serve_does_not_stop_saturation_batching():
+    busy = dataclasses.replace(eng("e1", load=1700, mode="latency", lat=1800, cap=20_000), latency_calls=8)
+    stranger = q("other-model", tokens=254, new=25, rank=0, model="unserved")
+    later = decode_heavy(10, rank0=1)
+    assert where(run_saturated([stranger, *later], [busy])) == where(run_saturated(later, [busy]))
 
 
 def test_baselines_ignore_saturation_batching():
@@ -646,7 +653,6 @@ def rounds(draw):
                 prefixes=tuple(draw(st.lists(st.sampled_from(["p", "q", "r"]), max_size=2))),
                 model=draw(st.sampled_from(["a", "b", None])),
                 new=draw(st.sampled_from([0, 16, 64, 500])),
-                shared=draw(st.sampled_from([0, 0, 1000])),
             )
         )
     policy = draw(st.sampled_from(POLICIES))

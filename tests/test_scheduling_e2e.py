@@ -110,8 +110,8 @@ def test_a_shared_system_prompt_counts_once_against_the_latency_cap(live):
 @pytest.mark.parametrize(
     "manager_config",
     [
+        ManagerConfig(latency_cap_tokens=100, latency_cap_scope="all", saturation_batching=False),
         ManagerConfig(latency_cap_tokens=100, latency_cap_scope="all"),
-        ManagerConfig(latency_cap_tokens=100, latency_cap_scope="all", saturation_batching=True),
     ],
     ids=["cap", "saturation-batching"],
 )
@@ -132,4 +132,4 @@ def test_saturation_batching_runs_queued_latency_calls_past_the_cap(live, manage
         ).json()["calls"]
     assert len(calls) == 8 and {c["objective"] for c in calls} == {"latency"}
     together = max(c["dispatched_at"] for c in calls) < min(c["finished_at"] for c in calls)
-    assert together == manager_config.saturation_batching
+    assert together == manager_config.saturation_batching  # on by default

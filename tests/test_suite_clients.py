@@ -696,7 +696,7 @@ def test_systems_change_one_mechanism_each_and_baselines_have_no_prefix_cache() 
         "parrot-no-prefix-cache",
         "parrot-affinity-spill",
         "parrot-latency-batching",
-        "parrot-saturation",
+        "parrot-paper-cap",
     }
     changes = {name: (spec.policy, spec.serve_flags, spec.engine_flags) for name, spec in ablations.items()}
     assert changes == {
@@ -706,7 +706,7 @@ def test_systems_change_one_mechanism_each_and_baselines_have_no_prefix_cache() 
         "parrot-no-prefix-cache": ("parrot", (), ("--no-prefix-cache",)),
         "parrot-affinity-spill": ("parrot", ("--affinity-spill",), ()),
         "parrot-latency-batching": ("parrot", ("--latency-cap-scope", "mixed"), ()),
-        "parrot-saturation": ("parrot", ("--saturation-batching",), ()),
+        "parrot-paper-cap": ("parrot", ("--no-saturation-batching",), ()),
     }
     for name in ("parrot-baseline-latency", "parrot-baseline-throughput"):
         spec = SYSTEMS[name]

@@ -9,8 +9,8 @@ name                            client      server
 ``parrot-no-affinity``          Parrot      ... ``--policy no-affinity`` (prefix/task-group affinity off)
 ``parrot-latency-batching``     Parrot      ... ``--latency-cap-scope mixed`` (latency calls batch freely)
 ``parrot-affinity-spill``       Parrot      ... ``--affinity-spill`` (groups and prefix sharers spread)
-``parrot-saturation``           Parrot      ... ``--saturation-batching`` (queued latency calls batch
-                                            past the cap, up to the mean-optimal batch)
+``parrot-paper-cap``            Parrot      ... ``--no-saturation-batching`` (the latency cap binds
+                                            even while latency calls queue: the paper's rule)
 ``parrot-no-prefix-cache``      Parrot      ... engines ``--no-prefix-cache`` (automatic prefix cache off)
 ``parrot-baseline-latency``     baseline    ``--policy baseline-latency``, engines ``--no-prefix-cache``,
                                             via Parrot's ``/v1/completions``
@@ -132,12 +132,12 @@ SYSTEMS: dict[str, SystemSpec] = {
         "Parrot with task groups and prefix sharers spreading to less loaded engines",
         serve_flags=("--affinity-spill",),
     ),
-    "parrot-saturation": SystemSpec(
+    "parrot-paper-cap": SystemSpec(
         "parrot",
         "parrot",
         "parrot",
-        "Parrot batching queued latency calls past the latency cap",
-        serve_flags=("--saturation-batching",),
+        "Parrot keeping the latency cap while latency calls queue (the paper's rule)",
+        serve_flags=("--no-saturation-batching",),
     ),
     "parrot-no-prefix-cache": SystemSpec(
         "parrot",

@@ -261,10 +261,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--saturation-batching",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="while latency calls queue for an engine, let it batch them past its latency cap up "
-        "to the size that finishes them soonest on average (parrot.manager.saturation; off by "
-        "default: it made a chain under background chat slower, docs/evaluation.md)",
+        "to the size that finishes them soonest on average (parrot.manager.saturation; on by "
+        "default); --no-saturation-batching keeps the cap always, the paper's rule",
     )
     serve.add_argument(
         "--prefill-tokens-per-step",

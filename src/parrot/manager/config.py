@@ -41,8 +41,8 @@ class ManagerConfig:
     affinity_spill: bool = False
     # while latency calls queue, batch them past the latency cap up to the size that finishes
     # them soonest on average (parrot.manager.saturation), given how many prompt tokens cost
-    # one unloaded decode step on the engines
-    saturation_batching: bool = False
+    # one unloaded decode step on the engines; False: the paper's rule (the cap binds always)
+    saturation_batching: bool = True
     prefill_tokens_per_step: float = 24.0
     engine_token_capacity: int = 32768
     queue_timeout_s: float | None = 600.0

@@ -318,9 +318,8 @@ class Executor:
             or queued.topo_rank != rank
         ):
             new_tokens = sum(o.sampling.max_tokens for o in call.outputs.values())
-            shared = ticket.shared_prefix[1] if ticket.shared_prefix else 0
             queued = ticket.queued = QueuedCall(
-                call.call_id, call.model, objective, ticket.prefix_keys, tokens, rank, new_tokens, shared
+                call.call_id, call.model, objective, ticket.prefix_keys, tokens, rank, new_tokens
             )
         return queued
 

@@ -32,7 +32,8 @@ throughput work.  Under ``parrot`` the cap that applies when placing call
   each other, which on this CPU made chains slower (every admitted prompt's
   prefill delays the running calls' decode steps).
 
-With ``config.saturation_batching`` (off by default), a latency call that
+With ``config.saturation_batching`` (off in :class:`SchedulerConfig`, the paper's
+Algorithm 1; on in the manager's configuration), a latency call that
 the cap would keep waiting may still join an engine not in throughput mode
 while the latency calls running there (and placed there this round) number
 fewer than ``k*``, the batch that finishes the calls competing for the engines
@@ -591,7 +592,7 @@ class Scheduler:
                     kind, group = "latency", None
                 eng, reason = self._choose(c, kind, group)
                 if eng is None:
-                    if kind == "latency":
+                    if kind == "latency" and (c.model is None or c.model in self._by_model):
                         self._saturation_open = False  # no later latency call overtakes it past a cap
                     self._blocked(c, kind)
                     continue

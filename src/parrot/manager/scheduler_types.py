@@ -91,9 +91,7 @@ class QueuedCall:
     prefixes at variable boundaries, outermost (shortest) first.  ``tokens``:
     estimated KV tokens (prompt + max new tokens).  ``topo_rank``: an integer
     order in which producers come before consumers (then arrival).  ``new_tokens``:
-    the part of ``tokens`` it generates (the rest is prompt); ``shared_tokens``: the
-    prompt prefix it shares with other calls, not counted in ``tokens`` (counted once
-    per engine).
+    the part of ``tokens`` it generates (the rest is prompt).
     """
 
     call_id: str
@@ -103,15 +101,14 @@ class QueuedCall:
     tokens: int = 1
     topo_rank: int = 0
     new_tokens: int = 0
-    shared_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.call_id:
             raise ValueError("call_id must be non-empty")
         if self.tokens <= 0:
             raise ValueError(f"call {self.call_id}: tokens must be positive, got {self.tokens}")
-        if self.new_tokens < 0 or self.shared_tokens < 0:
-            raise ValueError(f"call {self.call_id}: new_tokens and shared_tokens must be >= 0")
+        if self.new_tokens < 0:
+            raise ValueError(f"call {self.call_id}: new_tokens must be >= 0, got {self.new_tokens}")
 
 
 @dataclass(frozen=True, slots=True)
