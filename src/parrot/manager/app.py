@@ -34,6 +34,7 @@ from parrot.manager.engines import EngineHandle
 from parrot.manager.engines_api import engines_router
 from parrot.manager.metrics_api import RequestCounter, metrics_router
 from parrot.manager.openai_api import openai_router
+from parrot.manager.openai_backend import OpenAIBackend
 from parrot.manager.openai_chat import chat_router
 from parrot.manager.remote_engine import RemoteEngine
 from parrot.manager.service import Manager
@@ -59,6 +60,10 @@ def create_app(manager: Manager) -> FastAPI:
             poller.cancel()
             expirer.cancel()
             await manager.executor.drain()
+            for handle in list(manager.pool):  # network clients die with the server's loop
+                if isinstance(handle.api, _NETWORK_ENGINES):
+                    with contextlib.suppress(Exception):
+                        await handle.api.close()
 
     app = FastAPIOffline(
         title="Parrot manager",
@@ -86,8 +91,13 @@ def create_app(manager: Manager) -> FastAPI:
     return app
 
 
+# engines that talk to another process over HTTP: their clients are closed when they
+# leave the pool and when the server stops (the in-process engine outlives the app)
+_NETWORK_ENGINES = (RemoteEngine, OpenAIBackend)
+
+
 def _close_remote_client(handle: EngineHandle, _reason: str) -> None:
-    if isinstance(handle.api, RemoteEngine):
+    if isinstance(handle.api, _NETWORK_ENGINES):
         asyncio.get_running_loop().create_task(handle.api.close())
 
 
