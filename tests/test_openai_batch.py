@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import openai
 import pytest
@@ -17,6 +16,7 @@ import pytest
 import tests.conftest as conftest
 from parrot.engine.local import LocalEngine
 from parrot.protocol.schemas import EngineStats
+from tests.slow_engine import slow_each_step
 
 WAIT = 30.0
 PROMPTS = ["The quick brown fox", "Once upon a time", "Hello"]
@@ -203,13 +203,7 @@ def test_an_abandoned_n_request_frees_every_fork(
     live: conftest.LiveServer, tiny_engine: LocalEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # each engine step slowed by 3 ms: 1,500 steps take far longer than the client's patience
-    forward = tiny_engine.runner._forward
-
-    def slowed() -> Any:
-        time.sleep(0.003)
-        return forward()
-
-    monkeypatch.setattr(tiny_engine.runner, "_forward", slowed)
+    slow_each_step(monkeypatch, tiny_engine, 0.003)
     before = stats(live, tiny_engine).generated_tokens  # the engine is shared with earlier tests
     client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=0.5)
     with client, pytest.raises(openai.APITimeoutError):
