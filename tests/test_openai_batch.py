@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import openai
 import pytest
@@ -165,31 +166,22 @@ def test_streamed_choices_interleave_by_index(
 
 
 def test_chat_with_n_samples(live: conftest.LiveServer, api: openai.OpenAI, tiny_engine: LocalEngine) -> None:
-    messages = [{"role": "user", "content": "Hi there"}]
-    out = api.chat.completions.create(
-        model="tiny",
-        messages=messages,
-        n=3,
-        max_tokens=6,
-        temperature=1.0,
-        seed=3,
-        extra_body={"ignore_eos": True},
-    )
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Hi there"}],
+        "n": 3,
+        "max_tokens": 6,
+        "temperature": 1.0,
+        "seed": 3,
+        "extra_body": {"ignore_eos": True},
+    }
+    out = api.chat.completions.create(**body)
     assert [c.index for c in out.choices] == [0, 1, 2]
     assert all(c.message.role == "assistant" and c.finish_reason == "length" for c in out.choices)
     assert out.usage is not None and out.usage.completion_tokens == 18
     streamed = ["", "", ""]
     roles = set()
-    for chunk in api.chat.completions.create(
-        model="tiny",
-        messages=messages,
-        n=3,
-        max_tokens=6,
-        temperature=1.0,
-        seed=3,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    ):
+    for chunk in api.chat.completions.create(stream=True, **body):
         (choice,) = chunk.choices
         if choice.delta.role:
             roles.add(choice.index)
