@@ -25,6 +25,7 @@ from parrot.manager.openai_api import openai_router
 from parrot.manager.service import Manager, ManagerConfig
 from parrot.protocol.sampling import SamplingParams
 from parrot.protocol.tokenizer import ChatFormat
+from tests.slow_engine import slow_each_step
 
 WAIT = 30.0
 
@@ -300,13 +301,7 @@ def test_a_non_streaming_completion_is_cancelled_when_its_client_goes_away(
 ) -> None:
     # each engine step slowed by 3 ms, so the 1,900 tokens take at least 5.7 s whatever the
     # machine: far longer than the client's 0.5 s patience plus the server's disconnect poll
-    forward = tiny_engine.runner._forward
-
-    def slowed() -> Any:
-        time.sleep(0.003)
-        return forward()
-
-    monkeypatch.setattr(tiny_engine.runner, "_forward", slowed)
+    slow_each_step(monkeypatch, tiny_engine, 0.003)
     before = engine_contexts(oa, tiny_engine)
     generated_before = oa.run_on_loop(tiny_engine.stats()).generated_tokens
     body = {"model": "tiny", "prompt": "Go on", "max_tokens": 1900, "ignore_eos": True}

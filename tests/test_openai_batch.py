@@ -17,6 +17,7 @@ import pytest
 import tests.conftest as conftest
 from parrot.engine.local import LocalEngine
 from parrot.protocol.schemas import EngineStats
+from tests.slow_engine import slow_each_step
 
 WAIT = 30.0
 PROMPTS = ["The quick brown fox", "Once upon a time", "Hello"]
@@ -165,31 +166,22 @@ def test_streamed_choices_interleave_by_index(
 
 
 def test_chat_with_n_samples(live: conftest.LiveServer, api: openai.OpenAI, tiny_engine: LocalEngine) -> None:
-    messages = [{"role": "user", "content": "Hi there"}]
-    out = api.chat.completions.create(
-        model="tiny",
-        messages=messages,
-        n=3,
-        max_tokens=6,
-        temperature=1.0,
-        seed=3,
-        extra_body={"ignore_eos": True},
-    )
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Hi there"}],
+        "n": 3,
+        "max_tokens": 6,
+        "temperature": 1.0,
+        "seed": 3,
+        "extra_body": {"ignore_eos": True},
+    }
+    out = api.chat.completions.create(**body)
     assert [c.index for c in out.choices] == [0, 1, 2]
     assert all(c.message.role == "assistant" and c.finish_reason == "length" for c in out.choices)
     assert out.usage is not None and out.usage.completion_tokens == 18
     streamed = ["", "", ""]
     roles = set()
-    for chunk in api.chat.completions.create(
-        model="tiny",
-        messages=messages,
-        n=3,
-        max_tokens=6,
-        temperature=1.0,
-        seed=3,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    ):
+    for chunk in api.chat.completions.create(stream=True, **body):
         (choice,) = chunk.choices
         if choice.delta.role:
             roles.add(choice.index)
@@ -203,13 +195,7 @@ def test_an_abandoned_n_request_frees_every_fork(
     live: conftest.LiveServer, tiny_engine: LocalEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # each engine step slowed by 3 ms: 1,500 steps take far longer than the client's patience
-    forward = tiny_engine.runner._forward
-
-    def slowed() -> Any:
-        time.sleep(0.003)
-        return forward()
-
-    monkeypatch.setattr(tiny_engine.runner, "_forward", slowed)
+    slow_each_step(monkeypatch, tiny_engine, 0.003)
     before = stats(live, tiny_engine).generated_tokens  # the engine is shared with earlier tests
     client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=0.5)
     with client, pytest.raises(openai.APITimeoutError):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import openai
 import pytest
@@ -119,16 +120,15 @@ def test_streamed_completion_logprobs_add_up_to_the_whole(api: openai.OpenAI) ->
 
 
 def test_chat_logprobs_and_top_logprobs(live: conftest.LiveServer, api: openai.OpenAI) -> None:
-    messages = [{"role": "user", "content": "Hi there"}]
-    out = api.chat.completions.create(
-        model="tiny",
-        messages=messages,
-        max_tokens=4,
-        temperature=0,
-        logprobs=True,
-        top_logprobs=3,
-        extra_body={"ignore_eos": True},
-    )
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Hi there"}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "logprobs": True,
+        "extra_body": {"ignore_eos": True},
+    }
+    out = api.chat.completions.create(top_logprobs=3, **body)
     lp = out.choices[0].logprobs
     assert lp is not None and lp.content is not None and len(lp.content) == 4
     assert "".join(t.token for t in lp.content) == out.choices[0].message.content
@@ -136,15 +136,7 @@ def test_chat_logprobs_and_top_logprobs(live: conftest.LiveServer, api: openai.O
         assert t.bytes == list(t.token.encode("utf-8", "surrogatepass")) and len(t.top_logprobs) == 3
         assert t.top_logprobs[0].logprob == pytest.approx(t.logprob)
     streamed = []
-    for chunk in api.chat.completions.create(
-        model="tiny",
-        messages=messages,
-        max_tokens=4,
-        temperature=0,
-        logprobs=True,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    ):
+    for chunk in api.chat.completions.create(stream=True, **body):
         clp = chunk.choices[0].logprobs
         streamed += [t.token for t in clp.content or []] if clp is not None else []
     assert streamed == [t.token for t in lp.content]

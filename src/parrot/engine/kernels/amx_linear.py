@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from parrot.engine.kernels import native
-from parrot.engine.kernels.linear_args import check_linear_args
+from parrot.engine.kernels.linear_args import linear_operands
 
 __all__ = ["MAX_ROWS", "AmxWeight", "available", "linear", "pack"]
 
@@ -70,17 +70,15 @@ def linear(
     """``x @ W^T + bias`` for x [M, K] fp32 or bf16 and ``weight = pack(W)``; returns
     [M, N] in x's dtype.  ``bias``: fp32 [N] or None."""
     lib = native.require(lib)
-    n, k = weight.out_features, weight.in_features
-    x, bias = check_linear_args(
+    x, bias, y = linear_operands(
         x,
         weight,
         bias,
         x_dtypes=(torch.float32, torch.bfloat16),
         data_dtype=torch.int16,
-        packed_size=lib.parrot_amx_packed_size(n, k),
+        packed_size=lib.parrot_amx_packed_size,
     )
-    m, data = x.shape[0], weight.data
-    y = torch.empty(m, n, dtype=x.dtype)
+    (m, n), k, data = y.shape, weight.in_features, weight.data
     if m == 0:
         return y
     code = lib.parrot_amx_linear(

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from parrot.engine import hugepages
 from parrot.engine.kernels import native
-from parrot.engine.kernels.linear_args import check_linear_args
+from parrot.engine.kernels.linear_args import linear_operands
 
 __all__ = ["MAX_ROWS", "F32Weight", "available", "linear", "pack"]
 
@@ -79,17 +79,15 @@ def linear(
     """``x @ W^T + bias`` for x [M, K] fp32 and ``weight = pack(W)``; returns [M, N]
     fp32.  ``bias``: fp32 [N] or None."""
     lib = native.require(lib)
-    n, k = weight.out_features, weight.in_features
-    x, bias = check_linear_args(
+    x, bias, y = linear_operands(
         x,
         weight,
         bias,
         x_dtypes=(torch.float32,),
         data_dtype=torch.float32,
-        packed_size=lib.parrot_f32_packed_size(n, k),
+        packed_size=lib.parrot_f32_packed_size,
     )
-    m, data = x.shape[0], weight.data
-    y = torch.empty(m, n, dtype=torch.float32)
+    (m, n), k, data = y.shape, weight.in_features, weight.data
     if m == 0:
         return y
     code = lib.parrot_f32_linear(

@@ -101,26 +101,29 @@
       for (const vid of Object.values(c.outputs)) edge(c.call_id, vid);
     }
     for (const c of graph.calls) {
-      const p = pos.get(c.call_id);
-      const g = el("g", { class: `node call ${c.state}`, "data-id": c.call_id, "data-state": c.state,
-        transform: `translate(${p.x},${p.y})` });
-      g.appendChild(el("rect", { width: NODE_W, height: NODE_H, rx: 3 }));
-      g.appendChild(el("text", { x: 8, y: 16 }, label(c.name || c.call_id, 20)));
       const sub = [c.state, c.objective, c.engine_id].filter(Boolean).join(" · ");
-      g.appendChild(el("text", { x: 8, y: 32, class: "sub" }, label(sub, 24)));
-      g.appendChild(el("title", {}, `${c.call_id}: ${c.placement || c.state}`));
-      nodes.appendChild(g);
+      nodes.appendChild(node("call", c.call_id, c.state, pos.get(c.call_id), {
+        rx: 3, x: 8, title: label(c.name || c.call_id, 20), sub: label(sub, 24), subClass: "sub",
+        tooltip: `${c.call_id}: ${c.placement || c.state}` }));
     }
     for (const v of graph.variables) {
-      const p = pos.get(v.var_id);
-      const g = el("g", { class: `node var ${v.state}`, "data-id": v.var_id, "data-state": v.state,
-        transform: `translate(${p.x},${p.y})` });
-      g.appendChild(el("rect", { width: NODE_W, height: NODE_H, rx: 18 }));
-      g.appendChild(el("text", { x: 12, y: 16 }, label(v.name || v.var_id, 20)));
-      g.appendChild(el("text", { x: 12, y: 32, class: "sub value" }, label(v.text || v.state, 22)));
-      g.appendChild(el("title", {}, v.text || v.var_id));
-      nodes.appendChild(g);
+      nodes.appendChild(node("var", v.var_id, v.state, pos.get(v.var_id), {
+        rx: 18, x: 12, title: label(v.name || v.var_id, 20), sub: label(v.text || v.state, 22),
+        subClass: "sub value", tooltip: v.text || v.var_id }));
     }
+  }
+
+  // One node of the DAG at `p`: class "node <kind> <state>", data-id and data-state, a
+  // box with corner radius `look.rx`, a title line and a sub line indented by `look.x`,
+  // and a tooltip.
+  function node(kind, id, state, p, look) {
+    const g = el("g", { class: `node ${kind} ${state}`, "data-id": id, "data-state": state,
+      transform: `translate(${p.x},${p.y})` });
+    g.appendChild(el("rect", { width: NODE_W, height: NODE_H, rx: look.rx }));
+    g.appendChild(el("text", { x: look.x, y: 16 }, look.title));
+    g.appendChild(el("text", { x: look.x, y: 32, class: look.subClass }, look.sub));
+    g.appendChild(el("title", {}, look.tooltip));
+    return g;
   }
 
   function cell(row, text, cls) {
@@ -134,15 +137,25 @@
     return from && to ? (to - from).toFixed(2) + " s" : "";
   }
 
-  function drawTables(graph) {
-    const calls = document.querySelector("#calls tbody");
-    calls.replaceChildren();
-    for (const c of graph.calls) {
+  // The rows of one table's body, one an item: data-id and data-state on the row, the
+  // item's name (with its id) and state, then the cells `more(row, item)` adds.
+  function fillTable(selector, items, idKey, more) {
+    const body = document.querySelector(selector);
+    body.replaceChildren();
+    for (const item of items) {
+      const id = item[idKey];
       const tr = document.createElement("tr");
-      tr.dataset.id = c.call_id;
-      tr.dataset.state = c.state;
-      cell(tr, c.name ? `${c.name} (${c.call_id})` : c.call_id);
-      cell(tr, c.state, "state " + c.state);
+      tr.dataset.id = id;
+      tr.dataset.state = item.state;
+      cell(tr, item.name ? `${item.name} (${id})` : id);
+      cell(tr, item.state, "state " + item.state);
+      more(tr, item);
+      body.appendChild(tr);
+    }
+  }
+
+  function drawTables(graph) {
+    fillTable("#calls tbody", graph.calls, "call_id", (tr, c) => {
       cell(tr, c.objective);
       cell(tr, c.task_group);
       cell(tr, c.engine_id);
@@ -155,21 +168,12 @@
       cell(tr, seconds(c.started_at, c.first_token_at));
       cell(tr, seconds(c.submitted_at, c.finished_at));
       cell(tr, c.error ? `${c.error.code}: ${c.error.message}` : "");
-      calls.appendChild(tr);
-    }
-    const vars = document.querySelector("#variables tbody");
-    vars.replaceChildren();
-    for (const v of graph.variables) {
-      const tr = document.createElement("tr");
-      tr.dataset.id = v.var_id;
-      tr.dataset.state = v.state;
-      cell(tr, v.name ? `${v.name} (${v.var_id})` : v.var_id);
-      cell(tr, v.state, "state " + v.state);
+    });
+    fillTable("#variables tbody", graph.variables, "var_id", (tr, v) => {
       cell(tr, v.producer);
       const text = v.error ? `${v.error.code}: ${v.error.message}` : (v.text || "") + (v.text_truncated ? " …" : "");
       cell(tr, text, "value");
-      vars.appendChild(tr);
-    }
+    });
   }
 
   async function poll() {

@@ -18,6 +18,7 @@ prefixes keep PyTorch's matrix-matrix path.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -49,6 +50,54 @@ def _checked_lib(name: str, lib: ctypes.CDLL | None, tensors: tuple[Tensor, ...]
     return lib
 
 
+@dataclass(frozen=True)
+class _Attention:
+    """The checked library and the C arguments :func:`decode_rows` and :func:`shared_row`
+    pass alike, in the groups of ``parrot_ops.h``'s prototypes: ``queries`` (q, q_stride,
+    seqs), ``caches`` (k, v, kv_bf16, tok) and ``layout`` (kv_heads, group, dim).  The
+    pointers are borrowed from tensors the caller holds for the call."""
+
+    lib: ctypes.CDLL
+    heads: int
+    dim: int
+    queries: tuple[int, int, int]
+    caches: tuple[int, int, int, int]
+    layout: tuple[int, int, int]
+
+
+def _checked_attention(
+    name: str,
+    lib: ctypes.CDLL | None,
+    qs: Tensor,
+    seqs: Tensor,
+    kf: Tensor,
+    vf: Tensor,
+    tok: Tensor,
+    *rest: Tensor,
+) -> _Attention:
+    """The checks :func:`decode_rows` and :func:`shared_row` share: every tensor contiguous
+    on CPU, ``qs`` fp32 [B, H, D], the caches alike and fp32 or bf16 [N, KVH, D], and H a
+    multiple of KVH.  Each caller then checks its own operands' shapes and dtypes (``seqs``,
+    ``tok`` and ``rest``)."""
+    lib = _checked_lib(name, lib, (qs, seqs, kf, vf, tok, *rest))
+    _, heads, dim = qs.shape
+    _, kv_heads, _ = kf.shape
+    if vf.shape != kf.shape or vf.dtype != kf.dtype:
+        raise ValueError(f"{name}: mismatched cache shapes")
+    if qs.dtype != torch.float32 or kf.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"{name}: queries must be fp32 and the caches fp32 or bf16")
+    if kf.shape[2] != dim or heads % kv_heads:
+        raise ValueError(f"{name}: head dims or head counts do not match")
+    return _Attention(
+        lib,
+        heads,
+        dim,
+        queries=(qs.data_ptr(), heads * dim, seqs.data_ptr()),
+        caches=(kf.data_ptr(), vf.data_ptr(), int(kf.dtype == torch.bfloat16), tok.data_ptr()),
+        layout=(kv_heads, heads // kv_heads, dim),
+    )
+
+
 def decode_rows(
     qs: Tensor,
     seqs: Tensor,
@@ -71,34 +120,23 @@ def decode_rows(
     :func:`parrot.engine.kernels.native.build` (default: :func:`~parrot.engine.kernels.native.library`).
     Returns whether the AVX-512 path ran.
     """
-    lib = _checked_lib("decode_rows", lib, (qs, seqs, kf, vf, tok, lens, out, lse))
-    _, heads, dim = qs.shape
-    _, kv_heads, _ = kf.shape
+    a = _checked_attention("decode_rows", lib, qs, seqs, kf, vf, tok, lens, out, lse)
     rows, width = tok.shape
-    if vf.shape != kf.shape or vf.dtype != kf.dtype or out.shape != (rows, heads, dim):
-        raise ValueError("decode_rows: mismatched cache or output shapes")
-    if lse.shape != (rows, heads) or out.dtype != torch.float32 or lse.dtype != torch.float32:
+    if out.shape != (rows, a.heads, a.dim):
+        raise ValueError("decode_rows: mismatched output shapes")
+    if lse.shape != (rows, a.heads) or out.dtype != torch.float32 or lse.dtype != torch.float32:
         raise ValueError("decode_rows: out and lse must be fp32 [R, H, D] and [R, H]")
     if seqs.dtype != torch.int64 or tok.dtype != torch.int64 or lens.dtype != torch.int64:
         raise ValueError("decode_rows: seqs, tok and lens must be int64")
-    if qs.dtype != torch.float32 or kf.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError("decode_rows: queries must be fp32 and the caches fp32 or bf16")
-    if kf.shape[2] != dim or heads % kv_heads or seqs.shape != (rows,) or lens.shape != (rows,):
-        raise ValueError("decode_rows: head dims, head counts or row counts do not match")
-    vector = lib.parrot_decode_rows(
-        qs.data_ptr(),
-        heads * dim,
-        seqs.data_ptr(),
-        kf.data_ptr(),
-        vf.data_ptr(),
-        int(kf.dtype == torch.bfloat16),
-        tok.data_ptr(),
+    if seqs.shape != (rows,) or lens.shape != (rows,):
+        raise ValueError("decode_rows: row counts do not match")
+    vector = a.lib.parrot_decode_rows(
+        *a.queries,
+        *a.caches,
         lens.data_ptr(),
         rows,
         width,
-        kv_heads,
-        heads // kv_heads,
-        dim,
+        *a.layout,
         out.data_ptr(),
         lse.data_ptr(),
         torch.get_num_threads(),
@@ -132,35 +170,22 @@ def shared_row(
     (:class:`~parrot.engine.kernels.attention.torch_impl.TorchDecodePlan`); layouts, dtypes
     and counts are checked here, because the C side trusts them.
     """
-    lib = _checked_lib("shared_row", lib, (qs, seqs, kf, vf, tok, out, lse))
-    _, heads, dim = qs.shape
-    _, kv_heads, _ = kf.shape
+    a = _checked_attention("shared_row", lib, qs, seqs, kf, vf, tok, out, lse)
     m = seqs.numel()
-    if vf.shape != kf.shape or vf.dtype != kf.dtype or kf.shape[2] != dim or heads % kv_heads:
-        raise ValueError("shared_row: mismatched cache shapes or head counts")
-    if out.shape != (m, heads, dim) or lse.shape != (m, heads):
+    if out.shape != (m, a.heads, a.dim) or lse.shape != (m, a.heads):
         raise ValueError("shared_row: out and lse must be [m, H, D] and [m, H]")
-    if out.dtype != torch.float32 or lse.dtype != torch.float32 or qs.dtype != torch.float32:
-        raise ValueError("shared_row: queries, out and lse must be fp32")
-    if kf.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError("shared_row: the caches must be fp32 or bf16")
+    if out.dtype != torch.float32 or lse.dtype != torch.float32:
+        raise ValueError("shared_row: out and lse must be fp32")
     if seqs.dtype != torch.int64 or tok.dtype != torch.int64 or seqs.dim() != 1 or tok.dim() != 1:
         raise ValueError("shared_row: seqs and tok must be 1-D int64")
     if m < 1 or tok.numel() < 1:
         raise ValueError("shared_row: needs at least one query and one key")
-    code = lib.parrot_shared_rows(
-        qs.data_ptr(),
-        heads * dim,
-        seqs.data_ptr(),
+    code = a.lib.parrot_shared_rows(
+        *a.queries,
         m,
-        kf.data_ptr(),
-        vf.data_ptr(),
-        int(kf.dtype == torch.bfloat16),
-        tok.data_ptr(),
+        *a.caches,
         tok.numel(),
-        kv_heads,
-        heads // kv_heads,
-        dim,
+        *a.layout,
         out.data_ptr(),
         lse.data_ptr(),
         torch.get_num_threads(),

@@ -20,27 +20,13 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
+#include "cache_row.h"
 #include "parrot_ops.h"
 
 #define TILE 16
 
 /* ------------------------------------------------------------ portable C */
-
-/* Row `row` of kv head `head` as fp32: a pointer into the cache, or `buf` filled
- * from bf16 (a bf16 value is the top half of an fp32 bit pattern). */
-static inline const float *kv_row(const void *cache, int bf16, int64_t row, int64_t head,
-                                  int64_t kv_heads, int64_t dim, float *buf) {
-    const int64_t at = (row * kv_heads + head) * dim;
-    if (!bf16) return (const float *)cache + at;
-    const uint16_t *src = (const uint16_t *)cache + at;
-    for (int64_t i = 0; i < dim; i++) {
-        uint32_t bits = (uint32_t)src[i] << 16;
-        memcpy(&buf[i], &bits, sizeof bits);
-    }
-    return buf;
-}
 
 /* The online softmax's starting state for m query vectors of dim: no keys seen. */
 static inline void softmax_start(float *run_max, float *run_sum, float *acc, int64_t m, int64_t dim) {
@@ -59,7 +45,7 @@ static void task_portable(const float *qh, const void *k, const void *v, int bf1
     for (int64_t t0 = 0; t0 < n; t0 += TILE) {
         const int64_t nt = n - t0 < TILE ? n - t0 : TILE;
         for (int64_t j = 0; j < nt; j++) {
-            const float *kr = kv_row(k, bf16, tok[t0 + j], head, kv_heads, dim, buf);
+            const float *kr = cache_row(k, bf16, tok[t0 + j], head, kv_heads, dim, buf);
             for (int64_t g = 0; g < group; g++) {
                 float d = 0.0f;
                 for (int64_t i = 0; i < dim; i++) d += qh[g * dim + i] * kr[i];
@@ -82,7 +68,7 @@ static void task_portable(const float *qh, const void *k, const void *v, int bf1
             }
         }
         for (int64_t j = 0; j < nt; j++) {
-            const float *vr = kv_row(v, bf16, tok[t0 + j], head, kv_heads, dim, buf);
+            const float *vr = cache_row(v, bf16, tok[t0 + j], head, kv_heads, dim, buf);
             for (int64_t g = 0; g < group; g++)
                 for (int64_t i = 0; i < dim; i++) acc[g * dim + i] += s[g * TILE + j] * vr[i];
         }

@@ -31,23 +31,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cache_row.h"
 #include "parrot_ops.h"
 
 /* ------------------------------------------------------------ portable C */
-
-/* Row `row` of kv head `head` as fp32: a pointer into the cache, or `buf` filled
- * from bf16 (a bf16 value is the top half of an fp32 bit pattern). */
-static inline const float *cache_row(const void *cache, int bf16, int64_t row, int64_t head, int64_t kv_heads,
-                                     int64_t dim, float *buf) {
-    const int64_t at = (row * kv_heads + head) * dim;
-    if (!bf16) return (const float *)cache + at;
-    const uint16_t *src = (const uint16_t *)cache + at;
-    for (int64_t i = 0; i < dim; i++) {
-        uint32_t bits = (uint32_t)src[i] << 16;
-        memcpy(&buf[i], &bits, sizeof bits);
-    }
-    return buf;
-}
 
 /* Per (kv head, lane): the scores over the run's keys, their maximum, then the
  * exponentials' sum and the weighted values in one more pass over the keys.  Scratch:
