@@ -9,8 +9,10 @@ downloaded and no peer server is started.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
+import os
 import re
 import socket
 import subprocess
@@ -787,3 +789,42 @@ def test_parrot_client_lets_nothing_run_before_the_whole_dag_is_submitted(live) 
     assert {objectives[f"m{i}"] for i in range(3)} == {
         ("throughput", f"tg:{next(c['call_id'] for c in after if c['name'] == 'r')}")
     }
+
+
+def test_parrot_vllm_puts_parrots_manager_in_front_of_the_peer_servers(live, monkeypatch, tmp_path) -> None:
+    """``parrot-vllm``: the peers start as for the ``vllm`` baseline (here a real Parrot
+    server stands in for them, spoken to in the plain OpenAI dialect), then ``parrot
+    serve --backend`` registers each as an engine; the client talks to that manager,
+    the sampler to the peers; everything it started stops with it."""
+    from benchmarks.suite import systems
+
+    spec = systems.SYSTEMS["parrot-vllm"]
+    assert spec.kind == "parrot" and spec.backend == "vllm" and not spec.ablation
+    cmd = systems.parrot_backend_command(
+        "parrot", Path("/m/smollm2"), "vllm", ["http://a:1", "http://b:2"], 9400
+    )
+    joined = " ".join(cmd)
+    assert "--backend vllm --backend-tokenizer /m/smollm2" in joined
+    assert "--backend-url http://a:1 --backend-url http://b:2" in joined and "--latency-cap" not in joined
+    from parrot.cli import _parser
+
+    assert _parser().parse_args(cmd[3:]).backend_url == ["http://a:1", "http://b:2"]
+
+    @contextlib.contextmanager
+    def stand_in(name, spec, model_path, engines, log_dir, timeout_s, dtype="float32"):
+        yield SystemHandle(name, spec.kind, live.url, "tiny", 1, backend="vllm", pgids=[], notes=["peer"])
+
+    monkeypatch.setattr(systems, "_peer_system", stand_in)
+    openai_spec = systems.SystemSpec("parrot", "openai", "parrot", "over a stand-in")
+    with systems._parrot_over_peers("parrot-x", openai_spec, Path("tiny"), 1, tmp_path, 60) as handle:
+        assert handle.kind == "parrot" and handle.base_urls == [live.url] and handle.base_url != live.url
+        engines = httpx.get(f"{handle.base_url}/v1/engines", timeout=10).json()
+        assert [e["alive"] for e in engines] == [True]
+        record = asyncio.run(run_parrot_app(handle.base_url, _parrot_app(), time.perf_counter(), Delay(0, 0)))
+        assert record.error is None, record.error
+        # (the plain dialect returns text, which the manager counts by encoding it again)
+        assert [c.name for c in record.calls] == ["m0", "m1", "r"]
+        assert all(c.output_tokens and c.output_tokens > 0 for c in record.calls)
+        manager_pid = handle.pgids[-1]
+    with pytest.raises(ProcessLookupError):
+        os.kill(manager_pid, 0)

