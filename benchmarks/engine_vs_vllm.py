@@ -22,8 +22,11 @@ Two workloads, each reported as tokens generated per second of wall time
   submitted together in one batch request (``session.batch()``), so its manager
   fills the prefix once and the engine forks every request from it, prefills
   the questions in one step reading the prefix once, and reads it once per
-  decode step (shared-prefix attention).  The prompt is sent once before
-  measuring, so both start with the prefix cached.
+  decode step (shared-prefix attention).  Parrot also gets the same prompts as
+  plain ``/v1/completions`` requests, as a request-level client sends them (its
+  engine's automatic prefix cache shares the system prompt's blocks).  The
+  prompt is sent once before measuring, so every system starts with the prefix
+  cached.
 
 Prompts are random words; both servers tokenize them with the same tokenizer.
 
@@ -136,9 +139,11 @@ class SideBySide:
 
     @contextmanager
     def only(self, name: str) -> Iterator[str]:
-        """``name``'s URL, with the other server paused for the duration of the block."""
-        with paused(self.groups["vllm" if name == "parrot" else "parrot"]):
-            yield self.urls[name]
+        """The URL of the server ``name`` runs on ("parrot..." or "vllm"), with the other
+        server paused for the duration of the block."""
+        server = "parrot" if name.startswith("parrot") else "vllm"
+        with paused(self.groups["vllm" if server == "parrot" else "parrot"]):
+            yield self.urls[server]
 
 
 @contextmanager
@@ -211,6 +216,12 @@ def vllm_shared_prompts(system: str, questions: list[str]) -> list[str]:
     return [shared_template(system).replace("{{input:question}}", q).split("{{output:")[0] for q in questions]
 
 
+# The shared-prompt workload's systems: Parrot given the calls as semantic functions in one
+# batch, Parrot given the same prompts as plain /v1/completions requests (its engine's
+# automatic prefix cache shares the prompt), and vLLM given those requests.
+SHARED_SYSTEMS = ["parrot", "parrot-requests", "vllm"]
+
+
 def summarise(ratios: list[float]) -> str:
     return f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}]"
 
@@ -264,26 +275,32 @@ async def bench_model(name: str, args: argparse.Namespace, log_dir: Path) -> dic
             print(f"{name}: context {max_len} < shared prompt + question; no shared-prompt run", flush=True)
             return result
         system = words(random.Random(1), args.shared_prompt_tokens)
-        runs = {"parrot": [], "vllm": []}
-        # Warm the prefix on both (vLLM's prefix cache, Parrot's prefix context).
+        runs = {name: [] for name in SHARED_SYSTEMS}
+        # Warm the prefix on both (vLLM's prefix cache, Parrot's prefix context and cache).
         await alone("parrot", parrot_shared(parrot_url, system, [words(rng, 10)], 4))
+        await alone("parrot", completions(parrot_url, name, vllm_shared_prompts(system, [words(rng, 10)]), 4))
         await alone("vllm", completions(vllm_url, name, vllm_shared_prompts(system, [words(rng, 10)]), 4))
         for r in range(args.repeats):
             questions = [words(rng, 20) for _ in range(args.shared_requests)]
-            order = ["parrot", "vllm"] if r % 2 == 0 else ["vllm", "parrot"]
+            order = SHARED_SYSTEMS[r % 3 :] + SHARED_SYSTEMS[: r % 3]
             for sys_name in order:
                 if sys_name == "parrot":
                     work = parrot_shared(parrot_url, system, questions, args.max_tokens)
                 else:
                     prompts = vllm_shared_prompts(system, questions)
-                    work = completions(vllm_url, name, prompts, args.max_tokens)
+                    work = completions(
+                        targets["vllm" if sys_name == "vllm" else "parrot"], name, prompts, args.max_tokens
+                    )
                 runs[sys_name].append(await alone(sys_name, work))
-        ratios = [p / v for p, v in zip(runs["parrot"], runs["vllm"], strict=True)]
-        result["shared"] = {**runs, "ratio": ratios}
+        ratios = {n: [p / v for p, v in zip(runs[n], runs["vllm"], strict=True)] for n in SHARED_SYSTEMS[:2]}
+        result["shared"] = {**runs, "ratio": ratios["parrot"], "ratio_requests": ratios["parrot-requests"]}
         print(
             f"{name} shared {args.shared_requests}x{args.shared_prompt_tokens}: "
-            f"parrot {statistics.median(runs['parrot']):7.1f} tok/s, "
-            f"vllm {statistics.median(runs['vllm']):7.1f} tok/s, parrot/vllm {summarise(ratios)}",
+            f"parrot (semantic functions) {statistics.median(runs['parrot']):7.1f} tok/s, "
+            f"parrot (/v1/completions) {statistics.median(runs['parrot-requests']):7.1f} tok/s, "
+            f"vllm {statistics.median(runs['vllm']):7.1f} tok/s; "
+            f"parrot/vllm {summarise(ratios['parrot'])}, "
+            f"parrot requests/vllm {summarise(ratios['parrot-requests'])}",
             flush=True,
         )
     return result
