@@ -682,6 +682,18 @@ def test_parrot_system_commands_split_the_cores_and_pass_dtype_flags_and_cap() -
     assert "--no-prefix-cache" in serve  # the embedded engine takes it on `parrot serve`
     with pytest.raises(ValueError, match="dtype"):
         parrot_commands("parrot", Path("/m"), 1, 9100, 2, dtype="float16")
+    # --step-log: every engine of the layout logs its steps to its own file
+    from parrot.cli import _parser
+
+    serve, _ = parrot_commands("parrot", Path("/m"), 1, 9100, 2, step_log_dir=Path("/logs/p"))
+    assert serve[serve.index("--step-log") + 1] == "/logs/p/steps-embedded.jsonl"
+    assert _parser().parse_args(serve[3:]).step_log == "/logs/p/steps-embedded.jsonl"
+    serve, engines = parrot_commands("parrot", Path("/m"), 2, 9100, 2, step_log_dir=Path("/logs/p"))
+    assert "--step-log" not in serve
+    assert [e[e.index("--step-log") + 1] for e in engines] == [
+        "/logs/p/steps-engine-0.jsonl",
+        "/logs/p/steps-engine-1.jsonl",
+    ]
 
 
 def test_systems_change_one_mechanism_each_and_baselines_have_no_prefix_cache() -> None:

@@ -2,6 +2,8 @@
 
     python -m benchmarks.sim.calibrate [--model smollm2] [--dtype bfloat16] [--threads N]
         [--repeats 5] [--stat median|min] [--quick] [--out FILE]
+    python -m benchmarks.sim.calibrate --from-step-log FILE [FILE ...] [--model smollm2]
+        [--dtype bfloat16] [--out FILE]
 
 Times single steps of the real engine (:class:`~parrot.engine.runner.EngineRunner`,
 configured as the evaluation suite starts one: the model in ``--dtype`` weights and
@@ -23,6 +25,15 @@ attention term) and the full one, prints both fits and each point's relative err
 and writes the full fit as a cost file that ``python -m benchmarks.sim --cost FILE``
 loads, recording the machine, the commit and every point.  Timings are only as good
 as the machine is quiet: run it with nothing else on the cores.
+
+``--from-step-log`` fits the same model to the steps of served runs instead: the
+lines an engine started with ``--step-log FILE`` wrote
+(:mod:`parrot.engine.step_log`; the evaluation suite's ``--step-log`` gives every
+Parrot engine one).  Those steps carry what isolated ones do not: sampling,
+admission and planning, and the rest of the server sharing the cores.  It prints
+the fits, the relative error per kind of step (decode only, prompt only, mixed)
+and the ratio of the model's total time to the measured total, and writes the
+cost file with the logs' names and step counts.
 """
 
 from __future__ import annotations
@@ -249,6 +260,61 @@ def report(rows: list[tuple[Point, StepWork, float]], fits: dict[str, Fit]) -> N
         print(f"{name}: {params}; rms error {fit.rms_rel_error:.1%}, max {fit.max_abs_rel_error:.1%}")
 
 
+def _kind(work: StepWork) -> str:
+    if not work.prefill_tokens:
+        return "decode only"
+    return "prompt only" if not work.decode_seqs else "mixed"
+
+
+def report_log(samples: list[tuple[StepWork, float]], fits: dict[str, Fit]) -> None:
+    """The served steps' fit, by kind of step: count, measured total, and each fit's rms
+    relative error and ratio of modelled to measured total seconds."""
+    kinds = sorted({_kind(w) for w, _ in samples})
+    print(
+        f"{'steps':14s} {'count':>7s} {'seconds':>9s} " + " ".join(f"{n + ' rms / total':>26s}" for n in fits)
+    )
+    for kind in [*kinds, "all"]:
+        idx = [i for i, (w, _) in enumerate(samples) if kind == "all" or _kind(w) == kind]
+        measured = sum(samples[i][1] for i in idx)
+        cells = []
+        for fit in fits.values():
+            errs = [fit.rel_errors[i] for i in idx]
+            rms = (sum(e * e for e in errs) / len(errs)) ** 0.5
+            modelled = sum(fit.cost.step_seconds(samples[i][0]) for i in idx)
+            cells.append(f"{rms:>15.1%} / {modelled / measured:>6.3f}x")
+        print(f"{kind:14s} {len(idx):7d} {measured:9.2f} " + " ".join(f"{c:>26s}" for c in cells))
+    for name, fit in fits.items():
+        params = ", ".join(f"{t}={getattr(fit.cost, t):.4g}" for t in TERMS)
+        print(f"{name}: {params}; rms error {fit.rms_rel_error:.1%}, max {fit.max_abs_rel_error:.1%}")
+
+
+def from_step_logs(args: argparse.Namespace) -> int:
+    from parrot.engine.step_log import read_step_log
+
+    per_log = {str(path): [row for row in read_step_log(path) if row[1] > 0] for path in args.from_step_log}
+    samples = [row for rows in per_log.values() for row in rows]
+    if not samples:
+        raise SystemExit("the step logs hold no steps")
+    fits = {"first-order": fit_step_cost(samples, FIRST_ORDER), "full": fit_step_cost(samples, TERMS)}
+    report_log(samples, fits)
+    name = f"{Path(args.model).name}-{args.dtype}-served"
+    meta = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "source": "step logs of served runs",
+        "logs": {path: len(rows) for path, rows in per_log.items()},
+        "machine": machine(),
+        **commit(),
+        "rms_rel_error": fits["full"].rms_rel_error,
+        "max_abs_rel_error": fits["full"].max_abs_rel_error,
+        "first_order_rms_rel_error": fits["first-order"].rms_rel_error,
+    }
+    out = args.out or Path(f"step-cost-{Path(args.model).name}-{args.dtype}-served.json")
+    out.write_text(CostProfile(name, fits["full"].cost, None, meta).to_json())
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks.sim.calibrate", description=__doc__.split("\n\n")[0]
@@ -261,7 +327,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-kv", type=int, default=1 << 17, help="leave out points holding more KV tokens")
     ap.add_argument("--quick", action="store_true", help="a small grid (tests, the tiny model)")
     ap.add_argument("--out", type=Path, default=None, help="default: step-cost-MODEL-DTYPE.json")
+    ap.add_argument(
+        "--from-step-log",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="fit to the steps of served runs (engines' --step-log files) instead of timing a grid",
+    )
     args = ap.parse_args(argv)
+    if args.from_step_log:
+        return from_step_logs(args)
     if args.repeats < 1 or args.threads < 1 or args.max_kv < 1:
         ap.error("--repeats, --threads and --max-kv must be >= 1")
     import torch

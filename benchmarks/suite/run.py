@@ -127,6 +127,12 @@ def _parser() -> argparse.ArgumentParser:
         help="token cap for latency work on Parrot's engines (parrot serve --latency-cap; "
         "default: each engine's own, measured from its decode step time against load)",
     )
+    p.add_argument(
+        "--step-log",
+        action="store_true",
+        help="Parrot's engines log every step (parrot --step-log) to logs/<system>/steps-*.jsonl, "
+        "for the simulator's calibration (python -m benchmarks.sim.calibrate --from-step-log)",
+    )
     return p
 
 
@@ -493,6 +499,7 @@ class Fleet:
                     timeout_s=self.args.startup_timeout,
                     latency_cap=self.args.latency_cap,
                     dtype=self.args.dtype,
+                    step_log=self.args.step_log,
                 )
             )
             _warm_up(handle)

@@ -341,6 +341,7 @@ def parrot_commands(
     dtype: str = "float32",
     serve_flags: tuple[str, ...] = (),
     engine_flags: tuple[str, ...] = (),
+    step_log_dir: Path | None = None,
 ) -> tuple[list[str], list[list[str]]]:
     """The manager command and the engine commands for a Parrot system.
 
@@ -349,7 +350,8 @@ def parrot_commands(
     --model M --threads max(1, cores // N)``.  ``latency_cap``: the manager's
     ``--latency-cap`` (default: none, so each engine uses the cap it measured).  Every engine
     gets ``--weight-dtype dtype --kv-dtype dtype`` and ``engine_flags``; the
-    manager ``serve_flags``.
+    manager ``serve_flags``.  ``step_log_dir``: each engine logs its steps to
+    ``steps-<engine>.jsonl`` there (``--step-log``).
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
@@ -359,8 +361,12 @@ def parrot_commands(
     if latency_cap is not None:
         serve += ["--latency-cap", str(latency_cap)]
     engine_args = ["--model", str(model_path), "--weight-dtype", dtype, "--kv-dtype", dtype, *engine_flags]
+
+    def step_log(engine: str) -> list[str]:
+        return [] if step_log_dir is None else ["--step-log", str(step_log_dir / f"steps-{engine}.jsonl")]
+
     if engines <= 1:
-        return [*serve, *engine_args, "--threads", str(cores)], []
+        return [*serve, *engine_args, *step_log("embedded"), "--threads", str(cores)], []
     threads = max(1, cores // engines)
     engine_cmds = [
         [
@@ -377,6 +383,7 @@ def parrot_commands(
             "--name",
             f"engine-{i}",
             *engine_args,
+            *step_log(f"engine-{i}"),
             "--threads",
             str(threads),
         ]
@@ -395,6 +402,7 @@ def _parrot_system(
     timeout_s: float,
     latency_cap: int | None = None,
     dtype: str = "float32",
+    step_log: bool = False,
 ) -> Iterator[SystemHandle]:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -409,6 +417,7 @@ def _parrot_system(
         dtype=dtype,
         serve_flags=spec.serve_flags,
         engine_flags=spec.engine_flags,
+        step_log_dir=log_dir.resolve() if step_log else None,
     )
     threads = cores if engines <= 1 else max(1, cores // engines)
     secret = generate_secret()  # the manager's and its engines' (never written to the results)
@@ -639,9 +648,11 @@ def start_system(
     timeout_s: float = 600.0,
     latency_cap: int | None = None,
     dtype: str = "float32",
+    step_log: bool = False,
 ) -> Iterator[SystemHandle]:
     """Start system ``name`` serving ``model`` with ``engines`` engines in ``dtype``, yield its
-    handle, stop it.  ``latency_cap`` applies to Parrot systems (their manager's ``--latency-cap``).
+    handle, stop it.  ``latency_cap`` applies to Parrot systems (their manager's ``--latency-cap``);
+    ``step_log``: Parrot's own engines log their steps into the system's log folder.
 
     Raises ValueError for an unknown name and :class:`SystemStartError` (or
     ``peers.PeerError``) when it does not come up within ``timeout_s``.
@@ -656,7 +667,7 @@ def start_system(
     path = model_dir(model)
     log_dir = Path(log_dir) / f"{name}-e{engines}"
     if spec.backend == "parrot":
-        started = _parrot_system(name, spec, path, engines, log_dir, timeout_s, latency_cap, dtype)
+        started = _parrot_system(name, spec, path, engines, log_dir, timeout_s, latency_cap, dtype, step_log)
     elif spec.kind == "parrot":
         started = _parrot_over_peers(name, spec, path, engines, log_dir, timeout_s, latency_cap, dtype)
     else:

@@ -67,6 +67,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "and the bytes each decode step reads; attention still computes in fp32",
     )
     p.add_argument(
+        "--step-log",
+        default=None,
+        metavar="FILE",
+        help="append one JSON line per engine step (its work and seconds) to FILE, for the "
+        "simulator's calibration (python -m benchmarks.sim.calibrate --from-step-log FILE)",
+    )
+    p.add_argument(
         "--no-prefix-cache",
         action="store_true",
         help="do not reuse the KV of earlier prompts' leading blocks (automatic prefix caching is "
@@ -349,6 +356,7 @@ def _load_engine(args: argparse.Namespace):
         latency_target_ms=args.latency_target_ms,
         latency_cap=args.latency_cap,
         kernels=KernelOptions.from_args(args),
+        step_log=args.step_log,
     )
     return LocalEngine(load, config)
 

@@ -38,7 +38,9 @@ class EngineConfig:
     the latency cap it reports (:mod:`parrot.engine.latency_probe`; a fixed
     ``latency_cap`` needs no probe); ``kernels`` — which kernels it may use and which
     build of the C ops it loads (:class:`~parrot.engine.kernels.options.KernelOptions`;
-    the CLI's defaults come from ``PARROT_*`` environment variables)."""
+    the CLI's defaults come from ``PARROT_*`` environment variables); ``step_log`` — a
+    file to append one JSON line per step to (:mod:`parrot.engine.step_log`; None: no
+    log)."""
 
     max_step_tokens: int = 512
     token_capacity: int | None = None
@@ -55,6 +57,7 @@ class EngineConfig:
     latency_target_ms: float | None = None
     latency_cap: int | None = None
     kernels: KernelOptions = field(default_factory=KernelOptions)
+    step_log: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_step_tokens < 1:

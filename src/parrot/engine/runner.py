@@ -53,7 +53,9 @@ from parrot.engine.loader import LoadedModel
 from parrot.engine.memory import MemoryManager
 from parrot.engine.paged import PagedStepAttention
 from parrot.engine.sampler import logprobs_of, make_generator, sample
+from parrot.engine.step_log import StepLog
 from parrot.engine.step_planner import KVLoad, SeqSlice, StepPlanner
+from parrot.engine.step_work import StepWork, step_work
 from parrot.engine.stopping import StopStringFilter
 from parrot.protocol.errors import BadRequest, ParrotError
 from parrot.protocol.schemas import EngineStats, GenerateChunk, TokenLogprob
@@ -137,6 +139,8 @@ class EngineRunner:
             factor=cfg.latency_factor, target_ms=cfg.latency_target_ms, fixed_cap=cfg.latency_cap
         )
         self._probing = False  # the latency probe is stepping fabricated contexts
+        self.step_log = StepLog(cfg.step_log) if cfg.step_log else None
+        self._step_work: StepWork | None = None  # the logged step's work, set by _forward
         self._arrivals = 0
         self._inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -312,6 +316,8 @@ class EngineRunner:
             if not self._stopped and self.has_work():
                 self._step_safely()
         self._fail_all(ParrotError("engine stopped", code="engine_stopped"))
+        if self.step_log is not None:
+            self.step_log.close()
 
     def _step_safely(self) -> None:
         try:
@@ -328,6 +334,7 @@ class EngineRunner:
 
     # ------------------------------------------------------------- stepping
     def _step(self) -> None:
+        started = time.perf_counter()
         self._reap_cancelled()
         self.memory.tick()
         ready = self._admit()
@@ -340,6 +347,10 @@ class EngineRunner:
         if jobs:
             assert logits is not None
             self._sample(jobs, logits)
+        if self._step_work is not None:
+            assert self.step_log is not None
+            self.step_log.record(self._step_work, time.perf_counter() - started)
+            self._step_work = None
 
     def _reap_cancelled(self) -> None:
         for job in self.planner.take_cancelled():
@@ -378,6 +389,8 @@ class EngineRunner:
         if not plan:
             return [], None
         started = time.perf_counter()
+        if self.step_log is not None and not self._probing:
+            self._step_work = step_work((s for _, s in plan), self.pool.block_size, self.share_prefix)
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

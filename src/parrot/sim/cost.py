@@ -17,9 +17,10 @@ model is linear in those quantities::
   attention: a chunk of ``n`` tokens starting at position ``s`` has
   ``n * s + n * (n + 1) / 2``.  It is the compute side, quadratic in prompt length.
 
-:func:`step_work` computes the four quantities from a planned step, the same way
-for the simulated engine and for the calibration that times the real one
-(``python -m benchmarks.sim.calibrate``).  A :class:`CostProfile` is one
+:func:`~parrot.engine.step_work.step_work` computes the four quantities from a
+planned step, the same way for the simulated engine, for the calibration that
+times the real one (``python -m benchmarks.sim.calibrate``) and for the real
+engine's step log (:mod:`parrot.engine.step_log`).  A :class:`CostProfile` is one
 engine's parameters with the KV cache size of its hardware; the built-in ones are
 in :data:`PROFILES` (GPU ones in :mod:`parrot.sim.gpu_cost`), and
 :func:`load_profile` also reads a calibration's JSON file.
@@ -31,27 +32,16 @@ for the overlap of compute and memory traffic (it adds them).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from parrot.engine.step_planner import KVLoad
+from parrot.engine.step_work import StepWork, step_work
 
 __all__ = ["SMOLLM2_BF16_XEON2", "CostProfile", "StepCost", "StepWork", "load_profile", "step_work"]
 
 FORMAT = "parrot-step-cost/1"
 """The ``format`` field of a cost JSON file (:meth:`CostProfile.to_json`)."""
-
-
-@dataclass(frozen=True)
-class StepWork:
-    """What one step computes (see the module docstring)."""
-
-    prefill_tokens: int
-    decode_seqs: int
-    kv_tokens_read: int
-    prefill_pairs: int = 0
 
 
 @dataclass(frozen=True)
@@ -92,33 +82,6 @@ class StepCost:
         if self.per_kv_token <= 0:
             return capacity
         return max(1, min(capacity, int((factor - 1.0) * unloaded / self.per_kv_token)))
-
-
-class _Slice(Protocol):
-    """A planned slice (:class:`~parrot.engine.step_planner.SeqSlice`)."""
-
-    start: int
-    n: int
-
-    @property
-    def ctx(self) -> Any: ...
-
-
-def step_work(slices: Iterable[_Slice], block_size: int, share_prefix: bool) -> StepWork:
-    """The work of a step of these slices, planned but not yet computed (each slice's
-    ``ctx.computed_len`` is still its ``start``).  A slice of one token is a decode."""
-    slices = list(slices)
-    prefill = sum(s.n for s in slices if s.n > 1)
-    decodes = sum(1 for s in slices if s.n == 1)
-    pairs = sum(s.n * s.start + s.n * (s.n + 1) // 2 for s in slices if s.n > 1)
-    if share_prefix:
-        read = KVLoad(block_size)
-        for s in slices:
-            read.add(s.ctx.block_table, s.ctx.computed_len, s.n)
-        kv = read.total
-    else:
-        kv = sum(s.ctx.computed_len + s.n for s in slices)
-    return StepWork(prefill, decodes, kv, pairs)
 
 
 @dataclass(frozen=True)
