@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import parrot.engine.paged as paged
+from parrot import cli
 from parrot.engine import prefill_attention as pa
 from parrot.engine.config import EngineConfig
 from parrot.engine.device import CUDA_KERNELS, place_model, placement, resolve_device
@@ -250,6 +251,20 @@ def test_the_cli_refuses_device_cuda_without_cuda(command):
     assert done.returncode == 1
     assert f"parrot {command}: --device cuda: no CUDA device is available" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_cli_builds_a_cpu_engine_for_device_auto_here():
+    args = cli._parser().parse_args(
+        ["engine", "--manager", "http://x", "--model", "tiny", "--device", "auto"]
+    )
+    assert (args.device, args.dtype) == ("auto", None)
+    engine = cli._load_engine(args)
+    try:
+        assert engine.runner.placement.device == "cpu"
+        assert engine.runner.config.device == "auto"
+        assert not asyncio.run(engine.stats()).decode_path.startswith("cuda")
+    finally:
+        engine.close()
 
 
 # ------------------------------------------------------------------ timing

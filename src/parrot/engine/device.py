@@ -149,5 +149,6 @@ def place_model(model: LlamaModel, device: str, dtype: torch.dtype) -> LlamaMode
     names = {name for name, _ in placed.named_parameters()}
     state = {k: v.to(device=device, dtype=dtype) for k, v in model.state_dict().items() if k in names}
     placed.load_state_dict(state, strict=True, assign=True)
+    placed._inv_freq = placed._inv_freq.to(device)  # RoPE's fp32 frequencies: no copy per step
     placed.requires_grad_(False)
     return placed.eval()
