@@ -2,7 +2,7 @@
 
     python benchmarks/engine_throughput.py [--model smollm2] [--concurrency 1 16 32]
         [--prompt-tokens 100] [--max-tokens 64] [--shared-prefix 0] [--no-share] [--repeat 1]
-        [--weight-dtype bfloat16] [--kv-dtype bfloat16] [--threads 2]
+        [--weight-dtype bfloat16] [--kv-dtype bfloat16] [--threads 2] [--device cuda [--dtype bfloat16]]
 
 Each of ``c`` concurrent requests fills its own random ``prompt-tokens`` prompt
 (forked from one common ``shared-prefix``-token context if that is > 0) and
@@ -79,11 +79,14 @@ def main() -> None:
     ap.add_argument("--weight-dtype", choices=["float32", "bfloat16"], default=None)
     ap.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default=None)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", choices=["cpu", "cuda", "auto"], default="cpu")
+    ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None, help="on CUDA")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     kwargs: dict[str, object] = {}
-    for name in ("weight_dtype", "kv_dtype"):
+    kwargs["device"] = args.device
+    for name in ("weight_dtype", "kv_dtype", "dtype"):
         if getattr(args, name):
             kwargs[name] = getattr(torch, getattr(args, name))
     if args.no_share and "share_prefix" in inspect.signature(LocalEngine).parameters:

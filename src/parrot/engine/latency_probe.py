@@ -109,6 +109,18 @@ machine oversubscribed by other processes a step can take seconds.  What it meas
 _PROBE_CONTEXT_BASE = -1_000_000  # probe contexts get ids below this; clients use their own ids
 
 
+def step_seconds(started: float, device: str) -> float:
+    """Seconds since ``started`` (a ``time.perf_counter()`` reading taken before a step's
+    work was queued) once that work has finished on ``device``: a CUDA device runs
+    kernels asynchronously, so it is synchronised first (else the time would be that of
+    launching them); the CPU's work is done when its calls return."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
+
+
 @dataclass(frozen=True, slots=True)
 class StepFit:
     """``step_time(load) ~= base_s + per_token_s * load``.

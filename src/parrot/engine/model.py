@@ -1,4 +1,4 @@
-"""A LLaMA-family decoder in plain PyTorch (fp32, CPU-friendly).
+"""A LLaMA-family decoder in plain PyTorch (fp32 on the CPU; fp16/bf16 on CUDA).
 
 Covers LLaMA 2/3, SmolLM2, Mistral and Qwen2-style q/k/v bias: token
 embedding -> N x [RMSNorm -> grouped-query attention with RoPE -> residual ->
@@ -256,8 +256,9 @@ class LlamaModel(nn.Module):
         """Hidden states [T, hidden_size] (after the final norm) of the T new tokens."""
         self.check_inputs(input_ids, positions)
         inv_freq = self._inv_freq.to(input_ids.device)
-        cos, sin = rope_cos_sin(inv_freq, positions)  # [T, Dh] each
+        cos, sin = rope_cos_sin(inv_freq, positions)  # [T, Dh] each, fp32
         h = self.model.embed_tokens(input_ids)  # [T] -> [T, D]
+        cos, sin = cos.to(h.dtype), sin.to(h.dtype)  # q, k stay in the weights' dtype (fp16/bf16 on CUDA)
         if self.model.layers[0].self_attn.qkv is not None and fused.applies(h):
             return self._forward_fused(h, cos, sin, attn)
         for i, layer in enumerate(self.model.layers):

@@ -12,7 +12,10 @@ computed once in the constructor and reused by all layers:
   per sequence; see :mod:`parrot.engine.prefix_tree`), read by
   :func:`~parrot.engine.kernels.attention.paged_decode_attention`, and on CPU their
   :class:`~parrot.engine.kernels.attention.DecodePlan` (token indices, padding; built
-  by the first layer that runs, since it needs the layer's shapes);
+  by the first layer that runs, since it needs the layer's shapes); with the
+  ``triton`` decode backend (the CUDA strategy) the segments stay on the host and
+  their :class:`~parrot.engine.kernels.attention.triton_kernel.TritonDecodePlan`
+  is uploaded once per step;
 - for each prefill chunk, the blocks holding its sequence's keys (one
   ``index_select`` per layer gathers them); its attention is
   :func:`~parrot.engine.prefill_attention.prefill_attention` (causal from the
@@ -36,6 +39,7 @@ import torch
 
 from parrot.engine.fresh_prefill import FreshGroup, fresh_batching_available, plan_fresh_chunks
 from parrot.engine.kernels.attention import DecodePlan, Segment, paged_decode_attention, plan_decode_attention
+from parrot.engine.kernels.attention.triton_kernel import TritonDecodePlan, plan_triton_decode
 from parrot.engine.kv_store import PagedKVCache
 from parrot.engine.prefill_attention import prefill_attention
 from parrot.engine.prefill_sharing import SharedPrefill, plan_shared_prefill
@@ -73,10 +77,15 @@ class PagedStepAttention:
         slots: list[int],
         *,
         share_prefix: bool = True,
+        decode_backend: str = "auto",
     ):
+        """``decode_backend``: the ``backend`` of every layer's
+        :func:`~parrot.engine.kernels.attention.paged_decode_attention` call."""
         bs, device = cache.block_size, cache.device
         self.cache = cache
         self.share = share_prefix
+        self.decode_backend = decode_backend
+        triton = decode_backend == "triton"
         self.slots = torch.tensor(slots, dtype=torch.long, device=device)
         decodes = [s for s in slices if s.n == 1]
         self.num_decode = len(decodes)
@@ -84,12 +93,16 @@ class PagedStepAttention:
             raise ValueError("decode slices must come first")
         self.segments = (
             decode_segments(
-                [s.ctx.block_table for s in decodes], [s.start + 1 for s in decodes], bs, share_prefix, device
+                [s.ctx.block_table for s in decodes],
+                [s.start + 1 for s in decodes],
+                bs,
+                share_prefix,
+                "cpu" if triton else device,  # Triton plans them on the host
             )
             if decodes
             else []
         )
-        self._plan: DecodePlan | None = None  # built by the first layer, reused by the rest
+        self._plan: DecodePlan | TritonDecodePlan | None = None  # built by the first layer, reused
         self.chunks: list[_Chunk] = []
         row = self.num_decode
         for s in slices[self.num_decode :]:
@@ -115,10 +128,20 @@ class PagedStepAttention:
         self._fresh: list[FreshGroup] | None = None
         self._rest: list[_Chunk] = self.chunks
 
-    def decode_plan(self, q_probe: torch.Tensor) -> DecodePlan | None:
+    def decode_plan(self, q_probe: torch.Tensor) -> DecodePlan | TritonDecodePlan | None:
         """The decode slices' attention plan every layer of the step uses (made once, from
-        the shapes of ``q_probe`` [num_decode, H, D] and the cache), or None on devices
-        other than CPU (where each layer takes the segments)."""
+        the shapes of ``q_probe`` [num_decode, H, D] and the cache): the Triton plan for
+        the triton backend, else on CPU the PyTorch plan, else None (each layer takes
+        the segments)."""
+        if self._plan is None and self.num_decode and self.decode_backend == "triton":
+            self._plan = plan_triton_decode(
+                self.segments,
+                batch=self.num_decode,
+                block_size=self.cache.block_size,
+                group=q_probe.shape[1] // self.cache.k.shape[3],
+                share=self.share,
+                device=q_probe.device,
+            )
         if self._plan is None and self.num_decode and q_probe.device.type == "cpu":
             self._plan = plan_decode_attention(
                 self.segments, q_probe, self.cache.k[0], share=self.share, validate=False
@@ -139,7 +162,13 @@ class PagedStepAttention:
             qd = q[:nd] if self.chunks else q
             self.decode_plan(qd)
             decoded = paged_decode_attention(
-                qd, k_layer, v_layer, self._plan or self.segments, share=self.share, validate=False
+                qd,
+                k_layer,
+                v_layer,
+                self._plan or self.segments,
+                share=self.share,
+                backend=self.decode_backend,  # type: ignore[arg-type]
+                validate=False,
             )
             if not self.chunks:
                 return decoded

@@ -18,8 +18,13 @@ and merges them exactly: with ``m = max(lse_a, lse_b)``,
 ``out = (out_a e^(lse_a - m) + out_b e^(lse_b - m)) / (e^(lse_a - m) + e^(lse_b - m))``
 (the same result up to fp32 rounding, several times faster on long prompts:
 ``docs/engine.md``, "Why the kernels exist").
-Elsewhere (CUDA, other dtypes, a PyTorch without the kernel) it falls back to
-the masked :func:`~parrot.engine.kv_store.grouped_attention`.
+Elsewhere (CUDA, other dtypes, a PyTorch without the kernel) it takes
+:func:`sdpa_prefill_attention`: one call of PyTorch's
+``scaled_dot_product_attention`` with grouped-query heads (``enable_gqa``, no
+repeated keys) and, for a chunk with a past, the bottom-right-aligned causal
+bias (``causal_lower_right``), which PyTorch's fused CUDA kernels (flash,
+memory-efficient) take without materialising a mask; on the CPU it runs
+PyTorch's reference path, which is how CI checks it.
 """
 
 from __future__ import annotations
@@ -27,12 +32,13 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
 
 from parrot.engine.kernels.attention.torch_impl import cpu_flash_attention
-from parrot.engine.kv_store import causal_mask, grouped_attention
 
-__all__ = ["fused_prefill_available", "prefill_attention", "prefill_partial"]
+__all__ = ["fused_prefill_available", "prefill_attention", "prefill_partial", "sdpa_prefill_attention"]
 
 
 _flash_op = cpu_flash_attention  # looked up at call time (tests replace it)
@@ -48,9 +54,27 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
     of KVH.  Returns [n, H, D]: causal attention, scale 1/sqrt(D)."""
     _check_keys(q, k, start)
     if not fused_prefill_available(q):
-        return grouped_attention(q, k, v, causal_mask(start, q.shape[0], str(q.device)))
+        return sdpa_prefill_attention(q, k, v, start)
     out, _ = _fused(q, k, v, start)
     return out.to(q.dtype)
+
+
+def sdpa_prefill_attention(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
+    """:func:`prefill_attention` as one ``scaled_dot_product_attention`` call (the CUDA
+    path; any device and float dtype): causal for a chunk without a past, else causal
+    aligned to the bottom right (query i sees keys ``[0, start + i]``).  Returns
+    [n, H, D] in q's dtype."""
+    _check_keys(q, k, start)
+    n, total = q.shape[0], k.shape[0]
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+    kh = k.transpose(0, 1).unsqueeze(0)  # [1, KVH, start + n, D]
+    vh = v.transpose(0, 1).unsqueeze(0)
+    if start == 0:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+    else:
+        bias = causal_lower_right(n, total)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, enable_gqa=True)
+    return out[0].transpose(0, 1)  # [n, H, D]
 
 
 def prefill_partial(q: Tensor, k: Tensor, v: Tensor, start: int) -> tuple[Tensor, Tensor]:

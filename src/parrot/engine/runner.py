@@ -45,13 +45,13 @@ from parrot.engine import step_forward
 from parrot.engine.block_pool import BlockPool
 from parrot.engine.config import EngineConfig
 from parrot.engine.contexts import Context, ContextTable
+from parrot.engine.device import place_model, placement
 from parrot.engine.jobs import ChunkCallback, FinishCallback, Job, finish_job
 from parrot.engine.kernels import kernel_set
 from parrot.engine.kv_store import PagedKVCache, kv_cache_blocks
-from parrot.engine.latency_probe import StepLatency, probe
+from parrot.engine.latency_probe import StepLatency, probe, step_seconds
 from parrot.engine.loader import LoadedModel
 from parrot.engine.memory import MemoryManager
-from parrot.engine.paged import PagedStepAttention
 from parrot.engine.sampler import logprobs_of, make_generator, sample
 from parrot.engine.step_log import StepLog
 from parrot.engine.step_planner import KVLoad, SeqSlice, StepPlanner
@@ -86,16 +86,19 @@ class EngineRunner:
         max_step_tokens, weight_dtype, kv_dtype = cfg.max_step_tokens, cfg.weight_dtype, cfg.kv_dtype
         block_size = cfg.block_size
         self.loaded = loaded
-        self.model = loaded.model
-        # The kernels this engine uses, chosen once; their build of the C ops becomes the
-        # one this process's attention and fused ops find (a process resource: see
-        # native.select).  Then oneDNN-packed weights on CPU (faster projections:
-        # packed_linear).  Packing changes the model object, so every engine sharing it
-        # runs packed, with these kernels, from now on.
-        self.kernels = kernel_set.for_options(cfg.kernels)
-        self.kernels.select()
-        log.info("engine %s", self.kernels.describe())
-        self.packed = self.model.prepack(weight_dtype, self.kernels) if cfg.prepack else False
+        # The device (CUDA: a copy of the model there, no C kernels, no packing: device.py)
+        self.placement = place = placement(cfg)
+        self.model = place_model(loaded.model, place.device, place.dtype)
+        # The kernels this engine uses, chosen once; on the CPU their build of the C ops
+        # becomes the one this process's attention and fused ops find (a process
+        # resource: see native.select).  Then oneDNN-packed weights on CPU (faster
+        # projections: packed_linear).  Packing changes the model object, so every engine
+        # sharing it runs packed, with these kernels, from now on.
+        self.kernels = kernel_set.for_options(place.kernels)
+        if place.device == "cpu":
+            self.kernels.select()
+        log.info("engine on %s (%s): %s", place.device, place.dtype, self.kernels.describe())
+        self.packed = self.model.prepack(weight_dtype, self.kernels) if place.prepack else False
         if weight_dtype is not None and not self.packed:
             raise ValueError(f"cannot pack weights as {weight_dtype} here (needs CPU oneDNN)")
         self.tokenizer = loaded.tokenizer
@@ -121,7 +124,7 @@ class EngineRunner:
             mcfg.head_dim,
             kv_dtype,
             str(param.device),
-            huge_pages=cfg.kernels.hugepages,
+            huge_pages=place.kernels.hugepages,
         )
         self.contexts = ContextTable(
             mcfg.max_seq_len, on_release=self._on_release, pool=self.pool, prefix_cache=cfg.prefix_cache
@@ -154,7 +157,7 @@ class EngineRunner:
             "preemptions": 0,
             "cached_tokens": 0,  # pending tokens whose KV came from the prefix cache
         }
-        self.step_forward = step_forward.choose(self.model, self.cache, self.kernels)
+        self.step_forward = step_forward.choose(self.model, self.cache, self.kernels, cfg.decode_attention)
         log.info("engine steps: %s", self.step_forward.name)
         # the job queues and each step's admission, plan and KV reservation
         self.planner = StepPlanner(
@@ -404,7 +407,7 @@ class EngineRunner:
         slices = [s for _, s in plan]
         try:
             with torch.inference_mode():
-                attn = PagedStepAttention(self.cache, slices, slots, share_prefix=self.share_prefix)
+                attn = self.step_forward.attention(self.cache, slices, slots, share_prefix=self.share_prefix)
                 hidden = self.step_forward(self.model, input_ids, pos, attn, self.cache)
         except BaseException:
             for s in slices:  # give back the blocks reserved for this step
@@ -440,7 +443,7 @@ class EngineRunner:
             read = KVLoad(self.pool.block_size)
             for _, s in plan:
                 read.add(s.ctx.block_table, s.ctx.computed_len, s.ctx.num_pending)
-            self.latency.record(read.total, time.perf_counter() - started)
+            self.latency.record(read.total, step_seconds(started, self.cache.device))
         generates: list[Job] = []
         rows: list[int] = []
         for i, ((job, _), lg) in enumerate(zip(finishing, logits, strict=True)):

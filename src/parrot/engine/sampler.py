@@ -46,8 +46,8 @@ def penalize(
     for i in rows:
         seen = counts[i]
         assert seen is not None
-        ids = torch.tensor(list(seen), dtype=torch.long)  # [K]
-        times = torch.tensor(list(seen.values()), dtype=torch.float32)  # [K]
+        ids = torch.tensor(list(seen), dtype=torch.long, device=logits.device)  # [K]
+        times = torch.tensor(list(seen.values()), dtype=torch.float32, device=logits.device)  # [K]
         p = params[i]
         logits[i, ids] -= times * p.frequency_penalty + p.presence_penalty
     return logits
@@ -90,21 +90,24 @@ def sample(
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return out
-    idx = torch.tensor(rows, dtype=torch.long)  # [R]
-    temps = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32)  # [R]
-    top_k = torch.tensor([params[i].top_k or vocab for i in rows], dtype=torch.long).clamp(max=vocab)  # [R]
-    top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float32)  # [R]
+    on = logits.device  # every tensor below lives with the logits (CPU or CUDA)
+    idx = torch.tensor(rows, dtype=torch.long, device=on)  # [R]
+    temps = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32, device=on)  # [R]
+    top_k = torch.tensor([params[i].top_k or vocab for i in rows], dtype=torch.long, device=on)  # [R]
+    top_k = top_k.clamp(max=vocab)
+    top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float32, device=on)  # [R]
 
     scaled = logits[idx] / temps[:, None]  # [R, V]
     sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)  # [R, V] each
-    ranks = torch.arange(vocab)[None, :]  # [1, V]
+    ranks = torch.arange(vocab, device=on)[None, :]  # [1, V]
     sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))  # top-k, [R, V]
     probs = torch.softmax(sorted_logits, dim=-1)  # [R, V]
     mass_before = probs.cumsum(dim=-1) - probs  # [R, V]: probability of strictly better tokens
     drop = (mass_before >= top_p[:, None]) & (ranks > 0)  # top-p, never the best token
     probs = probs.masked_fill(drop, 0.0)  # [R, V]
     cdf = probs.cumsum(dim=-1)  # [R, V], non-decreasing, cdf[:, -1] = kept mass
-    u = torch.stack([torch.rand((), generator=generators[i]) for i in rows])  # [R] in [0, 1)
+    # drawn on the CPU generators whatever the device: a seed gives the same draws anywhere
+    u = torch.stack([torch.rand((), generator=generators[i]) for i in rows]).to(on)  # [R] in [0, 1)
     target = (u * cdf[:, -1])[:, None]  # [R, 1] in [0, kept mass)
     pick = torch.searchsorted(cdf, target, right=True).clamp(max=vocab - 1)  # [R, 1]: first cdf > target
     out[idx] = order.gather(1, pick).squeeze(1)  # [R]
@@ -118,7 +121,8 @@ def token_logprobs(logits: Tensor, tokens: Sequence[int], top: Sequence[int]) ->
     logp = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
     k = min(max(top, default=0), logp.shape[-1])
     values, ids = logp.topk(k, dim=-1, sorted=True) if k else (None, None)  # [B, k] each
-    chosen = logp.gather(1, torch.tensor(list(tokens), dtype=torch.long)[:, None]).squeeze(1).tolist()
+    picked = torch.tensor(list(tokens), dtype=torch.long, device=logp.device)[:, None]  # [B, 1]
+    chosen = logp.gather(1, picked).squeeze(1).tolist()
     out = []
     for i, token in enumerate(tokens):
         pairs: list[tuple[int, float]] = []

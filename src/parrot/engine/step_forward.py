@@ -15,7 +15,19 @@ projections have), the KV cache and the engine's kernels
 * ``pytorch/fused`` — the model's forward with its elementwise steps in C
   (:mod:`parrot.engine.kernels.fused`) and oneDNN-packed projections;
 * ``pytorch/packed`` — the model's forward with oneDNN-packed projections;
-* ``pytorch`` — the model's plain forward (any device).
+* ``pytorch`` — the model's plain forward (any device);
+* ``cuda/triton`` — on CUDA: the model's plain forward (fp16/bf16 weights),
+  prefill through PyTorch's ``scaled_dot_product_attention``
+  (:func:`~parrot.engine.prefill_attention.sdpa_prefill_attention`) and decode
+  attention through the Triton shared-prefix kernel
+  (:mod:`parrot.engine.kernels.attention.triton_kernel`); ``cuda/pytorch`` when
+  triton is not installed or ``decode_attention="torch"`` asks for PyTorch's;
+* ``pytorch/triton`` — the same Triton decode path on CPU tensors, run by Triton's
+  interpreter (``TRITON_INTERPRET=1``): how CI checks the CUDA strategy without a GPU.
+
+``decode_attention`` (:class:`~parrot.engine.config.EngineConfig`) picks the decode
+backend: ``auto`` (Triton on CUDA when installed, the CPU's own paths otherwise),
+``torch`` or ``triton``.
 """
 
 from __future__ import annotations
@@ -27,10 +39,13 @@ import torch
 from torch import Tensor
 
 from parrot.engine.kernels import decode_forward, fused
+from parrot.engine.kernels.attention import triton_available
+from parrot.engine.kernels.attention.triton_kernel import interpret_requested
 from parrot.engine.kernels.kernel_set import KernelSet, for_options
 from parrot.engine.kv_store import PagedKVCache
 from parrot.engine.model import LlamaModel
 from parrot.engine.paged import PagedStepAttention
+from parrot.engine.step_planner import SeqSlice
 
 __all__ = ["StepForward", "choose"]
 
@@ -38,11 +53,21 @@ __all__ = ["StepForward", "choose"]
 @dataclass(frozen=True)
 class StepForward:
     """``name``: what the stats show; ``c_forward``: try the C forward first, with
-    ``lib`` (the engine's build of the C ops)."""
+    ``lib`` (the engine's build of the C ops); ``decode_backend``: the backend of the
+    step's decode attention (``auto``, ``torch`` or ``triton``)."""
 
     name: str
     c_forward: bool
     lib: ctypes.CDLL | None = field(default=None, compare=False, repr=False)
+    decode_backend: str = "auto"
+
+    def attention(
+        self, cache: PagedKVCache, slices: list[SeqSlice], slots: list[int], *, share_prefix: bool
+    ) -> PagedStepAttention:
+        """The attention backend of one step over ``slices`` (see :class:`PagedStepAttention`)."""
+        return PagedStepAttention(
+            cache, slices, slots, share_prefix=share_prefix, decode_backend=self.decode_backend
+        )
 
     def __call__(
         self,
@@ -60,12 +85,31 @@ class StepForward:
         return model(input_ids, positions, attn)
 
 
-def choose(model: LlamaModel, cache: PagedKVCache, kernels: KernelSet | None = None) -> StepForward:
+def choose(
+    model: LlamaModel, cache: PagedKVCache, kernels: KernelSet | None = None, decode_attention: str = "auto"
+) -> StepForward:
     """The strategy for this model and cache on ``kernels`` (default: every kernel
-    allowed; see the module docstring)."""
+    allowed) with ``decode_attention`` (see the module docstring).  ValueError when
+    ``triton`` is asked for where it cannot run."""
+    on_cuda = cache.k.device.type == "cuda"
+    if decode_attention == "triton":
+        if not triton_available():
+            raise ValueError("decode_attention='triton' needs the 'triton' package (pip install triton)")
+        if not on_cuda and not interpret_requested():
+            raise ValueError("decode_attention='triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU)")
+        return StepForward(
+            "cuda/triton" if on_cuda else "pytorch/triton", c_forward=False, decode_backend="triton"
+        )
+    if on_cuda:
+        triton = decode_attention == "auto" and triton_available()
+        backend = "triton" if triton else "torch"
+        return StepForward(
+            f"cuda/{'triton' if triton else 'pytorch'}", c_forward=False, decode_backend=backend
+        )
     kernels = for_options() if kernels is None else kernels
     lib = kernels.lib
-    mode = decode_forward.c_forward_mode(model, cache, lib) if kernels.c_forward else None
+    c_forward = kernels.c_forward and decode_attention == "auto"  # its attention is the C kernels'
+    mode = decode_forward.c_forward_mode(model, cache, lib) if c_forward else None
     if mode is not None:
         return StepForward(f"c-forward/{mode}", c_forward=True, lib=lib)
     packed = len(model.model.layers) > 0 and model.model.layers[0].self_attn.qkv is not None
@@ -73,5 +117,7 @@ def choose(model: LlamaModel, cache: PagedKVCache, kernels: KernelSet | None = N
     if packed and fused.applies(
         torch.empty(1, model.config.hidden_size, dtype=residual.dtype, device=residual.device)
     ):
-        return StepForward("pytorch/fused", c_forward=False)
-    return StepForward("pytorch/packed" if packed else "pytorch", c_forward=False)
+        return StepForward("pytorch/fused", c_forward=False, decode_backend=decode_attention)
+    return StepForward(
+        "pytorch/packed" if packed else "pytorch", c_forward=False, decode_backend=decode_attention
+    )

@@ -16,7 +16,11 @@ from parrot.engine.kernels.attention.torch_impl import (
     compute_dtype,
     torch_paged_decode_attention,
 )
-from parrot.engine.kernels.attention.triton_kernel import interpret_requested, triton_paged_decode_attention
+from parrot.engine.kernels.attention.triton_kernel import (
+    TritonDecodePlan,
+    interpret_requested,
+    triton_paged_decode_attention,
+)
 
 __all__ = ["Backend", "DecodePlan", "paged_decode_attention", "plan_decode_attention", "triton_available"]
 
@@ -120,7 +124,7 @@ def paged_decode_attention(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    segments: Sequence[Segment] | DecodePlan,
+    segments: Sequence[Segment] | DecodePlan | TritonDecodePlan,
     *,
     scale: float | None = None,
     share: bool = True,
@@ -143,7 +147,8 @@ def paged_decode_attention(
     backend: "auto" (triton for CUDA tensors when triton is importable, else torch),
     "torch", or "triton" (CUDA, or CPU under TRITON_INTERPRET=1).
     segments may be a :func:`plan_decode_attention` plan for this batch (its ``share``
-    then wins).
+    then wins), or for the triton backend a
+    :func:`~parrot.engine.kernels.attention.triton_kernel.plan_triton_decode` plan.
     validate: run :func:`validate_segments` first (cheap: ~0.3 ms for 65 segments; the hot
     path may pass False — malformed segments then give unspecified results, e.g. NaN rows
     for sequences no segment lists).  Tensor shapes, dtypes and devices are always checked
@@ -160,7 +165,10 @@ def paged_decode_attention(
     scale = float(scale)
     which = _resolve_backend(backend, q)
     plan = segments if isinstance(segments, DecodePlan) else None
-    if plan is not None:
+    if isinstance(segments, TritonDecodePlan):
+        if which != "triton":
+            raise ValueError("a Triton decode plan needs the triton backend")
+    elif plan is not None:
         segments, share = plan.segments, plan.share  # validated when the plan was made
     elif validate:
         validate_segments(segments, batch, num_blocks, block_size)

@@ -38,7 +38,13 @@ from torch import Tensor
 
 from parrot.engine.kernels.attention.segments import Segment
 
-__all__ = ["TritonUnavailableError", "interpret_requested", "triton_paged_decode_attention"]
+__all__ = [
+    "TritonDecodePlan",
+    "TritonUnavailableError",
+    "interpret_requested",
+    "plan_triton_decode",
+    "triton_paged_decode_attention",
+]
 
 DEFAULT_PIECE_TOKENS = 512
 BLOCK_N = 32
@@ -266,11 +272,45 @@ def _upload(tables: list[list[int]], device: torch.device) -> list[Tensor]:
     return list(flat.split([len(t) for t in tables]))
 
 
+@dataclass(frozen=True, eq=False)
+class TritonDecodePlan:
+    """One decode batch's tables, planned on the host and uploaded to ``device`` once,
+    for every layer of a step (the layers differ only in their caches and queries).
+    Valid for queries of ``batch`` sequences with ``group`` query heads per kv head over
+    caches of ``block_size``-token blocks, while its segments are."""
+
+    batch: int
+    block_size: int
+    group: int
+    share: bool
+    plan: _Plan = field(repr=False)
+    tables: list[Tensor] = field(repr=False)
+
+
+def plan_triton_decode(
+    segments: Sequence[Segment],
+    *,
+    batch: int,
+    block_size: int,
+    group: int,
+    share: bool,
+    device: torch.device | str,
+    piece_tokens: int = DEFAULT_PIECE_TOKENS,
+) -> TritonDecodePlan:
+    """Plan and upload ``segments`` (on the host: keep their tensors on the CPU) once."""
+    if piece_tokens < 1:
+        raise ValueError(f"piece_tokens must be >= 1, got {piece_tokens}")
+    plan = _plan(segments, batch, block_size, group, share, piece_tokens)
+    return TritonDecodePlan(
+        batch, block_size, group, share, plan, _upload(plan.tables(), torch.device(device))
+    )
+
+
 def triton_paged_decode_attention(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    segments: Sequence[Segment],
+    segments: Sequence[Segment] | TritonDecodePlan,
     *,
     scale: float,
     share: bool,
@@ -280,18 +320,36 @@ def triton_paged_decode_attention(
     (inputs already checked).
 
     q: [B, H, D]; k_cache, v_cache: [NB, BS, KVH, D] (any strides).  Returns [B, H, D] in q's dtype.
-    Segment tensors are read on the host (keep them on the CPU to avoid device syncs).
+    Segment tensors are read on the host (keep them on the CPU to avoid device syncs);
+    a :func:`plan_triton_decode` plan (its ``share`` and pieces win) skips that work.
     """
     if q.dtype == torch.float64:
         raise ValueError("the triton backend supports float32/float16/bfloat16, not float64")
-    if piece_tokens < 1:
-        raise ValueError(f"piece_tokens must be >= 1, got {piece_tokens}")
     kern = _kernels()
     batch, heads, dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    plan = _plan(segments, batch, block_size, heads // kv_heads, share, piece_tokens)
+    if isinstance(segments, TritonDecodePlan):
+        made = segments
+        if (made.batch, made.block_size, made.group) != (batch, block_size, heads // kv_heads):
+            raise ValueError(
+                f"the Triton decode plan is for batch {made.batch}, block size {made.block_size}, "
+                f"group {made.group}; got {batch}, {block_size}, {heads // kv_heads}"
+            )
+        if made.tables and made.tables[0].device != q.device:
+            raise ValueError(f"the Triton decode plan is on {made.tables[0].device}, q on {q.device}")
+    else:
+        made = plan_triton_decode(
+            segments,
+            batch=batch,
+            block_size=block_size,
+            group=heads // kv_heads,
+            share=share,
+            device=q.device,
+            piece_tokens=piece_tokens,
+        )
+    plan = made.plan
     (block_table, seqs_cat, bt_off, start, length, q_off, m, slot0, w_piece, w_row0, seq_ptr, seq_slots) = (
-        _upload(plan.tables(), q.device)
+        made.tables
     )
     slots = len(plan.seq_slots)
     part_out = torch.empty(slots, heads, dim, dtype=torch.float32, device=q.device)
