@@ -74,9 +74,7 @@ class LLGuidance:
         grammar = {
             "json_schema": lambda: m.grammar_from_json_schema(SCHEMA),
             "regex": lambda: m.grammar_from_regex(REGEX),
-            "choice": lambda: m.grammar_from_lark(
-                "start: " + " | ".join(json.dumps(c) for c in CHOICES)
-            ),
+            "choice": lambda: m.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in CHOICES)),
         }[case]()
         matcher = m(self.tok, grammar)
         assert not matcher.is_error(), matcher.get_error()
@@ -226,7 +224,8 @@ def main() -> None:
         for case in CASES:
             best, first, mean, n = measure(lib, tok, case, args.repeat)
             print(
-                f"{cls.name:<14} {setup_ms:>9.0f} {case:<12} {best:>11.1f} {first:>12.2f} {mean:>14.1f} {n:>6}"
+                f"{cls.name:<14} {setup_ms:>9.0f} {case:<12} {best:>11.1f} {first:>12.2f}"
+                f" {mean:>14.1f} {n:>6}"
             )
 
 
