@@ -138,7 +138,8 @@ def test_json_schema_outputs_always_parse_and_validate(server):
 
     essays = ["Cats are nice. They sleep a lot.", "The French Revolution began in 1789 and changed Europe."]
     with P.connect(server.url):
-        outs = [f(e, d) for f in (score, score_sampled) for e in essays for d in ("clarity", "accuracy", "style")]
+        dims = ("clarity", "accuracy", "style")
+        outs = [f(e, d) for f in (score, score_sampled) for e in essays for d in dims]
         values = [o.get(timeout=300) for o in outs]
     for value in values:
         jsonschema.validate(json.loads(value), RUBRIC)
