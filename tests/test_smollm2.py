@@ -143,3 +143,4 @@ def test_json_schema_outputs_always_parse_and_validate(server):
         values = [o.get(timeout=300) for o in outs]
     for value in values:
         jsonschema.validate(json.loads(value), RUBRIC)
+        assert list(json.loads(value)) == list(RUBRIC["properties"])  # in the schema's order

@@ -48,8 +48,9 @@ CHOICES = ["yes", "no", "maybe so"]
 # ------------------------------------------------------------------ constraints
 def test_constraints_are_canonical_and_round_trip_through_sampling() -> None:
     a = Constraint.json_schema({"b": 1, "a": {"type": "object"}})
-    b = Constraint.json_schema('{"a": {"type": "object"}, "b": 1}')
+    b = Constraint.json_schema('{"b": 1,\n "a": {"type": "object"}}')
     assert a == b and hash(a) == hash(b)  # one cache entry for equal schemas
+    assert a.spec == '{"b":1,"a":{"type":"object"}}'  # key order kept: it is the generation order
     for c in (a, Constraint.regex(DIGITS), Constraint.choice(CHOICES)):
         sp = SamplingParams(max_tokens=9, constraint=c)
         wire = json.loads(json.dumps(sp.to_dict()))

@@ -6,7 +6,8 @@ the language.  It travels inside :class:`~parrot.protocol.sampling.SamplingParam
 as ``{"json_schema": {...}}``, ``{"regex": "..."}`` or ``{"choices": [...]}``.
 
 Invariants: a Constraint that exists passed the cheap checks (kind, type, the size
-limits below); ``spec`` is canonical (a schema as sorted compact JSON), so equal
+limits below); ``spec`` is canonical (a schema as compact JSON, its key order kept:
+an object's properties are generated in the order the schema lists them), so equal
 constraints compare and hash equal and compiled grammars are cached by
 ``(kind, spec)``.  Compiling (:func:`check_compiles`) is separate because it costs
 real time: the manager runs it off the event loop under :data:`COMPILE_TIMEOUT_S`.
@@ -46,7 +47,7 @@ def _bad(where: str, message: str) -> InvalidConstraint:
 
 @dataclass(frozen=True)
 class Constraint:
-    """``kind`` and its canonical ``spec``: compact sorted JSON of the schema, the regex,
+    """``kind`` and its canonical ``spec``: compact JSON of the schema (key order kept), the regex,
     or the JSON list of choices.  Build with :meth:`json_schema`, :meth:`regex`,
     :meth:`choice` or :meth:`of`, which check types and sizes."""
 
@@ -64,7 +65,7 @@ class Constraint:
         if not isinstance(schema, dict):
             raise _bad(where, f"a JSON schema must be an object, got {type(schema).__name__}")
         try:
-            spec = json.dumps(schema, sort_keys=True, separators=(",", ":"), allow_nan=False)
+            spec = json.dumps(schema, separators=(",", ":"), allow_nan=False)
         except (TypeError, ValueError) as exc:
             raise _bad(where, f"not JSON-serialisable ({exc})") from None
         if len(spec) > MAX_SCHEMA_CHARS:
