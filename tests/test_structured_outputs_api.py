@@ -271,6 +271,8 @@ def test_a_failing_transform_names_the_call_and_keeps_the_raw_text(live: conftes
             data.get(timeout=WAIT)
         with pytest.raises(P.ParrotError) as below:
             downstream.get(timeout=WAIT)
+        with pytest.raises(P.ParrotError) as late:  # submitted once its input had failed
+            echo(data).get(timeout=WAIT)
         graph = s.graph()
     error = info.value
     call = next(c for c in graph["calls"] if c["name"] == "as_json")
@@ -286,4 +288,6 @@ def test_a_failing_transform_names_the_call_and_keeps_the_raw_text(live: conftes
         call["call_id"],
     )
     assert call["state"] == "failed" and call["error"]["detail"]["raw_text"] == raw  # in the graph too
-    assert below.value.detail["raw_text"] == raw and below.value.detail["origin_call"] == call["call_id"]
+    for downstream_error in (below.value, late.value):  # the root cause travels downstream
+        assert downstream_error.detail["raw_text"] == raw
+        assert downstream_error.detail["origin_call"] == call["call_id"]

@@ -21,6 +21,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from parrot.protocol.constraint import Constraint, InvalidConstraint
@@ -78,38 +79,38 @@ class GrammarCache:
 
     def mask(self, logits: torch.Tensor, matchers: Sequence[LLMatcher | None]) -> torch.Tensor:
         """``logits`` [B, V] with each constrained row's forbidden tokens at ``-inf``: the same
-        tensor when no row is constrained, else a copy."""
+        tensor when no row is constrained, else a new one (unconstrained rows copied as
+        they are)."""
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return logits
-        vocab = self._ll_tokenizer().vocab_size
-        words = (vocab + 31) // 32
+        batch, vocab = logits.shape
+        words = (self._ll_tokenizer().vocab_size + 31) // 32
         bits = torch.empty((len(rows), words), dtype=torch.int32)  # [R, W]
         for r, i in enumerate(rows):
             m = matchers[i]
             assert m is not None
-            v = bits[r]
-            m.unsafe_compute_mask_ptr(v.data_ptr(), words * 4)
-        allowed = _unpack(bits, min(vocab, logits.shape[1]))  # [R, min(vocab, V)] bool
+            m.unsafe_compute_mask_ptr(bits[r].data_ptr(), words * 4)
+        allowed = _unpack(bits, vocab)  # [R, V] bool
         stuck = ~allowed.any(dim=1)  # a matcher in error allows nothing: let it end on EOS
         if bool(stuck.any()) and self.tokenizer.eos_token_ids:
             allowed[stuck, self.tokenizer.eos_token_ids[0]] = True
-        out = logits.clone()
-        idx = torch.tensor(rows, dtype=torch.long)
-        sub = out[idx]  # [R, V]
-        sub[:, : allowed.shape[1]].masked_fill_(~allowed, float("-inf"))
-        sub[:, allowed.shape[1] :] = float("-inf")
-        out[idx] = sub
-        return out
-
-
-_SHIFTS = torch.arange(32, dtype=torch.int32)
+        if len(rows) < batch:  # unconstrained rows allow everything
+            full = torch.ones((batch, vocab), dtype=torch.bool)
+            allowed = full.index_copy_(0, torch.tensor(rows, dtype=torch.long), allowed)
+        return torch.where(allowed, logits, float("-inf"))
 
 
 def _unpack(bits: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Bitmask [R, W] int32 (bit j of word w: token 32*w + j) -> bool [R, vocab]."""
-    expanded = (bits[:, :, None] >> _SHIFTS) & 1  # [R, W, 32]
-    return expanded.reshape(bits.shape[0], -1)[:, :vocab].bool()
+    """Bitmask [R, W] int32 (bit j of word w: token 32*w + j) -> bool [R, vocab]; ids past
+    the bitmask (a model vocabulary padded beyond the tokenizer's) are False."""
+    as_bytes = bits.numpy().astype("<i4", copy=False).view(np.uint8)  # little-endian words
+    flat = torch.from_numpy(np.unpackbits(as_bytes, axis=1, bitorder="little"))  # [R, 32W] uint8
+    if flat.shape[1] >= vocab:
+        return flat[:, :vocab].bool()
+    out = torch.zeros((bits.shape[0], vocab), dtype=torch.bool)
+    out[:, : flat.shape[1]] = flat.bool()
+    return out
 
 
 def advance(matcher: Any, token: int) -> str | None:
