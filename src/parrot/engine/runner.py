@@ -103,6 +103,7 @@ class EngineRunner:
         self.tokenizer = loaded.tokenizer
         mcfg = loaded.config
         self.grammars = GrammarCache(self.tokenizer, mcfg.vocab_size)  # compiled constraints
+        self.grammars.prepare()  # holds the GIL for up to half a second: before serving
         param = next(self.model.parameters())
         kv_dtype = param.dtype if kv_dtype is None else kv_dtype
         if kv_dtype not in (torch.float32, torch.bfloat16, param.dtype):
