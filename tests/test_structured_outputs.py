@@ -9,6 +9,7 @@ import asyncio
 import itertools
 import json
 import re
+import threading
 from typing import Any
 
 import pytest
@@ -218,6 +219,30 @@ def test_a_constraint_that_does_not_compile_fails_its_generate_only(tiny_engine:
     failed, ok = asyncio.run(run())
     assert isinstance(failed, InvalidConstraint) and "Invalid type: objectx" in failed.message
     assert isinstance(ok, tuple) and ok[1] == "length"
+
+
+def test_masks_are_computed_on_the_engine_worker_thread(
+    tiny_engine: LocalEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    threads: list[str] = []
+    real = GrammarCache.mask
+
+    def spy(self: GrammarCache, logits: torch.Tensor, matchers: Any) -> torch.Tensor:
+        if any(m is not None for m in matchers):
+            threads.append(threading.current_thread().name)
+        return real(self, logits, matchers)
+
+    monkeypatch.setattr(GrammarCache, "mask", spy)
+
+    async def run() -> tuple[str, str]:
+        parent = await _prompt(tiny_engine, "t")
+        out = await _generate(tiny_engine, _sampled(Constraint.regex(DIGITS), 0), next(_ids), parent)
+        await tiny_engine.free_context(parent)
+        return out
+
+    text, _ = asyncio.run(run())
+    assert re.fullmatch(DIGITS, text)
+    assert len(threads) == len(TINY.encode(text)) and set(threads) == {"parrot-engine"}  # one mask per token
 
 
 # ------------------------------------------------------- over the engine protocol
