@@ -26,7 +26,7 @@ A request that fits the KV pool at all is never failed for lack of memory (it
 waits or is preempted); a context longer than the whole pool is rejected
 (``kv_capacity_exceeded``).
 
-Length (just over 500 lines): the worker thread's step loop and its request
+Length (about 535 lines): the worker thread's step loop and its request
 handling; planning (step_planner), the forward (step_forward), finishing jobs
 (jobs) and grammar masks (grammar) live apart.
 """

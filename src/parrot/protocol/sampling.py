@@ -122,7 +122,7 @@ class SamplingParams:
                 raise bad(f"stop_token_ids must be non-negative integers, got {t!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON form.  The penalties are left out at 0 and ``logprobs`` when None, so
+        """The JSON form.  The penalties are left out at 0, ``logprobs`` and ``constraint`` when None, so
         that an engine that predates them (whose :meth:`from_dict` refuses unknown
         fields) still takes what it can honour."""
         d = asdict(self)
