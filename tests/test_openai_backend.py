@@ -355,3 +355,24 @@ def test_the_tokenizer_check_passes_when_the_backend_agrees():
             connect_backend(agree.url, BackendOptions(kind="vllm"), TINY)
     finally:
         agree.stop()
+
+
+def test_constraints_reach_a_vllm_backend_as_guided_fields_and_other_backends_refuse_them(fronts):
+    server = start_misbehaving(Script(mode="ok-ids"))
+    try:
+        vllm = OpenAIBackend(server.url, BackendOptions(kind="vllm", model="tiny"), "tiny", 512, TINY)
+        fronts.append(over_vllm := front(vllm))
+        fronts.append(over_plain := front(backend_engine(server.url)))
+        pick = P.template_function(
+            "Pick {{input:q}}: {{output:x}}", x=P.Output(max_tokens=5, choices=["he", "x"])
+        )
+        with P.connect(over_vllm.url):
+            assert pick("a").get(timeout=60) == "hello"  # what the scripted server answers
+        assert server.script.bodies[-1]["guided_choice"] == ["he", "x"]
+        sent = server.script.completions
+        with P.connect(over_plain.url), pytest.raises(P.ParrotError) as err:
+            pick("a").get(timeout=60)
+        assert f"backend {server.url} (kind 'openai') cannot enforce a choices constraint" in str(err.value)
+        assert server.script.completions == sent  # refused before anything was sent
+    finally:
+        server.stop()

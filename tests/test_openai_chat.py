@@ -178,7 +178,7 @@ def test_text_parts_and_max_completion_tokens(client: httpx.Client) -> None:
         ({"messages": HELLO, "stop": ["a", "b", "c", "d", "e"]}, 400, "invalid_request"),
         ({"messages": HELLO, "top_logprobs": 1}, 400, "invalid_request"),
         ({"messages": HELLO, "tools": [{"type": "function"}]}, 400, "unsupported_parameter"),
-        ({"messages": HELLO, "response_format": {"type": "json_object"}}, 400, "unsupported_parameter"),
+        ({"messages": HELLO, "response_format": {"type": "xml"}}, 400, "invalid_constraint"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "unsupported_parameter"),
         ({"messages": HELLO, "max_tokens": 3, "max_completion_tokens": 4}, 400, "invalid_request"),
         ({"messages": HELLO, "surprise": 1}, 400, "invalid_request"),

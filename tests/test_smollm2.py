@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 from collections.abc import Iterator
 
 import pytest
@@ -99,3 +100,47 @@ def test_forked_child_generates_exactly_like_one_context(engine, smollm2):
     expected, got = asyncio.run(run())
     assert len(expected) > 3
     assert got == expected
+
+
+RUBRIC = {
+    "type": "object",
+    "properties": {
+        "dimension": {"enum": ["clarity", "accuracy", "style"]},
+        "score": {"type": "integer", "minimum": 1, "maximum": 10},
+        "passed": {"type": "boolean"},
+        "reason": {"type": "string", "maxLength": 40},
+    },
+    "required": ["dimension", "score", "passed", "reason"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_outputs_always_parse_and_validate(server):
+    """The issue's rubric case: every dimension's score is JSON that validates, greedy
+    and sampled (at most 40 characters of reason, so 100 tokens always finish it)."""
+    import jsonschema
+
+    @P.semantic_function(chat=True)
+    def score(essay: P.Input, dim: P.Input, verdict: P.Output(max_tokens=100, json_schema=RUBRIC)):
+        """Grade this essay on {{dim}} from 1 to 10 and answer in JSON.
+        Essay: {{essay}}
+        {{verdict}}"""
+
+    @P.semantic_function(chat=True)
+    def score_sampled(
+        essay: P.Input,
+        dim: P.Input,
+        verdict: P.Output(max_tokens=100, temperature=0.8, seed=11, json_schema=RUBRIC),
+    ):
+        """Grade this essay on {{dim}} from 1 to 10. Reply with JSON only.
+        Essay: {{essay}}
+        {{verdict}}"""
+
+    essays = ["Cats are nice. They sleep a lot.", "The French Revolution began in 1789 and changed Europe."]
+    with P.connect(server.url):
+        dims = ("clarity", "accuracy", "style")
+        outs = [f(e, d) for f in (score, score_sampled) for e in essays for d in dims]
+        values = [o.get(timeout=300) for o in outs]
+    for value in values:
+        jsonschema.validate(json.loads(value), RUBRIC)
+        assert list(json.loads(value)) == list(RUBRIC["properties"])  # in the schema's order

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from parrot.engine.contexts import Context
 from parrot.engine.stopping import StopStringFilter
@@ -46,6 +46,8 @@ class Job:
     stops: StopStringFilter | None = None
     # times each token was generated so far, kept only when the sampling has penalties
     counts: dict[int, int] | None = None
+    # the llguidance matcher of a constrained generate (engine.grammar), its own per fork
+    matcher: Any = None
 
     @property
     def is_generate(self) -> bool:

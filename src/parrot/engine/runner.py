@@ -14,7 +14,9 @@ Each step:
 4. one forward over the concatenated tokens (:mod:`parrot.engine.paged`);
    the blocks it filled are indexed in the prefix cache;
 5. jobs whose pending tokens are all computed get logits; fills finish,
-   generates sample their next token (or finish on a stop condition).
+   generates sample their next token (or finish on a stop condition); the rows of
+   constrained generates are masked by their grammar first
+   (:mod:`parrot.engine.grammar`).
 
 The last token a generate samples stays *pending* in its context: it is
 computed by the next fill on that context, or by an internal flush before a
@@ -24,9 +26,9 @@ A request that fits the KV pool at all is never failed for lack of memory (it
 waits or is preempted); a context longer than the whole pool is rejected
 (``kv_capacity_exceeded``).
 
-Length (just over 500 lines): the worker thread's step loop and its request
-handling; planning (step_planner), the forward (step_forward) and finishing jobs
-(jobs) live apart.
+Length (about 535 lines): the worker thread's step loop and its request
+handling; planning (step_planner), the forward (step_forward), finishing jobs
+(jobs) and grammar masks (grammar) live apart.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ from parrot.engine.block_pool import BlockPool
 from parrot.engine.config import EngineConfig
 from parrot.engine.contexts import Context, ContextTable
 from parrot.engine.device import place_model, placement
+from parrot.engine.grammar import GrammarCache
+from parrot.engine.grammar import advance as advance_grammar
 from parrot.engine.jobs import ChunkCallback, FinishCallback, Job, finish_job
 from parrot.engine.kernels import kernel_set
 from parrot.engine.kv_store import PagedKVCache, kv_cache_blocks
@@ -103,6 +107,8 @@ class EngineRunner:
             raise ValueError(f"cannot pack weights as {weight_dtype} here (needs CPU oneDNN)")
         self.tokenizer = loaded.tokenizer
         mcfg = loaded.config
+        self.grammars = GrammarCache(self.tokenizer, mcfg.vocab_size)  # compiled constraints
+        self.grammars.prepare()  # holds the GIL for up to half a second: before serving
         param = next(self.model.parameters())
         kv_dtype = param.dtype if kv_dtype is None else kv_dtype
         if kv_dtype not in (torch.float32, torch.bfloat16, param.dtype):
@@ -368,11 +374,16 @@ class EngineRunner:
         generates that start, fail the jobs that can never run.  Returns generates whose
         next token can be sampled from stored logits."""
         admission = self.planner.admit(self.token_capacity)
+        failed: set[int] = set()
         for job in admission.started:
-            self._start_generate(job)
+            try:
+                self._start_generate(job)
+            except ParrotError as exc:  # a constraint that does not compile fails its job only
+                self._end_generate(job, [], "error", error=exc)
+                failed.add(id(job))
         for job, error in admission.rejected:
             self._finish(job, error)
-        return admission.ready
+        return [(j, lg) for j, lg in admission.ready if id(j) not in failed]
 
     def _start_generate(self, job: Job) -> None:
         assert job.sampling is not None and job.ctx is not None
@@ -381,6 +392,8 @@ class EngineRunner:
         job.decoder = self.tokenizer.incremental_decoder()
         job.stops = StopStringFilter(job.sampling.stop)
         job.counts = {} if job.sampling.penalized else None
+        if job.sampling.constraint is not None:
+            job.matcher = self.grammars.matcher(job.sampling.constraint)
 
     # -------------------------------------------------------------- forward
     def _forward(self) -> tuple[list[Job], torch.Tensor | None]:
@@ -468,7 +481,7 @@ class EngineRunner:
     # ------------------------------------------------------------- sampling
     def _sample(self, jobs: list[Job], logits: torch.Tensor) -> None:
         tokens = sample(
-            logits,
+            self.grammars.mask(logits, [j.matcher for j in jobs]),
             [j.sampling for j in jobs],  # type: ignore[misc]
             [j.generator for j in jobs],
             [j.counts for j in jobs] if any(j.counts is not None for j in jobs) else None,
@@ -486,13 +499,23 @@ class EngineRunner:
         if job.counts is not None:
             job.counts[token] = job.counts.get(token, 0) + 1
         lps = None if lp is None else [lp]
-        if token in sp.stop_token_ids or (token in eos and not sp.ignore_eos):
+        if token in sp.stop_token_ids or (token in eos and (not sp.ignore_eos or job.matcher is not None)):
             self._end_generate(job, [token], "stop", logprobs=lps)
             return
         ctx.own_tokens.append(token)
+        grammar = None if job.matcher is None else advance_grammar(job.matcher, token)
+        if grammar == "error":
+            error = ParrotError(
+                f"constrained decoding failed: {job.matcher.get_error()}", code="grammar_error"
+            )
+            self._end_generate(job, [], "error", error=error)
+            return
         text = job.stops.push(job.decoder.feed(token))
         if job.stops.stopped:
             self._end_generate(job, [token], "stop", text, lps)
+        elif grammar == "stop":  # the grammar admits nothing more: the output is complete
+            rest = job.stops.push(job.decoder.flush()) + job.stops.flush()
+            self._end_generate(job, [token], "stop", text + rest, lps)
         elif job.generated >= sp.max_tokens or ctx.length >= self.max_seq_len:
             rest = job.stops.push(job.decoder.flush()) + job.stops.flush()
             self._end_generate(job, [token], "length", text + rest, lps)
@@ -506,10 +529,16 @@ class EngineRunner:
         reason: str,
         text: str = "",
         logprobs: list[TokenLogprob] | None = None,
+        error: ParrotError | None = None,
     ) -> None:
+        """End a running generate: its last chunk (none when it failed with ``error``),
+        then its caller hears it finished."""
         assert job.ctx is not None
         self._release_ctx(job.ctx)
         self.planner.running.remove(job)
+        if error is not None:
+            self._finish(job, error)
+            return
         if job.on_chunk is not None:
             job.on_chunk(
                 GenerateChunk(

@@ -31,6 +31,7 @@ from typing import Any
 
 from parrot.frontend.client import current_session
 from parrot.frontend.variable import Criteria, SemanticVariable, check_criteria, check_value
+from parrot.protocol.constraint import Constraint, check_compiles
 from parrot.protocol.errors import BindingError, InvalidTemplate, ParrotError
 from parrot.protocol.sampling import DEFAULT_SAMPLING, SamplingParams
 from parrot.protocol.schemas import SubmitCall, SubmitCallOp
@@ -58,6 +59,12 @@ class Output:
     to generate it.  Use it bare (``code: P.Output``, default settings) or
     called with settings; they are validated here, so mistakes raise at once.
 
+    ``json_schema`` (a JSON schema as a dict), ``regex`` or ``choices`` (a list of
+    strings), at most one of them, constrain the output while it is generated: the
+    engine only lets the model produce text of that language (see
+    docs/structured-outputs.md).  A constrained output cut short by ``max_tokens`` is
+    incomplete (its call's ``finish_reason`` is ``length``).
+
     ``stop`` may be a single string.  ``transform`` is anything
     :func:`~parrot.protocol.transforms.parse_transforms` accepts (e.g.
     ``P.transforms.strip()``).  ``criteria`` is an optional performance hint
@@ -80,6 +87,9 @@ class Output:
         ignore_eos: bool = _D.ignore_eos,
         transform: Any = None,
         criteria: Criteria | None = None,
+        json_schema: dict[str, Any] | None = None,
+        regex: str | None = None,
+        choices: list[str] | tuple[str, ...] | None = None,
     ):
         if isinstance(stop, str):
             stop = (stop,)
@@ -92,7 +102,10 @@ class Output:
             stop=tuple(stop),
             stop_token_ids=tuple(stop_token_ids),
             ignore_eos=ignore_eos,
+            constraint=Constraint.of(json_schema, regex, choices),
         )
+        if self.sampling.constraint is not None:  # about a millisecond; a bad regex fails here
+            check_compiles(self.sampling.constraint)
         self.transform: TransformChain | None = parse_transforms(transform)
         self.criteria: Criteria | None = None if criteria is None else check_criteria(criteria)
 

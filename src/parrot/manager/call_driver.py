@@ -4,7 +4,8 @@
 the text before each output (the engine reuses any cached prefix of it and says how
 many tokens it reused: the call's ``prefix_reused_tokens`` and ``filled_tokens``),
 generate the output (streaming each piece of text into the variable's
-``partial``), apply the output's transform, materialise the value, which may
+``partial``), apply the output's transform (a failure names the call and output and
+keeps the raw text in the error's detail), materialise the value, which may
 make consumer calls ready (handed to ``on_ready``).  No value travels to the
 client on the way.  With ``metrics``, each run's time from placement to its first
 token and each output's time per output token are observed.
@@ -26,8 +27,14 @@ from parrot.manager.metrics import ManagerMetrics
 from parrot.manager.render import FillStep, Rendered
 from parrot.protocol import clock
 from parrot.protocol.errors import CallFailed
+from parrot.protocol.transforms import TransformFailed
 
-__all__ = ["drive"]
+__all__ = ["RAW_TEXT_CHARS", "drive"]
+
+RAW_TEXT_CHARS = 8192
+"""Characters of an output's generated text kept in the error when its transform fails."""
+RAW_IN_MESSAGE_CHARS = 200
+"""... and quoted in that error's message."""
 
 
 async def drive(
@@ -61,8 +68,8 @@ async def drive(
             else:
                 values = [await _generate(call, handle, out, context_id, None, metrics)]
             for spec, value in zip([out, *out.forks], values, strict=True):
-                if spec.transform is not None:  # off the loop: a regex may take its whole budget
-                    value = await asyncio.to_thread(spec.transform.apply, value)
+                if spec.transform is not None:
+                    value = await _transform(call, spec, value)
                 for ready in materialise(spec.var, value):
                     on_ready(ready)
         # done as its last value is set, before the await below: whoever reads that
@@ -73,6 +80,33 @@ async def drive(
         if opened and handle.alive:
             with contextlib.suppress(Exception):
                 await asyncio.shield(api.free_context(context_id))
+
+
+async def _transform(call: Call, spec: OutputSpec, raw: str) -> str:
+    """``spec``'s transform applied to its generated text ``raw`` (off the loop: a regex
+    may take its whole budget).  A failure names the call and the output and keeps the
+    raw text (its first :data:`RAW_TEXT_CHARS` characters) in the error's detail, which
+    the call, its failed variables and the session's graph all show."""
+    assert spec.transform is not None
+    try:
+        return await asyncio.to_thread(spec.transform.apply, raw)
+    except TransformFailed as exc:
+        who = f"call {call.name} ({call.call_id})" if call.name else f"call {call.call_id}"
+        raise TransformFailed(
+            f"{who}: the transform of output {spec.name!r} failed: {exc.message}; "
+            f"the generated text was {raw[:RAW_IN_MESSAGE_CHARS]!r}"
+            + ("..." if len(raw) > RAW_IN_MESSAGE_CHARS else ""),
+            code=exc.code,
+            detail={
+                **exc.detail,
+                "call_id": call.call_id,
+                "function": call.name,
+                "output": spec.name,
+                "raw_text": raw[:RAW_TEXT_CHARS],
+                "raw_text_truncated": len(raw) > RAW_TEXT_CHARS,
+                "finish_reason": spec.finish_reason,
+            },
+        ) from None
 
 
 def _count_fill(call: Call, tokens: int, reused: int | None) -> None:

@@ -24,7 +24,9 @@ sampler: :class:`~parrot.protocol.sampling.SamplingParams`); ``logprobs``
 many most likely alternatives, :mod:`parrot.manager.openai_logprobs`); ``stop`` (a string or up
 to :data:`MAX_STOP` strings, as OpenAI); ``stream`` (server-sent events
 ``data: {...}`` then ``data: [DONE]``; ``stream_options.include_usage`` adds a
-usage chunk); and vLLM's ``ignore_eos`` / ``stop_token_ids``.  Parameters
+usage chunk); vLLM's ``ignore_eos`` / ``stop_token_ids``; and structured outputs
+(``response_format``, vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice``:
+:mod:`parrot.manager.openai_constraint`).  Parameters
 Parrot cannot honour (``echo``, ``suffix``, a non-empty ``logit_bias``) are
 rejected with 400 rather than silently ignored.  Errors use Parrot's JSON error body ``{"error": {"code",
 "message"}}`` with its HTTP status (400 invalid parameters, 503 ``no_engine``
@@ -46,9 +48,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import Field
 
+from parrot.manager.openai_constraint import constraint_of
 from parrot.manager.openai_response import Completion, Prompt, answer, check_model
 from parrot.manager.service import Manager
 from parrot.protocol.asgi import OffLoopJsonRoute, bearer_token
+from parrot.protocol.constraint import Constraint
 from parrot.protocol.errors import BadRequest, NoEngine
 from parrot.protocol.sampling import SamplingParams
 from parrot.protocol.schemas import StrictBody
@@ -85,6 +89,11 @@ class OpenAIRequest(StrictBody):
     stop_token_ids: list[int] | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
+    # structured outputs (parrot.manager.openai_constraint): at most one of these
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
     # Accepted only at its no-op value:
     logit_bias: dict[str, float] | None = None
     user: str | None = Field(default=None, max_length=1000)
@@ -179,12 +188,16 @@ def _check_supported(req: CompletionRequest, n_prompts: int) -> int:
 
 
 def sampling_of(
-    req: Any, default_max_tokens: int = DEFAULT_MAX_TOKENS, logprobs: int | None = None
+    req: Any,
+    default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    logprobs: int | None = None,
+    constraint: Constraint | None = None,
 ) -> SamplingParams:
     """Parrot sampling settings for an OpenAI request (a completion's or a chat's, which
     share these fields; raises InvalidSampling, 400).  ``max_tokens`` null or absent
     means ``default_max_tokens``; ``logprobs``: how many most likely tokens to report
-    per generated token (None: no logprobs)."""
+    per generated token (None: no logprobs); ``constraint``: the structured output
+    asked for (:func:`~parrot.manager.openai_constraint.constraint_of`)."""
     top_k = req.top_k
     if top_k is None or top_k == -1:  # vLLM's "disabled"
         top_k = 0
@@ -205,6 +218,7 @@ def sampling_of(
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         logprobs=logprobs,
+        constraint=constraint,
     )
 
 
@@ -259,7 +273,8 @@ def openai_router(manager: Manager) -> APIRouter:
         prompts = prompts_of(req.prompt)
         n = _check_supported(req, len(prompts))
         # validate before creating anything; an explicit null max_tokens: up to the context
-        sampling = sampling_of(req, context_of(manager, req.model), req.logprobs)
+        max_tokens = context_of(manager, req.model)
+        sampling = sampling_of(req, max_tokens, req.logprobs, await constraint_of(req))
         comp = await Completion.open(manager, prompts, sampling, req.model, tenant, chat=False, n=n)
         return await answer(comp, request, req.stream, req.stream_options)
 

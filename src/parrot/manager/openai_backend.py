@@ -8,7 +8,9 @@ the prompt (token ids where the server accepts them, its decoded text otherwise)
 the call's sampling settings and streams the answer back chunk by chunk; the
 generated tokens then join the context (the server's own ids when it returns them,
 else the answer re-tokenized here); ``free_context`` drops the list.  The backend
-keeps no state of ours, so nothing needs freeing there.
+keeps no state of ours, so nothing needs freeing there.  A constrained output (structured
+outputs) goes to a ``vllm`` backend as its ``guided_json``/``guided_regex``/``guided_choice``
+field; other kinds refuse it with a 400 rather than answer unconstrained.
 
 Capacity: at most ``max_inflight`` requests are in flight at once on one backend;
 further generations wait here (reported as ``num_waiting``).  ``stats`` asks the
@@ -33,7 +35,8 @@ from dataclasses import dataclass
 import httpx
 
 from parrot.manager.openai_stream import FINISH_REASONS, MalformedAnswer, parse_sse_line
-from parrot.protocol.errors import CallFailed, ContextTooLong, EngineError, NotFound, ParrotError
+from parrot.protocol.constraint import Constraint
+from parrot.protocol.errors import BadRequest, CallFailed, ContextTooLong, EngineError, NotFound, ParrotError
 from parrot.protocol.sampling import SamplingParams
 from parrot.protocol.schemas import EngineStats, GenerateChunk
 from parrot.protocol.tokenizer import TextTokenizer
@@ -285,7 +288,22 @@ class OpenAIBackend:
             body["return_token_ids"] = True
             if ctx.salt:
                 body["cache_salt"] = ctx.salt
+        if sampling.constraint is not None:
+            body.update(self._guided(sampling.constraint))
         return body
+
+    def _guided(self, constraint: Constraint) -> dict:
+        """vLLM's guided-decoding fields for ``constraint``; other kinds of backend cannot be
+        trusted to enforce one (a server that ignores unknown fields would answer
+        unconstrained), so a constrained call on them fails with a clear 400."""
+        if self.options.kind != "vllm":
+            raise BadRequest(
+                f"backend {self.url} (kind {self.options.kind!r}) cannot enforce a {constraint.field} "
+                "constraint: structured outputs need a Parrot engine or a vLLM backend",
+                code="constraint_unsupported",
+            )
+        field = {"json_schema": "guided_json", "regex": "guided_regex", "choice": "guided_choice"}
+        return {field[constraint.kind]: constraint.value}
 
     async def _encode(self, text: str) -> list[int]:
         """Token ids of answer text: inline when short (one streamed piece), off the loop

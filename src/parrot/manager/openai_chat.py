@@ -16,10 +16,11 @@ parts; at most :data:`MAX_MESSAGES`), ``max_tokens`` / ``max_completion_tokens``
 :data:`~parrot.manager.openai_api.MAX_N` samples forked from one filled
 prompt, ``choices[j]``; streamed chunks carry their choice's ``index``),
 ``presence_penalty`` / ``frequency_penalty`` (-2..2), ``logprobs`` with
-``top_logprobs`` (0..20), ``response_format`` ``{"type":
-"text"}``, and vLLM's ``ignore_eos`` / ``stop_token_ids``.  Refused with 400
-rather than ignored: ``logit_bias``,
-``tools``, other response formats and content parts.
+``top_logprobs`` (0..20), structured outputs (``response_format`` of type ``text``,
+``json_object`` or ``json_schema``, and vLLM's ``guided_json`` / ``guided_regex`` /
+``guided_choice``: :mod:`parrot.manager.openai_constraint`), and vLLM's ``ignore_eos`` /
+``stop_token_ids``.  Refused with 400 rather than ignored: ``logit_bias``, ``tools``,
+other content parts.
 
 Answers are OpenAI's shapes: ``chat.completion`` (``choices[0].message``) or,
 streamed, ``chat.completion.chunk`` events (the first with the role, then
@@ -43,6 +44,7 @@ from parrot.manager.openai_api import (
     sampling_of,
     unsupported,
 )
+from parrot.manager.openai_constraint import constraint_of
 from parrot.manager.openai_response import Completion, answer
 from parrot.manager.service import Manager
 from parrot.protocol.asgi import OffLoopJsonRoute, bearer_token
@@ -71,7 +73,6 @@ class ChatCompletionRequest(OpenAIRequest):
     messages: list[ChatMessageIn] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    response_format: dict[str, Any] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     # Accepted only at their no-op values:
@@ -92,8 +93,6 @@ def _check_supported(req: ChatCompletionRequest) -> None:
             )
     if req.tools or req.tool_choice not in (None, "none"):
         raise unsupported("tools")
-    if req.response_format not in (None, {"type": "text"}):
-        raise unsupported(f"response_format {req.response_format!r} (only {{'type': 'text'}})")
     both = req.max_tokens is not None and req.max_completion_tokens is not None
     if both and req.max_tokens != req.max_completion_tokens:
         raise BadRequest("max_tokens and max_completion_tokens disagree", code="invalid_request")
@@ -136,7 +135,8 @@ def chat_router(manager: Manager) -> APIRouter:
             raise NoEngine(f"no live engine serves model {req.model!r}")
         if req.max_tokens is None and req.max_completion_tokens is not None:
             req = req.model_copy(update={"max_tokens": req.max_completion_tokens})
-        sampling = sampling_of(req, max_seq_len, (req.top_logprobs or 0) if req.logprobs else None)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        sampling = sampling_of(req, max_seq_len, logprobs, await constraint_of(req))
         messages = _messages(req)
         tokenizer = engine.api.tokenizer
         if sum(len(m.content) for m in messages) > INLINE_RENDER_CHARS:

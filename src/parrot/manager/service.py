@@ -500,11 +500,13 @@ class Manager:
         failed = call.failed_input()
         if failed is not None:
             name, var = failed
+            origin = {"origin_call": var.producer.call_id} if var.producer else {}
             fail_call(
                 call,
                 CallFailed(
                     f"input {name!r} failed: {var.error.message if var.error else ''}",
                     code=var.error.code if var.error else "input_failed",
+                    detail={**origin, **(var.error.detail if var.error else {})},  # keeps the root cause
                 ),
             )
         elif call.is_ready():

@@ -15,6 +15,7 @@ from fastapi import APIRouter, Header, Query, Response
 from fastapi.responses import StreamingResponse
 
 from parrot.manager.batch import apply_batch
+from parrot.manager.output_constraints import check_batch, check_outputs
 from parrot.manager.service import Manager
 from parrot.manager.var_stream import variable_events
 from parrot.manager.views import MAX_GRAPH_TEXT_CHARS, MAX_GRAPH_VALUE_CHARS, call_info, var_info, var_text
@@ -135,6 +136,8 @@ def sessions_router(manager: Manager) -> APIRouter:
     @router.post("/v1/sessions/{session_id}/calls", status_code=201, response_model=CallSubmitted)
     async def submit_call(session_id: str, body: SubmitCall, authorization: Auth = None) -> CallSubmitted:
         token = bearer_token(authorization)
+        manager.authorize(session_id, token)  # 401/404 before any compiling
+        await check_outputs(body.placeholders)
         call = await manager.run_tokenized(
             lambda: manager.submit_call(manager.authorize(session_id, token), body)
         )
@@ -145,6 +148,8 @@ def sessions_router(manager: Manager) -> APIRouter:
         """Create variables, submit calls and set variables in one request, all or none
         (see :mod:`parrot.manager.batch`)."""
         token = bearer_token(authorization)
+        manager.authorize(session_id, token)
+        await check_batch(body)
         return await manager.run_tokenized(
             lambda: apply_batch(manager, manager.authorize(session_id, token), body)
         )

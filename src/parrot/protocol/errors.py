@@ -53,6 +53,14 @@ class InvalidSampling(BadRequest):
     default_code = "invalid_sampling"
 
 
+class InvalidConstraint(BadRequest, ValueError):
+    """A JSON schema, regex or choice list (structured outputs) that is malformed, too large
+    or does not compile; a ValueError too, for the Python API.  ``detail["field"]`` names
+    the field."""
+
+    default_code = "invalid_constraint"
+
+
 class InvalidTransform(BadRequest):
     default_code = "invalid_transform"
 

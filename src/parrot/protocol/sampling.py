@@ -6,6 +6,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from parrot.protocol.constraint import Constraint
 from parrot.protocol.errors import InvalidSampling
 
 MAX_STOP_STRINGS = 16
@@ -26,6 +27,11 @@ class SamplingParams:
     (0 means no limit); stop strings are non-empty; the penalties lie in
     ``[-MAX_PENALTY, MAX_PENALTY]``.
 
+    ``constraint`` (a JSON schema, regex or choice list, :mod:`parrot.protocol.constraint`)
+    restricts the output to a language: the engine masks every other token while
+    decoding.  On the wire it is ``{"json_schema": ...}``, ``{"regex": ...}`` or
+    ``{"choices": [...]}``, and left out when None.
+
     ``presence_penalty`` and ``frequency_penalty`` are OpenAI's: before any other
     step, a token generated ``c > 0`` times so far in this output has its logit
     lowered by ``c * frequency_penalty + presence_penalty`` (prompt tokens do not
@@ -45,8 +51,11 @@ class SamplingParams:
     # report each generated token's logprob and this many most likely alternatives
     # (0..MAX_LOGPROBS); None: no logprobs
     logprobs: int | None = None
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            object.__setattr__(self, "constraint", Constraint.from_dict(self.constraint))
         for name in ("stop", "stop_token_ids"):
             value = getattr(self, name)
             # a bare string would silently become its characters, a number a TypeError (HTTP 500)
@@ -113,10 +122,14 @@ class SamplingParams:
                 raise bad(f"stop_token_ids must be non-negative integers, got {t!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON form.  The penalties are left out at 0 and ``logprobs`` when None, so
+        """The JSON form.  The penalties are left out at 0, ``logprobs`` and ``constraint`` when None, so
         that an engine that predates them (whose :meth:`from_dict` refuses unknown
         fields) still takes what it can honour."""
         d = asdict(self)
+        if self.constraint is None:
+            del d["constraint"]
+        else:
+            d["constraint"] = self.constraint.to_dict()
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
         for name in ("presence_penalty", "frequency_penalty"):
