@@ -382,7 +382,7 @@ def main() -> None:
     results = [asyncio.run(bench_model(m, args, log_dir)) for m in args.models]
     if args.json:
         args.json.write_text(
-            json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}, indent=1)
+            json.dumps({"args": vars(args), "results": results}, indent=1, default=str)
         )
 
 

@@ -22,6 +22,7 @@ from parrot.cli_backend import add_backend_args, register_backends
 from parrot.engine.device import add_device_arguments  # torch-free
 from parrot.engine.kernels.options import KernelOptions, add_kernel_arguments  # torch-free
 from parrot.engine.latency_probe import LATENCY_FACTOR  # torch-free
+from parrot.engine.step_planner import DEFAULT_MAX_STEP_TOKENS  # torch-free
 from parrot.protocol.cluster import CLUSTER_SECRET_ENV, client_tls, generate_secret, resolve_secret
 
 DEFAULT_MODEL = "smollm2"
@@ -37,7 +38,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "or a Hugging Face folder",
     )
     p.add_argument(
-        "--max-step-tokens", type=int, default=512, help="tokens per engine step (prompt chunking)"
+        "--max-step-tokens",
+        type=int,
+        default=DEFAULT_MAX_STEP_TOKENS,
+        help=f"tokens per engine step (prompt chunking; default {DEFAULT_MAX_STEP_TOKENS})",
     )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
     p.add_argument(

@@ -13,6 +13,7 @@ from parrot.engine.block_pool import DEFAULT_BLOCK_SIZE
 from parrot.engine.device import DEVICES
 from parrot.engine.kernels.options import KernelOptions
 from parrot.engine.latency_probe import LATENCY_FACTOR
+from parrot.engine.step_planner import DEFAULT_MAX_STEP_TOKENS
 
 __all__ = ["DECODE_ATTENTION", "EngineConfig"]
 
@@ -51,7 +52,7 @@ class EngineConfig:
     ``triton`` (CUDA, or the CPU under ``TRITON_INTERPRET=1``, to test the CUDA
     path)."""
 
-    max_step_tokens: int = 512
+    max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS
     token_capacity: int | None = None
     share_prefix: bool = True
     prefix_cache: bool = True

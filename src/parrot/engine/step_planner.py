@@ -53,7 +53,14 @@ from parrot.protocol.errors import BadRequest, ParrotError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Admission", "KVLoad", "SeqSlice", "StepPlanner"]
+__all__ = ["DEFAULT_MAX_STEP_TOKENS", "Admission", "KVLoad", "SeqSlice", "StepPlanner"]
+
+DEFAULT_MAX_STEP_TOKENS = 2048
+"""Tokens of one forward step by default.  Prompt chunks of 2,048 tokens fill 32
+prompts of 100 tokens at about 1.5 times the rate of 512-token chunks on the
+project's 2-core Xeon (``docs/engine.md``, "Prefill"); vLLM's OpenAI server on
+CPU batches 2,048 tokens a step by default too.  A step that carries a long prompt
+chunk delays the decodes in it by that chunk's time."""
 
 
 @dataclass

@@ -30,7 +30,7 @@ from parrot.engine.block_pool import DEFAULT_BLOCK_SIZE, BlockPool
 from parrot.engine.contexts import ContextTable
 from parrot.engine.jobs import Job, check_token_ids, finish_job, reused_of
 from parrot.engine.memory import MemoryManager
-from parrot.engine.step_planner import StepPlanner
+from parrot.engine.step_planner import DEFAULT_MAX_STEP_TOKENS, StepPlanner
 from parrot.protocol.errors import BadRequest, ParrotError
 from parrot.protocol.sampling import SamplingParams
 from parrot.protocol.schemas import EngineStats, GenerateChunk
@@ -64,7 +64,7 @@ class SimEngine:
         max_seq_len: int = 8192,
         kv_cache_tokens: int = 1 << 17,
         block_size: int = DEFAULT_BLOCK_SIZE,
-        max_step_tokens: int = 512,
+        max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
         token_capacity: int | None = None,
         share_prefix: bool = True,
         prefix_cache: bool = True,
