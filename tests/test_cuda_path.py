@@ -21,7 +21,6 @@ import sys
 import pytest
 import torch
 
-import parrot.engine.paged as paged
 from parrot import cli
 from parrot.engine import prefill_attention as pa
 from parrot.engine.config import EngineConfig
@@ -87,7 +86,6 @@ def answer_like_cuda(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     CUDA tensors, so every prefill chunk takes :func:`sdpa_prefill_attention`; returns
     the list the ``start`` of every call it serves is appended to."""
     monkeypatch.setattr(pa, "_flash_op", lambda: None)  # no CPU flash: no two-call merge, no sharing
-    monkeypatch.setattr(paged, "fresh_batching_available", lambda q: False)
     starts: list[int] = []
     real = pa.sdpa_prefill_attention
 

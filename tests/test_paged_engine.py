@@ -723,31 +723,21 @@ def test_a_bf16_kv_cache_rounds_on_write_and_batches_exactly_like_alone(engines,
 
 def test_a_bf16_cache_prefills_in_bf16(engines, tiny_model, monkeypatch):
     """Prefill chunks reach the attention kernel in bf16 with a bf16 cache (its keys and
-    values are bf16 already) and in fp32 with an fp32 cache: a fresh prompt's first
-    chunk through the batched path (fresh_prefill), its next chunk through the
-    per-chunk path."""
-    from parrot.engine import fresh_prefill, paged
+    values are bf16 already) and in fp32 with an fp32 cache."""
+    from parrot.engine import paged
 
-    seen: list[tuple[str, torch.dtype]] = []
+    seen: list[torch.dtype] = []
     real = paged.prefill_attention
     monkeypatch.setattr(
-        paged, "prefill_attention", lambda q, k, v, s: seen.append(("chunk", q.dtype)) or real(q, k, v, s)
+        paged, "prefill_attention", lambda q, k, v, s: seen.append(q.dtype) or real(q, k, v, s)
     )
-    real_batch = fresh_prefill.FreshGroup.attend
-
-    def batched(self, q, k, v, out):
-        seen.append(("fresh", q.dtype))
-        return real_batch(self, q, k, v, out)
-
-    monkeypatch.setattr(fresh_prefill.FreshGroup, "attend", batched)
     tokens = prompt(11, 40, tiny_model.config.vocab_size)
     for name, kw in (("fp32-prefill", {}), ("bf16kv-prefill", {"kv_dtype": torch.bfloat16})):
-        engine = engines(name, max_step_tokens=24, **kw)
+        engine = engines(name, **kw)
         ctx = next(_ids)
         asyncio.run(engine.fill(tokens, ctx))
         asyncio.run(engine.free_context(ctx))
-        dtype = torch.float32 if not kw else torch.bfloat16
-        assert set(seen) == {("fresh", dtype), ("chunk", dtype)}
+        assert set(seen) == {torch.float32 if not kw else torch.bfloat16}
         seen.clear()
 
 

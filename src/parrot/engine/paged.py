@@ -19,11 +19,7 @@ computed once in the constructor and reused by all layers:
 - for each prefill chunk, the blocks holding its sequence's keys (one
   ``index_select`` per layer gathers them); its attention is
   :func:`~parrot.engine.prefill_attention.prefill_attention` (causal from the
-  chunk's start);
-- the chunks that begin their sequence (start 0, no past) instead attend in
-  padded batches over the step's own new keys
-  (:mod:`~parrot.engine.fresh_prefill`), and chunks under a shared cached
-  prefix read it once for all of them (:mod:`~parrot.engine.prefill_sharing`).
+  chunk's start).
 
 Invariant (the caller's): before the step, every slice's context table covers
 its new positions with blocks it may write (:meth:`ContextTable.reserve`, with
@@ -37,7 +33,6 @@ from dataclasses import dataclass
 
 import torch
 
-from parrot.engine.fresh_prefill import FreshGroup, fresh_batching_available, plan_fresh_chunks
 from parrot.engine.kernels.attention import DecodePlan, Segment, paged_decode_attention, plan_decode_attention
 from parrot.engine.kernels.attention.triton_kernel import TritonDecodePlan, plan_triton_decode
 from parrot.engine.kv_store import PagedKVCache
@@ -123,10 +118,6 @@ class PagedStepAttention:
         self._prefill_tables = [(s.ctx.block_table, s.start, s.start + s.n) for s in chunk_slices]
         self._shared_prefill: SharedPrefill | None = None
         self._prefill_planned = not share_prefix or len(self.chunks) < 2
-        # Chunks that begin their sequence attend in padded batches (fresh_prefill),
-        # planned by the first layer that takes the per-chunk path.
-        self._fresh: list[FreshGroup] | None = None
-        self._rest: list[_Chunk] = self.chunks
 
     def decode_plan(self, q_probe: torch.Tensor) -> DecodePlan | TritonDecodePlan | None:
         """The decode slices' attention plan every layer of the step uses (made once, from
@@ -152,9 +143,8 @@ class PagedStepAttention:
         # q: [T, H, D]; k, v: [T, KVH, D]
         cache = self.cache
         rows_k, rows_v = cache.k_rows[layer], cache.v_rows[layer]
-        k_new, v_new = k.to(rows_k.dtype), v.to(rows_v.dtype)  # rounded to the cache's dtype
-        rows_k.index_copy_(0, self.slots, k_new)
-        rows_v.index_copy_(0, self.slots, v_new)
+        rows_k.index_copy_(0, self.slots, k.to(rows_k.dtype))  # rounds to the cache's dtype
+        rows_v.index_copy_(0, self.slots, v.to(rows_v.dtype))
         k_layer, v_layer = cache.k[layer], cache.v[layer]  # [NB, BS, KVH, D]
         nd = self.num_decode
         decoded = None
@@ -186,20 +176,8 @@ class PagedStepAttention:
         # A bf16 cache on CPU: prefill attention runs in bf16 (the keys and values are
         # bf16 already; the queries are rounded): faster than widening them to fp32.
         adt = torch.bfloat16 if k_layer.dtype == torch.bfloat16 and q.device.type == "cpu" else q.dtype
-        if self._fresh is None:
-            self._plan_fresh(q.to(adt))
-        if self._fresh:
-            qa, ka, va = q.to(adt), k_new.to(adt), v_new.to(adt)
-            for group in self._fresh:
-                group.attend(qa, ka, va, out)
-        for c in self._rest:
+        for c in self.chunks:
             kk = k_layer.index_select(0, c.blocks).view(-1, kv_heads, dim)[: c.total].to(adt)
             vv = v_layer.index_select(0, c.blocks).view(-1, kv_heads, dim)[: c.total].to(adt)
             out[c.rows] = prefill_attention(q[c.rows].to(adt), kk, vv, c.start)
         return out
-
-    def _plan_fresh(self, q_probe: torch.Tensor) -> None:
-        """Split the chunks into the fresh ones (start 0), batched, and the rest."""
-        fresh = [c for c in self.chunks if c.start == 0] if fresh_batching_available(q_probe) else []
-        self._fresh = plan_fresh_chunks([c.rows for c in fresh], q_probe.device) if fresh else []
-        self._rest = [c for c in self.chunks if c.start != 0] if fresh else self.chunks
