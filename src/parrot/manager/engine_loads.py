@@ -84,6 +84,11 @@ class EngineLoads:
         self._pool_seen: list[tuple[EngineHandle, bool, int, int]] = []
         self._seen: dict[str, tuple[EngineHandle, bool, int, int]] = {}
         self._stale: set[str] = set()
+        self._prefix_engines: dict[str, int] = {}  # shared prefix key -> engines running a call with it
+
+    def prefix_running(self, key: str) -> bool:
+        """Whether some engine runs a call that counts the shared prefix ``key``."""
+        return key in self._prefix_engines
 
     def account(self, engine_id: str, share: PlacedShare, sign: int) -> None:
         """Add (+1) or remove (-1) a placed call's share of its engine's load."""
@@ -99,6 +104,7 @@ class EngineLoads:
             count = _count(use.prefixes, key, sign)
             if (sign > 0 and count == 1) or (sign < 0 and count == 0):
                 use.load += sign * n  # the first call of an engine brings the prefix, the last takes it
+                _count(self._prefix_engines, key, sign)
         use.kinds[share.objective] = use.kinds.get(share.objective, 0) + sign
         group = share.task_group
         if group:
@@ -107,7 +113,9 @@ class EngineLoads:
                 use.group_set = frozenset(use.groups)
 
     def engine_dropped(self, engine_id: str) -> None:
-        self.usage.pop(engine_id, None)
+        use = self.usage.pop(engine_id, None)
+        for key in use.prefixes if use is not None else ():
+            _count(self._prefix_engines, key, -1)
         self._stale.add(engine_id)
 
     def sync(self, config: SchedulerConfig) -> Scheduler:

@@ -50,6 +50,7 @@ from parrot.manager.prefix import PrefixIndex, prefix_keys
 from parrot.manager.queue_order import QueueOrder
 from parrot.manager.render import Rendered, render
 from parrot.manager.scheduler import EngineSnapshot, QueuedCall, SchedulerConfig
+from parrot.manager.shared_start import SharedStarts
 from parrot.manager.tokens import INLINE_TOKENIZE_BYTES, NeedsTokenizing, TokenSource
 from parrot.protocol import clock
 from parrot.protocol.errors import CallFailed, ContextTooLong, EngineError, NoEngine, ParrotError, Timeout
@@ -82,6 +83,9 @@ class _Ticket:
     engine: EngineHandle | None = None
     share: PlacedShare | None = None  # its share of the engine's load while placed
     prefix_keys: tuple[str, ...] = ()
+    # inner keys of the value its prompt starts with, and the share of it before each
+    # (a request-level prompt; parrot.manager.shared_start)
+    leading_chunks: list[tuple[str, float]] = field(default_factory=list)
     started: bool = False  # its task began running (a task cancelled before that never runs at all)
     queued: QueuedCall | None = None  # what the last round saw (reused while nothing changes)
     token_source: TokenSource | None = None  # its long prompt text, tokenized off the loop first
@@ -116,6 +120,7 @@ class Executor:
         self.inline_tokenize_bytes = inline_tokenize_bytes
         self.metrics = metrics or ManagerMetrics()  # queue waits here, token timings in drive()
         self.loads = EngineLoads(pool, self.prefixes, engine_token_capacity)
+        self.shared_starts = SharedStarts(self.prefixes, min_prefix_tokens)
         self.order = QueueOrder()
         self.objectives = ObjectiveCache(calls_of_session)
         self._queue: dict[str, _Ticket] = {}
@@ -154,7 +159,8 @@ class Executor:
         keys = prefix_keys(call)  # final: every input is known
         arrival = next(self._arrivals)
         self.order.enter(call, arrival)
-        self._queue[call.call_id] = _Ticket(call, arrival, prefix_keys=tuple(keys))
+        chunks = self.shared_starts.chunks(call)
+        self._queue[call.call_id] = _Ticket(call, arrival, prefix_keys=tuple(keys), leading_chunks=chunks)
         self.kick()
 
     def forget_session(self, session_id: str) -> None:
@@ -291,6 +297,19 @@ class Executor:
             self.metrics.placed(placement.engine_id, now - ticket.queued_at)
             self.order.served(ticket.call)
             self._start(ticket)
+        if any(self._prefix_arrived(t) for t in self._queue.values()):
+            self.kick()  # calls that counted a shared prefix this round placed now count less
+
+    def _prefix_arrived(self, ticket: _Ticket) -> bool:
+        """Whether the round counted ``ticket``'s shared prefix in its tokens (no engine
+        held it) and an engine now holds it."""
+        shared, queued = ticket.shared_prefix, ticket.queued
+        return (
+            shared is not None
+            and queued is not None
+            and queued.tokens > (ticket.tokens or 0)
+            and self.loads.prefix_running(shared[0])
+        )
 
     @property
     def _fifo_by_app(self) -> bool:  # else calls rank by their own arrival
@@ -310,6 +329,9 @@ class Executor:
         objective = self.objectives.of(call)
         call.objective, call.task_group = objective.kind, objective.task_group
         rank = self.order.rank(call, ticket.arrival, self._fifo_by_app)
+        shared = ticket.shared_prefix
+        if shared is not None and not self.loads.prefix_running(shared[0]):
+            tokens += shared[1]  # no engine holds its shared prefix yet: placing it brings it
         queued = ticket.queued
         if (
             queued is None
@@ -354,6 +376,9 @@ class Executor:
             constant = rendered.constant_prefix
             if constant is not None and constant[1] >= self.min_prefix_tokens:
                 ticket.shared_prefix = constant
+            elif constant is None:  # a prompt that starts with a value: its shared start, if any
+                starts = self.shared_starts
+                ticket.shared_prefix = starts.prefix(ticket.leading_chunks, rendered.prompt_tokens)
             shared = ticket.shared_prefix[1] if ticket.shared_prefix else 0
             # engines stop generating at their context: a call never holds more than that
             # forks (n samples) share the prompt and add their own tokens; the scheduler

@@ -13,6 +13,14 @@ comparison.  The chain starts from the call's prefix-cache salt
 different keys for the same text unless the operator lets tenants share.
 Keys depend only on the text, never on the tokenizer.
 
+A long input value also gets keys inside it, every ``CHUNK_CHARS`` characters
+from its start (a token-id prompt every ``CHUNK_IDS`` ids), for at most
+``MAX_CHUNK_KEYS`` chunks: two requests whose prompts share a long start (one
+system prompt, then different questions, sent as plain completions by a
+request-level client) share the keys of every chunk inside that start, so they
+are placed together, and the executor counts that start once per engine
+(:func:`leading_chunks`).
+
 The scheduler uses keys to *place* calls that share a prefix on the same
 engine; the engine's own prefix cache (:mod:`parrot.engine.prefix_cache`)
 then computes the shared tokens once.  :class:`PrefixIndex` remembers, per
@@ -30,10 +38,48 @@ from collections.abc import Iterable
 from parrot.manager.graph import Call, Variable
 from parrot.protocol.template import Piece, Text, prompt_pieces
 
+CHUNK_CHARS = 512
+"""Characters of an input value between two of its inner keys (about 100-130 tokens)."""
+CHUNK_IDS = 128
+"""Token ids of a token-id prompt between two of its inner keys."""
+MAX_CHUNK_KEYS = 128
+"""Inner keys of one value at most (its first 64 KiB of text); the rest is one piece."""
+
 
 def _chain(prev: bytes, kind: bytes, text: str) -> bytes:
     data = text.encode()
     return hashlib.blake2b(prev + kind + len(data).to_bytes(8, "little") + data, digest_size=16).digest()
+
+
+def _chunked(h: bytes, kind: bytes, parts: list[str]) -> tuple[list[tuple[str, int]], bytes]:
+    """Chain ``parts`` (a value cut into chunks) onto ``h``: the key after every chunk
+    but the last, with the number of chunks before it, and the state after them all."""
+    inner: list[tuple[str, int]] = []
+    for i, part in enumerate(parts):
+        h = _chain(h, kind, part)
+        if i + 1 < len(parts):
+            inner.append((h.hex(), i + 1))
+    return inner, h
+
+
+def _text_parts(value: str) -> list[str]:
+    cut = CHUNK_CHARS * MAX_CHUNK_KEYS
+    parts = [value[i : i + CHUNK_CHARS] for i in range(0, min(len(value), cut), CHUNK_CHARS)]
+    if len(value) > cut:
+        parts.append(value[cut:])
+    return parts or [""]
+
+
+def _id_parts(ids: tuple[int, ...]) -> list[str]:
+    cut = CHUNK_IDS * MAX_CHUNK_KEYS
+    chunks = [ids[i : i + CHUNK_IDS] for i in range(0, min(len(ids), cut), CHUNK_IDS)]
+    if len(ids) > cut:
+        chunks.append(ids[cut:])
+    return [",".join(map(str, c)) for c in chunks] or [""]
+
+
+def _start(call: Call) -> bytes:
+    return _chain(b"", b"C" if call.chat else b"R", call.cache_salt)
 
 
 def user_pieces(call: Call) -> list[Piece]:
@@ -54,9 +100,10 @@ def prefix_keys(call: Call) -> list[str]:
     if call.prefix_cache is not None:
         return list(call.prefix_cache)
     keys: list[str] = []
-    h = _chain(b"", b"C" if call.chat else b"R", call.cache_salt)
-    if call.prompt_ids is not None:  # a token-id prompt: one boundary, after its ids
-        call.prefix_cache = (_chain(h, b"I", ",".join(map(str, call.prompt_ids))).hex(),)
+    h = _start(call)
+    if call.prompt_ids is not None:  # a token-id prompt: its inner keys, then one after its ids
+        inner, h = _chunked(h, b"I", _id_parts(call.prompt_ids))
+        call.prefix_cache = (*(k for k, _ in inner), h.hex())
         return list(call.prefix_cache)
     pieces = user_pieces(call)
     for i, piece in enumerate(pieces):
@@ -70,11 +117,36 @@ def prefix_keys(call: Call) -> list[str]:
                 if value.value is None:
                     return keys  # not final: an input is still pending
                 value = value.value
-            h = _chain(h, b"V", value)
+            inner, h = _chunked(h, b"V", _text_parts(value))
+            keys.extend(k for k, _ in inner)
         if i + 1 < len(pieces):
             keys.append(h.hex())
     call.prefix_cache = tuple(keys)
     return keys
+
+
+def leading_chunks(call: Call) -> tuple[list[tuple[str, float]], int | None]:
+    """The inner keys of the value a prompt starts with, with the share of that value
+    before each (0..1), outermost first; and for a token-id prompt its number of ids
+    (the shares are then exact token counts over it).  Empty when the prompt starts
+    with constant text (its prefix is :func:`leading_text_key`'s) or with a value not
+    yet known.  The keys are those :func:`prefix_keys` gives the same positions."""
+    h = _start(call)
+    if call.prompt_ids is not None:
+        parts, total = _id_parts(call.prompt_ids), len(call.prompt_ids)
+        inner, _ = _chunked(h, b"I", parts)
+        return [(k, min(total, n * CHUNK_IDS) / total) for k, n in inner], total
+    pieces = user_pieces(call)
+    first = pieces[0] if pieces else None
+    if first is None or isinstance(first, Text) or first.direction == "output":
+        return [], None
+    value = call.inputs[first.name]
+    if isinstance(value, Variable):
+        value = value.value
+    if not value:
+        return [], None
+    inner, _ = _chunked(h, b"V", _text_parts(value))
+    return [(k, min(len(value), n * CHUNK_CHARS) / len(value)) for k, n in inner], None
 
 
 def leading_text_key(call: Call) -> str | None:
@@ -100,6 +172,7 @@ class PrefixIndex:
         self._keys_on: dict[str, frozenset[str]] = {}  # engine id -> keys_on(), until it changes
         # engines whose keys changed since the executor last took this set (see take_changed)
         self._changed_engines: set[str] = set()
+        self._holders: dict[str, int] = {}  # key -> engines holding it
 
     def record(self, engine_id: str, keys: Iterable[str]) -> None:
         """A call with these prefix keys was placed on ``engine_id``."""
@@ -110,9 +183,10 @@ class PrefixIndex:
                 held.move_to_end(k)
             else:
                 held[k] = None
+                self._holders[k] = self._holders.get(k, 0) + 1
                 changed = True
         while len(held) > self.keys_per_engine:
-            held.popitem(last=False)
+            self._release(held.popitem(last=False)[0])
         if changed:
             self._keys_on.pop(engine_id, None)
             self._changed_engines.add(engine_id)
@@ -122,6 +196,17 @@ class PrefixIndex:
 
     def engines_holding(self, key: str) -> list[str]:
         return [eid for eid, held in self._by_engine.items() if key in held]
+
+    def held_anywhere(self, key: str) -> bool:
+        """Whether any engine holds ``key`` (one lookup, whatever the number of engines)."""
+        return key in self._holders
+
+    def _release(self, key: str) -> None:
+        n = self._holders.get(key, 0) - 1
+        if n > 0:
+            self._holders[key] = n
+        else:
+            self._holders.pop(key, None)
 
     def keys_on(self, engine_id: str) -> frozenset[str]:
         """The keys recorded for an engine; the same object until they change."""
@@ -136,7 +221,8 @@ class PrefixIndex:
         return changed
 
     def forget_engine(self, engine_id: str) -> None:
-        self._by_engine.pop(engine_id, None)
+        for key in self._by_engine.pop(engine_id, ()):
+            self._release(key)
         self._keys_on.pop(engine_id, None)
         self._changed_engines.add(engine_id)
 
