@@ -255,3 +255,29 @@ def test_calibration_command_writes_a_cost_file_the_simulator_loads(tmp_path: Pa
     with pytest.raises(SystemExit):
         calibrate.main(["--model", "tiny", "--repeats", "0"])
     assert "must be >= 1" in capsys.readouterr().err
+
+
+def test_compare_prints_each_workloads_error_against_a_real_run(tmp_path: Path, capsys) -> None:
+    """A run compared with itself has no error; with every real latency 25% longer, each
+    simulated mean is 20% short of it."""
+    args = ["--figures", "fig14", "--scale", "0.05", "--tokenizer", "tiny", "--systems", "parrot"]
+    out = tmp_path / "runs.json"
+    assert sim_main.main([*args, "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert sim_main.main([*args, "--compare", str(out)]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    per_workload = [r for r in rows if r and r[0].startswith("fig14/") and r[1:2] == ["parrot"]]
+    assert per_workload and all(r[-1] in ("+0%", "-0%") for r in per_workload)
+    runs = json.loads(out.read_text())
+    for run in runs:
+        for app in run["apps"]:
+            app["end_s"] = app["arrival_s"] + 1.25 * (app["end_s"] - app["arrival_s"])
+    longer = tmp_path / "longer.json"
+    longer.write_text(json.dumps(runs))
+    assert sim_main.main([*args, "--compare", str(longer)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in printed]
+    per_workload = [r for r in rows if r and r[0].startswith("fig14/") and r[1:2] == ["parrot"]]
+    assert per_workload and all(r[-1] == "-20%" for r in per_workload)
+    (summary,) = [line.split() for line in printed if line.startswith("fig14 ")]
+    assert summary[-2:] == ["20%", "20%"]

@@ -3,6 +3,12 @@
 Prints, per workload, each system's mean app latency (virtual seconds) and the ratio
 of each system's to the first's, and writes the runs as JSON (``--out``).  Runs are
 deterministic: the same arguments give the same numbers.
+
+``--compare RAW`` (a real run's ``raw.json`` from ``python -m benchmarks.suite``)
+also prints, per workload and system, the real mean app latency (the mean over its
+repeats of the mean over apps, chats left out as the suite's figures do) beside the
+simulated one with their relative error, and per figure and system the mean and
+largest absolute error: the simulator's validation table.
 """
 
 from __future__ import annotations
@@ -47,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", default="smollm2", help="'smollm2' (default) or 'tiny'")
     parser.add_argument("--latency-cap", type=int, default=None, help="the managers' latency cap (tokens)")
     parser.add_argument("--out", type=Path, default=None, help="write every run as JSON here")
+    parser.add_argument(
+        "--compare", type=Path, default=None, metavar="RAW", help="a real run's raw.json to compare against"
+    )
     args = parser.parse_args(argv)
     figures = list(FIGURES) if "all" in args.figures else args.figures
     tokenizer = _tokenizer(args.tokenizer)
@@ -80,7 +89,51 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{workload.name:40s} " + " ".join(f"{c:>26s}" for c in cells), flush=True)
     if args.out is not None:
         args.out.write_text(json.dumps([dataclasses.asdict(r) for r in runs], indent=1))
+    if args.compare is not None:
+        simulated = {
+            (r.workload, r.system): _app_mean(a.latency_s for a in r.apps if _counted(a)) for r in runs
+        }
+        print_comparison(_real_means(args.compare), simulated)
     return 0
+
+
+def _counted(app) -> bool:
+    """An app the suite's latency figures count (no error, not a background chat)."""
+    error = app["error"] if isinstance(app, dict) else app.error
+    kind = app["kind"] if isinstance(app, dict) else app.kind
+    return error is None and kind != "chat"
+
+
+def _app_mean(latencies) -> float:
+    values = list(latencies)
+    return statistics.fmean(values) if values else float("nan")
+
+
+def _real_means(raw: Path) -> dict[tuple[str, str], float]:
+    """(workload, system) -> the mean over repeats of the mean counted app latency."""
+    per_repeat: dict[tuple[str, str], list[float]] = {}
+    for run in json.loads(raw.read_text()):
+        apps = [a["end_s"] - a["arrival_s"] for a in run["apps"] if _counted(a)]
+        if apps:
+            per_repeat.setdefault((run["workload"], run["system"]), []).append(statistics.fmean(apps))
+    return {key: statistics.fmean(v) for key, v in per_repeat.items()}
+
+
+def print_comparison(real: dict[tuple[str, str], float], simulated: dict[tuple[str, str], float]) -> None:
+    """Real against simulated per workload and system, then per figure the errors."""
+    print(f"\n{'workload':40s} {'system':26s} {'real (s)':>9s} {'sim (s)':>9s} {'error':>7s}")
+    errors: dict[tuple[str, str], list[float]] = {}
+    for (workload, system), sim in simulated.items():
+        if (workload, system) not in real:
+            continue
+        measured = real[(workload, system)]
+        error = (sim - measured) / measured
+        errors.setdefault((workload.split("/")[0], system), []).append(error)
+        print(f"{workload:40s} {system:26s} {measured:9.2f} {sim:9.2f} {error:+7.0%}")
+    print(f"\n{'figure':10s} {'system':26s} {'mean |error|':>12s} {'max |error|':>12s}")
+    for (figure, system), errs in errors.items():
+        mean = statistics.fmean(abs(e) for e in errs)
+        print(f"{figure:10s} {system:26s} {mean:12.0%} {max(abs(e) for e in errs):12.0%}")
 
 
 if __name__ == "__main__":
