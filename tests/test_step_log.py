@@ -101,3 +101,26 @@ def test_calibration_fits_the_cost_model_to_step_logs(tmp_path: Path, capsys) ->
     empty.write_text("")
     with pytest.raises(SystemExit, match="no steps"):
         calibrate.main(["--from-step-log", str(empty)])
+
+
+def test_the_fit_in_seconds_matches_the_total_time_of_noisy_steps() -> None:
+    """With the intercept (base) in the fit, least squares in seconds leaves residuals
+    that sum to zero: the model's total is the measured total, which the relative fit
+    does not promise."""
+    import random
+
+    from parrot.sim.fit import fit_step_cost
+
+    rng = random.Random(5)
+    samples = []
+    for _ in range(400):
+        work = StepWork(rng.choice([0, 0, 0, 512, 2048]), rng.randrange(1, 40), rng.randrange(100, 20000), 0)
+        seconds = (0.02 + 6e-4 * work.prefill_tokens + 1e-3 * work.decode_seqs) * rng.uniform(0.6, 1.6)
+        samples.append((work, seconds))
+    measured = sum(s for _, s in samples)
+    terms = ("base", "per_prefill_token", "per_decode_seq", "per_kv_token")
+    in_seconds = fit_step_cost(samples, terms, relative=False)
+    relative = fit_step_cost(samples, terms)
+    modelled = sum(in_seconds.cost.step_seconds(w) for w, _ in samples)
+    assert modelled == pytest.approx(measured, rel=1e-9)
+    assert abs(sum(relative.cost.step_seconds(w) for w, _ in samples) / measured - 1) > 0.01

@@ -2,7 +2,8 @@
 
 Each sample is a step's :class:`~parrot.sim.cost.StepWork` and the seconds it took.
 The fit minimises the squared *relative* error (each row weighted by 1 / its time),
-so a 10 ms decode step counts as much as a 1 s prefill step; the parameters are
+so a 10 ms decode step counts as much as a 1 s prefill step (or, with
+``relative=False``, the squared error in seconds); the parameters are
 kept >= 0 (a term that would come out negative is dropped and the rest refitted,
 the active-set method for so few terms), since a step never gets faster for doing
 more.  ``terms`` chooses which of the model's terms are fitted (the others stay 0):
@@ -51,8 +52,13 @@ def _column(work: StepWork, term: str) -> float:
     }[term]
 
 
-def fit_step_cost(samples: Sequence[tuple[StepWork, float]], terms: Sequence[str] = TERMS) -> Fit:
-    """Least-squares fit of the chosen ``terms`` to ``samples`` (work, seconds > 0)."""
+def fit_step_cost(
+    samples: Sequence[tuple[StepWork, float]], terms: Sequence[str] = TERMS, *, relative: bool = True
+) -> Fit:
+    """Least-squares fit of the chosen ``terms`` to ``samples`` (work, seconds > 0).
+    ``relative`` (default): minimise the squared relative errors; False: the squared
+    errors in seconds, so long steps weigh as much as their time (the fit for a
+    served run, whose total time the simulator must match)."""
     unknown = [t for t in terms if t not in TERMS]
     if unknown:
         raise ValueError(f"unknown terms {unknown}; the model's terms are {list(TERMS)}")
@@ -66,10 +72,10 @@ def fit_step_cost(samples: Sequence[tuple[StepWork, float]], terms: Sequence[str
     if empty:
         raise ValueError(f"no sample exercises {empty}: the grid cannot fit them")
     # relative error: divide each row by its time; scale columns so lstsq is well conditioned
-    a = x / seconds[:, None]
+    a = x / seconds[:, None] if relative else x
     scale = np.max(np.abs(a), axis=0)
     a = a / scale
-    b = np.ones_like(seconds)
+    b = np.ones_like(seconds) if relative else seconds
     active = list(range(len(terms)))
     while True:
         coef, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
