@@ -117,11 +117,12 @@ def test_the_shared_start_is_the_longest_boundary_another_call_or_an_engine_has(
 CAP = 1500
 
 
-@pytest.fixture
-def gated() -> Iterator[GatedServer]:
+def _gated(policy: str) -> Iterator[GatedServer]:
     """A manager whose latency cap (1,500 tokens, the paper's rule) binds, over an engine
     whose generations wait at a gate; the tiny byte-level tokenizer: a token a character."""
-    config = ManagerConfig(latency_cap_tokens=CAP, latency_cap_scope="all", saturation_batching=False)
+    config = ManagerConfig(
+        policy=policy, latency_cap_tokens=CAP, latency_cap_scope="all", saturation_batching=False
+    )
     manager = Manager(config)
     engine = GatedEngine()
     manager.pool.register(engine, name="gated")
@@ -130,6 +131,16 @@ def gated() -> Iterator[GatedServer]:
     yield server
     server.set_gate(True)
     live.stop()
+
+
+@pytest.fixture
+def gated() -> Iterator[GatedServer]:
+    yield from _gated("parrot")
+
+
+@pytest.fixture
+def gated_baseline() -> Iterator[GatedServer]:
+    yield from _gated("baseline-latency")
 
 
 def _running_after_burst(gated: GatedServer, prompts: list[str]) -> int:
@@ -160,3 +171,10 @@ def test_completions_sharing_a_system_prompt_count_it_once_against_the_cap(gated
 def test_completions_without_a_shared_start_still_respect_the_cap(gated):
     prompts = [f"{i}: " + SYSTEM for i in range(4)]  # each starts differently: nothing shared
     assert _running_after_burst(gated, prompts) == 1
+
+
+def test_the_request_level_baseline_counts_every_request_whole(gated_baseline):
+    """Under a request-level policy (the paper's baselines, engines without prefix
+    sharing) each request holds its own copy of the system prompt: one at a time."""
+    prompts = [SYSTEM + q for q in ("Why?", "How come?", "When?", "Who?")]
+    assert _running_after_burst(gated_baseline, prompts) == 1

@@ -376,7 +376,9 @@ class Executor:
             constant = rendered.constant_prefix
             if constant is not None and constant[1] >= self.min_prefix_tokens:
                 ticket.shared_prefix = constant
-            elif constant is None:  # a prompt that starts with a value: its shared start, if any
+            elif constant is None and self.scheduler.policy not in _REQUEST_LEVEL_POLICIES:
+                # a prompt that starts with a value: its shared start, if any (the request-level
+                # baselines model servers without prefix sharing: each request holds its own)
                 starts = self.shared_starts
                 ticket.shared_prefix = starts.prefix(ticket.leading_chunks, rendered.prompt_tokens)
             shared = ticket.shared_prefix[1] if ticket.shared_prefix else 0
