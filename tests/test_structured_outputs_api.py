@@ -19,20 +19,10 @@ import parrot as P
 import tests.conftest as conftest
 from parrot.protocol import constraint as C
 from tests.api_client import healthz_stalls
+from tests.test_structured_outputs import DIGITS, SCHEMA
 
 WAIT = 60.0
-DIGITS = r"[a-c]{2}-[0-9]{2}"
 CHOICES = ["yes", "no", "maybe so"]
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "grade": {"enum": ["low", "high"]},
-        "ok": {"type": "boolean"},
-        "n": {"type": "integer", "minimum": 0, "maximum": 99},
-    },
-    "required": ["grade", "ok", "n"],
-    "additionalProperties": False,
-}
 
 
 def valid(value: Any) -> bool:
