@@ -51,14 +51,14 @@ def _chain(prev: bytes, kind: bytes, text: str) -> bytes:
     return hashlib.blake2b(prev + kind + len(data).to_bytes(8, "little") + data, digest_size=16).digest()
 
 
-def _chunked(h: bytes, kind: bytes, parts: list[str]) -> tuple[list[tuple[str, int]], bytes]:
+def _chunked(h: bytes, kind: bytes, parts: list[str]) -> tuple[list[str], bytes]:
     """Chain ``parts`` (a value cut into chunks) onto ``h``: the key after every chunk
-    but the last, with the number of chunks before it, and the state after them all."""
-    inner: list[tuple[str, int]] = []
+    but the last, and the state after them all."""
+    inner: list[str] = []
     for i, part in enumerate(parts):
         h = _chain(h, kind, part)
         if i + 1 < len(parts):
-            inner.append((h.hex(), i + 1))
+            inner.append(h.hex())
     return inner, h
 
 
@@ -103,7 +103,7 @@ def prefix_keys(call: Call) -> list[str]:
     h = _start(call)
     if call.prompt_ids is not None:  # a token-id prompt: its inner keys, then one after its ids
         inner, h = _chunked(h, b"I", _id_parts(call.prompt_ids))
-        call.prefix_cache = (*(k for k, _ in inner), h.hex())
+        call.prefix_cache = (*inner, h.hex())
         return list(call.prefix_cache)
     pieces = user_pieces(call)
     for i, piece in enumerate(pieces):
@@ -118,11 +118,18 @@ def prefix_keys(call: Call) -> list[str]:
                     return keys  # not final: an input is still pending
                 value = value.value
             inner, h = _chunked(h, b"V", _text_parts(value))
-            keys.extend(k for k, _ in inner)
+            keys.extend(inner)
         if i + 1 < len(pieces):
             keys.append(h.hex())
     call.prefix_cache = tuple(keys)
     return keys
+
+
+def _parts(length: int, chunk: int) -> int:
+    """How many pieces :func:`_text_parts` / :func:`_id_parts` cut a value of ``length`` into."""
+    if length == 0:
+        return 1
+    return min(-(-length // chunk), MAX_CHUNK_KEYS) + (length > chunk * MAX_CHUNK_KEYS)
 
 
 def leading_chunks(call: Call) -> tuple[list[tuple[str, float]], int | None]:
@@ -130,23 +137,27 @@ def leading_chunks(call: Call) -> tuple[list[tuple[str, float]], int | None]:
     before each (0..1), outermost first; and for a token-id prompt its number of ids
     (the shares are then exact token counts over it).  Empty when the prompt starts
     with constant text (its prefix is :func:`leading_text_key`'s) or with a value not
-    yet known.  The keys are those :func:`prefix_keys` gives the same positions."""
-    h = _start(call)
+    yet known.  The keys are the first of :func:`prefix_keys` (kept on the call), so
+    nothing is hashed again."""
     if call.prompt_ids is not None:
-        parts, total = _id_parts(call.prompt_ids), len(call.prompt_ids)
-        inner, _ = _chunked(h, b"I", parts)
-        return [(k, min(total, n * CHUNK_IDS) / total) for k, n in inner], total
-    pieces = user_pieces(call)
-    first = pieces[0] if pieces else None
-    if first is None or isinstance(first, Text) or first.direction == "output":
-        return [], None
-    value = call.inputs[first.name]
-    if isinstance(value, Variable):
-        value = value.value
-    if not value:
-        return [], None
-    inner, _ = _chunked(h, b"V", _text_parts(value))
-    return [(k, min(len(value), n * CHUNK_CHARS) / len(value)) for k, n in inner], None
+        total, chunk = len(call.prompt_ids), CHUNK_IDS
+    else:
+        pieces = user_pieces(call)
+        first = pieces[0] if pieces else None
+        if first is None or isinstance(first, Text) or first.direction == "output":
+            return [], None
+        value = call.inputs[first.name]
+        if isinstance(value, Variable):
+            value = value.value
+        if not value:
+            return [], None
+        total, chunk = len(value), CHUNK_CHARS
+    inner = _parts(total, chunk) - 1
+    keys = prefix_keys(call)
+    if len(keys) < inner:
+        return [], None  # not final yet
+    shares = [(keys[i], min(total, (i + 1) * chunk) / total) for i in range(inner)]
+    return shares, (total if call.prompt_ids is not None else None)
 
 
 def leading_text_key(call: Call) -> str | None:
