@@ -73,7 +73,7 @@ def test_a_template_of_many_placeholders_is_checked_in_linear_time(raw, bystande
         elapsed = time.monotonic() - started
         # the rendered prompt (4,095 tokens) is longer than the engine's context: a 400 saying so
         assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_too_long", resp.text
-        assert elapsed < 1.0, elapsed
+        assert elapsed < 3.0, elapsed  # ~0.03 s alone; up to ~1 s with the whole suite's threads about
         resp = raw.submit(*many_placeholders(66_000))
         assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_template", resp.text
         assert f"more than {MAX_PLACEHOLDERS} placeholders" in resp.json()["error"]["message"]

@@ -194,19 +194,25 @@ def test_chat_with_n_samples(live: conftest.LiveServer, api: openai.OpenAI, tiny
 def test_an_abandoned_n_request_frees_every_fork(
     live: conftest.LiveServer, tiny_engine: LocalEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # each engine step slowed by 3 ms: 1,500 steps take far longer than the client's patience
-    slow_each_step(monkeypatch, tiny_engine, 0.003)
+    # each engine step slowed by 10 ms: 1,500 steps take at least 15 s, far longer than the
+    # client's patience (0.5 s) plus the server's disconnect poll, even on a loaded machine
+    slow_each_step(monkeypatch, tiny_engine, 0.01)
     before = stats(live, tiny_engine).generated_tokens  # the engine is shared with earlier tests
     client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=0.5)
+    started = time.monotonic()
     with client, pytest.raises(openai.APITimeoutError):
         client.completions.create(
             model="tiny", prompt="Go on", n=4, max_tokens=1500, extra_body={"ignore_eos": True}
         )
+    gave_up = time.monotonic() - started
     settled(live, tiny_engine, 0)
+    stopped = time.monotonic() - started
     generated = stats(live, tiny_engine).generated_tokens
     time.sleep(0.3)
     assert stats(live, tiny_engine).generated_tokens == generated  # nothing runs on
-    assert generated - before < 4 * 1500  # ... and it stopped before the forks' end
+    # ... and it stopped before the forks' end
+    timing = f"client gave up after {gave_up:.2f} s, engine idle after {stopped:.2f} s"
+    assert generated - before < 4 * 1500, timing
 
 
 def test_penalties_reach_the_engines_sampler(

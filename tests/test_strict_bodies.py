@@ -47,11 +47,12 @@ def test_sampling_numbers_are_not_strings(raw: Raw, bystander: Bystander) -> Non
     bystander.finish()
 
 
-def send(raw: Raw, method: str, path: str, body: dict) -> httpx.Response:
+def send(raw: Raw, method: str, path: str, body: dict | bytes) -> httpx.Response:
     """``body`` as JSON with every non-ASCII character escaped (``\\ud800`` stays an escape:
-    httpx's own encoder would refuse to send a lone surrogate at all)."""
+    httpx's own encoder would refuse to send a lone surrogate at all); bytes are sent as they are."""
     headers = {**raw.auth, "Content-Type": "application/json"}
-    return raw.http.request(method, path, content=json.dumps(body).encode(), headers=headers)
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return raw.http.request(method, path, content=content, headers=headers)
 
 
 def test_lone_surrogates_are_refused_everywhere(raw: Raw, bystander: Bystander) -> None:
@@ -89,11 +90,14 @@ def test_a_large_body_is_parsed_and_checked_off_the_event_loop(raw: Raw, bystand
     ids = list(range(1_000_000))
     sampling = {"max_tokens": 2, "stop_token_ids": ids}
     body = {"template": "Say \U0001f99c {{output:x}}", "placeholders": [out("x", sampling=sampling)]}
+    emoji = json.dumps(body).encode()
+    body["template"] = f"Say {SURROGATE} {{{{output:x}}}}"
+    lone = json.dumps(body).encode()
+    # encoded before the stalls are timed: this test's client shares the server's process
     with healthz_stalls(str(raw.http.base_url)) as stalls:
         too_many = f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids"
-        assert_400(send(raw, "POST", f"{raw.path}/calls", body), too_many)
-        body["template"] = f"Say {SURROGATE} {{{{output:x}}}}"
-        assert_400(send(raw, "POST", f"{raw.path}/calls", body), "invalid Unicode")
+        assert_400(send(raw, "POST", f"{raw.path}/calls", emoji), too_many)
+        assert_400(send(raw, "POST", f"{raw.path}/calls", lone), "invalid Unicode")
     assert stalls and max(stalls) < 0.5, max(stalls)
     raw.assert_intact(before)
     bystander.finish()
