@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,9 @@ def test_a_served_engine_logs_each_step_with_the_work_it_planned(tiny_model, tmp
     assert max(w.prefill_tokens for w, _ in rows) <= 64
     first = rows[0][0]
     assert first.kv_tokens_read >= first.prefill_tokens and first.prefill_pairs > 0
+    # each line says when its step ended: in order, within the run
+    ends = [json.loads(line)["at"] for line in path.read_text().splitlines()]
+    assert ends == sorted(ends) and time.time() - 60 < ends[0] <= ends[-1] <= time.time()
 
 
 def test_a_step_log_that_cannot_be_written_stops_and_bad_lines_are_named(tmp_path: Path, caplog) -> None:
