@@ -7,7 +7,10 @@ otherwise).  Modes: ``ok`` (a valid two-chunk answer), ``ok-ids`` (one that carr
 its token ids), ``slow-ok`` (a valid answer after ``SLOW_S``), ``500``, ``400``, ``slow`` (no
 byte for ``SLOW_S``), ``bad-json``, ``no-text`` (a choice without text), ``wrong-ids``
 (token ids outside the vocabulary), ``no-done`` (the stream ends without ``[DONE]``),
-``abort`` (finish_reason ``abort``), ``ok-models-only`` (completions answer 404).
+``abort`` (finish_reason ``abort``), ``ok-models-only`` (completions answer 404),
+``paced`` (``max_tokens`` one-token chunks, each after ``PACE_BASE_S`` plus
+``PACE_PER_TOKEN_S`` per token of every answer in flight, prompt and sent tokens: a
+server whose step time grows with its load as an engine's does).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from tests.conftest import LiveServer, serve_asgi
 
 SLOW_S = 2.0
 MAX_SEQ_LEN = 512
+PACE_BASE_S = 0.04
+PACE_PER_TOKEN_S = 5e-6
 
 
 @dataclass
@@ -32,6 +37,7 @@ class Script:
     tokenize: list[int] | None = None
     completions: int = 0  # POST /v1/completions received
     bodies: list[dict] = field(default_factory=list)  # their JSON bodies
+    in_flight_tokens: int = 0  # mode paced: tokens of the answers being streamed
 
 
 @dataclass
@@ -60,6 +66,23 @@ def _chunk(text: str, finish: str | None = None, extra: str = "") -> str:
     return f'{{"choices":[{{"index":0,"text":"{text}","finish_reason":{finish_json}{extra}}}]}}'
 
 
+_ONE_ID = ',"token_ids":[7]'
+
+
+async def _paced(script: Script, body: dict):
+    held = len(body["prompt"])  # token ids: the adapter sends them to a vllm-kind backend
+    script.in_flight_tokens += held
+    try:
+        for _ in range(body["max_tokens"] - 1):
+            await asyncio.sleep(PACE_BASE_S + PACE_PER_TOKEN_S * script.in_flight_tokens)
+            yield f"data: {_chunk('a', extra=_ONE_ID)}\n\n".encode()
+            script.in_flight_tokens += 1
+            held += 1
+        yield f"data: {_chunk('a', 'length', _ONE_ID)}\n\ndata: [DONE]\n\n".encode()
+    finally:
+        script.in_flight_tokens -= held
+
+
 def _app(script: Script) -> Starlette:
     async def models(_: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": "tiny", "max_model_len": MAX_SEQ_LEN}]})
@@ -81,6 +104,8 @@ def _app(script: Script) -> Starlette:
             return JSONResponse({"detail": "Not Found"}, status_code=404)
         if mode in ("slow", "slow-ok"):
             await asyncio.sleep(SLOW_S)
+        if mode == "paced":
+            return StreamingResponse(_paced(script, script.bodies[-1]), media_type="text/event-stream")
         events = {
             "ok": [_chunk("he"), _chunk("llo", "length"), "[DONE]"],
             "ok-ids": [

@@ -55,6 +55,7 @@ def test_fit_recovers_the_line_despite_slow_outliers():
 
 
 def test_fit_needs_growth_over_an_octave_of_load():
+    assert fit_step_times([]) is None and StepLatency().refit() is None  # nothing measured yet
     assert fit_step_times([(500, 0.04)] * 5) is None  # one load: no slope
     assert fit_step_times([(500, 0.04)] * 5 + [(4000, 0.05)] * 2, min_samples=3) is None
     assert fit_step_times([(500, 0.040), (4000, 0.050)]) is not None

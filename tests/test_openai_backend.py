@@ -376,3 +376,45 @@ def test_constraints_reach_a_vllm_backend_as_guided_fields_and_other_backends_re
         assert server.script.completions == sent  # refused before anything was sent
     finally:
         server.stop()
+
+
+def test_a_backends_latency_cap_is_measured_from_the_gaps_between_its_tokens():
+    """A server whose step takes 40 ms plus 5 us per token in flight: after answers at
+    three loads (one, four and eight prompts of 400 tokens) the adapter reports the fit and
+    the cap where a step takes 1.25 times an unloaded one (0.25 * 40 ms / 5 us = 2,000)."""
+    paced = start_misbehaving(Script(mode="paced"))
+    try:
+        engine = connect_backend(paced.url, BackendOptions(kind="vllm", timeout_s=10), TINY)
+
+        async def run() -> tuple:
+            before = await engine.stats()
+            cid = 0
+            for answers in (1, 4, 8):
+                for i in range(answers):
+                    await engine.fill([5 + i] * 400, cid + i)
+                await asyncio.gather(
+                    *(
+                        _drain(engine.generate(P.SamplingParams(max_tokens=10), cid + i))
+                        for i in range(answers)
+                    )
+                )
+                for i in range(answers):
+                    await engine.free_context(cid + i)
+                cid += answers
+            after = await engine.stats()
+            await engine.close()
+            return before, after
+
+        before, after = asyncio.run(run())
+        assert (before.latency_cap_source, before.latency_cap_tokens) == ("none", 0)
+        assert after.latency_cap_source == "measured", after
+        assert 35 <= after.decode_ms_base <= 80 and 2.5 <= after.decode_ms_per_1k_tokens <= 12, after
+        assert 1024 <= after.latency_cap_tokens <= 5000, after
+        assert after.token_load == 0 and after.generates == 13
+    finally:
+        paced.stop()
+
+
+async def _drain(chunks) -> None:
+    async for _ in chunks:
+        pass

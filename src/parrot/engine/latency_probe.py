@@ -157,9 +157,9 @@ def fit_step_times(samples: Iterable[tuple[int, float]], min_samples: int = 1) -
     step never gets faster with more load); the intercept is the median of
     ``time - slope * load``, at least 1 microsecond.  Returns None when the
     points do not span an octave of load (largest >= 2 x smallest) or the
-    fitted time grows by less than ``MIN_GROWTH`` across them: such timings
-    cannot place the cap.  Raises ValueError on a negative load or a time
-    that is not a positive finite number.
+    fitted time grows by less than ``MIN_GROWTH`` across them (such timings
+    cannot place the cap), or when there are no points at all.  Raises
+    ValueError on a negative load or a time that is not a positive finite number.
     """
     groups: dict[int, list[tuple[int, float]]] = {}
     for load, seconds in samples:
@@ -173,6 +173,8 @@ def fit_step_times(samples: Iterable[tuple[int, float]], min_samples: int = 1) -
         for g in groups.values()
         if len(g) >= min_samples
     ]
+    if not points:
+        return None
     lo, hi = min(x for x, _ in points), max(x for x, _ in points)
     if hi < 2 * max(lo, 1):
         return None

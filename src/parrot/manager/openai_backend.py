@@ -17,6 +17,18 @@ further generations wait here (reported as ``num_waiting``).  ``stats`` asks the
 backend's ``GET /v1/models`` so a backend that stops answering stays out of the
 manager's placement (suspected) until it answers again.
 
+Latency cap: measured here, as Parrot's own engine measures its own
+(:mod:`parrot.engine.latency_probe`).  A backend's decode step is the time
+between two tokens of one streamed answer, so every token after an answer's first
+is one sample of the step time (a chunk of ``n`` tokens: ``n`` samples of a
+``1/n`` share) at the adapter's token load then (prompt and generated tokens of
+the answers in flight here).  The fit of step time against load (lower quartiles
+per load bucket: steps that also computed another request's prompt, or that the
+manager's loop read late, only ever add time) gives the cap that ``stats``
+reports, ``latency_cap_source`` "measured"; until the answers have spanned an
+octave of load it reports none (0), and the manager applies its default.  The
+operator's ``--latency-cap`` overrides it as for any engine.
+
 Failures: connection errors, timeouts (no byte for ``timeout_s``), 5xx, 408 and 429
 answers, and malformed streams raise :class:`EngineError` naming the backend — the
 manager re-runs the call on another engine, as for a failing Parrot engine; any other
@@ -29,11 +41,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import httpx
 
+from parrot.engine.latency_probe import StepLatency  # stdlib only: the fit Parrot's engine uses too
 from parrot.manager.openai_stream import FINISH_REASONS, MalformedAnswer, parse_sse_line
 from parrot.protocol.constraint import Constraint
 from parrot.protocol.errors import BadRequest, CallFailed, ContextTooLong, EngineError, NotFound, ParrotError
@@ -49,6 +63,9 @@ _RETRYABLE_4XX = (408, 429)
 STATS_TIMEOUT_S = 5.0
 """The longest a stats poll waits for ``GET /v1/models``: the manager polls every engine
 together, so one hung backend must not hold back the others' stats for long."""
+NO_CAPACITY_CAP = 1 << 20
+"""The measured cap's upper bound for a backend without a token capacity of its own (the
+manager's scheduler clamps every cap at the capacity it applies)."""
 
 
 @dataclass
@@ -114,6 +131,7 @@ class OpenAIBackend:
         self._slots: asyncio.Semaphore | None = None
         self._contexts: dict[int, _Context] = {}
         self._running = self._waiting = self._load = 0
+        self.latency = StepLatency()  # step time against load, from the answers' token gaps
         self._counts = {"fills": 0, "filled_tokens": 0, "generates": 0, "generated_tokens": 0}
 
     @property
@@ -207,15 +225,20 @@ class OpenAIBackend:
         text: list[str] = []
         ids: list[int] = []
         exact = True  # every chunk carried the server's token ids
+        last_at: float | None = None  # when the previous piece of this answer arrived
         try:
             finish = None
             async with contextlib.aclosing(self._stream(client, body)) as pieces:
                 async for piece in pieces:
                     if piece.text or piece.token_ids:
+                        now = time.perf_counter()
                         piece_ids = piece.token_ids
                         if piece_ids is None:
                             exact = False
                             piece_ids = await self._encode(piece.text)
+                        if last_at is not None and piece_ids:
+                            self.latency.record(self._load, (now - last_at) / len(piece_ids))
+                        last_at = now
                         text.append(piece.text)
                         ids.extend(piece_ids)
                         self._load += len(piece_ids)
@@ -343,6 +366,8 @@ class OpenAIBackend:
             raise EngineError(f"backend {self.url} unreachable: {exc!r}") from exc
         if resp.status_code >= 400:
             raise EngineError(f"backend {self.url} answered GET /v1/models with {resp.status_code}")
+        if self.latency.fit is None:
+            self.latency.refit()  # the first fit as soon as the samples allow, not 64 tokens later
         return EngineStats(
             num_contexts=len(self._contexts),
             num_running=self._running,
@@ -350,6 +375,7 @@ class OpenAIBackend:
             token_load=self._load,
             token_capacity=self.options.token_capacity,
             **self._counts,
+            **self.latency.report(self.options.token_capacity or NO_CAPACITY_CAP),
         )
 
     async def set_token_capacity(self, n: int) -> None:
