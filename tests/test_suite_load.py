@@ -26,6 +26,15 @@ def test_usage_attributes_what_the_run_did_not_use_to_others() -> None:
     assert got["foreign_cpu_s"] == 2.5 and got["foreign_share"] == 0.125 and got["flagged"]
     quiet = load.usage(before, load.Sample(10.0, [1, 1, 1], 115.5, 2.0, 24.0, 5.5), cores=2)
     assert quiet["foreign_cpu_s"] == 0.0 and not quiet["flagged"]  # clipped, never negative
+    assert got["steal_cpu_s"] == 0.0  # samples without steal readings: none
+
+
+def test_time_the_hypervisor_stole_is_recorded_but_not_flagged() -> None:
+    before = load.Sample(0.0, [1.0] * 3, busy_s=100.0, self_s=1.0, tested_s=10.0, idle_s=5.0, steal_s=40.0)
+    after = load.Sample(10.0, [1.0] * 3, busy_s=115.0, self_s=2.0, tested_s=24.0, idle_s=5.0, steal_s=44.0)
+    got = load.usage(before, after, cores=2)
+    assert got["steal_cpu_s"] == 4.0 and got["steal_share"] == 0.2 and not got["flagged"]
+    assert load.machine_steal_s() >= 0.0
 
 
 def _child(code: str) -> subprocess.Popen:

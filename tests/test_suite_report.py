@@ -339,6 +339,7 @@ def test_machine_load_section_flags_busy_runs(raw: list[dict], tmp_path: Path) -
         "foreign_share": 0.2,
         "flagged": True,
         "loadavg_after": [2.5, 0, 0],
+        "steal_cpu_s": 1.5,
     }
     for run in raw:
         run["extra"] = {"load": busy if (run["system"], run["repeat"]) == ("vllm", 1) else quiet}
@@ -347,7 +348,8 @@ def test_machine_load_section_flags_busy_runs(raw: list[dict], tmp_path: Path) -
     md = build_report(raw, header, tmp_path, plots=False)
     section = md.split("## Machine load", 1)[1]
     assert "Before the run: load average [0.1, 0.2, 0.3], machine busy 2% over 2.0 s." in section
-    assert "| vllm | 12 | 120 | 16.8 | 0.0 | 2.50 | 4/12 |" in section  # 4 runs in repeat 1
+    # 4 runs in repeat 1, each with 1.5 s stolen (runs recorded without steal count none)
+    assert "| vllm | 12 | 120 | 16.8 | 0.0 | 6.0 | 2.50 | 4/12 |" in section
     assert f"- vllm / {FIG11_A} / repeat 1: other processes used 20% of the machine" in section
     assert "vllm (engines 1): 0.001" in section
 

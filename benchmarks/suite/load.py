@@ -7,7 +7,12 @@ the runner takes a :class:`Sample` before and after and records, with
 run itself (the suite's process and the systems it started, by process
 group), and what is left, the *foreign* CPU seconds of processes that are not
 part of the run.  Idle servers of the run that stay up between their turns
-are counted apart (``idle_systems_cpu_s``): they should cost nothing.
+are counted apart (``idle_systems_cpu_s``): they should cost nothing.  On a
+virtual machine the hypervisor may also run other guests on the cores: the
+time it *stole* from this one (``steal_cpu_s``, ``/proc/stat``'s steal) makes
+every process slower without showing up as anyone's CPU time, so it is recorded
+too (not flagged: nothing on the machine can stop it, but runs with much of it
+are slower, and runs of different systems are compared within a repeat).
 
 Invariants: every function returns zeros (never raises) where ``/proc`` is
 missing or unreadable; ``foreign_cpu_s >= 0`` (clipped: the readings are not
@@ -31,6 +36,7 @@ __all__ = [
     "group_cpu_s",
     "idle_cpu_share",
     "machine_busy_s",
+    "machine_steal_s",
     "sample",
     "usage",
 ]
@@ -56,6 +62,14 @@ def machine_busy_s() -> float:
         return (
             user + nice + system + irq + softirq
         ) / _ticks()  # guest time is inside user; steal is not ours
+    return 0.0
+
+
+def machine_steal_s() -> float:
+    """CPU seconds the hypervisor gave other guests while this machine wanted them, since boot
+    (``/proc/stat``'s eighth field; 0 on bare metal or where it is not reported)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return int((PROC / "stat").read_text().splitlines()[0].split()[8]) / _ticks()
     return 0.0
 
 
@@ -107,12 +121,19 @@ class Sample:
     self_s: float  # the suite's own process
     tested_s: float  # the system under test
     idle_s: float  # the run's other systems, up but idle
+    steal_s: float = 0.0  # the machine's time taken by the hypervisor
 
 
 def sample(tested: Iterable[int], idle: Iterable[int] = ()) -> Sample:
     """A reading now; ``tested`` and ``idle`` are process groups of the run's systems."""
     return Sample(
-        time.monotonic(), _loadavg(), machine_busy_s(), _self_cpu_s(), group_cpu_s(tested), group_cpu_s(idle)
+        time.monotonic(),
+        _loadavg(),
+        machine_busy_s(),
+        _self_cpu_s(),
+        group_cpu_s(tested),
+        group_cpu_s(idle),
+        machine_steal_s(),
     )
 
 
@@ -125,6 +146,7 @@ def usage(before: Sample, after: Sample, cores: int) -> dict[str, Any]:
     idle = after.idle_s - before.idle_s
     foreign = max(0.0, busy - own - idle)
     share = foreign / (wall * max(1, cores))
+    steal = max(0.0, after.steal_s - before.steal_s)
     return {
         "wall_s": round(wall, 3),
         "loadavg_before": before.loadavg,
@@ -134,6 +156,8 @@ def usage(before: Sample, after: Sample, cores: int) -> dict[str, Any]:
         "idle_systems_cpu_s": round(max(0.0, idle), 3),
         "foreign_cpu_s": round(foreign, 3),
         "foreign_share": round(share, 4),
+        "steal_cpu_s": round(steal, 3),
+        "steal_share": round(steal / (wall * max(1, cores)), 4),
         "flagged": share > FOREIGN_WARN_SHARE,
     }
 

@@ -692,11 +692,12 @@ def load_lines(runs: Sequence[Run], header: Mapping[str, Any]) -> list[str]:
             wall = sum(u["wall_s"] for u in loads)
             foreign = sum(u["foreign_cpu_s"] for u in loads)
             idle = sum(u["idle_systems_cpu_s"] for u in loads)
+            stolen = sum(u.get("steal_cpu_s", 0.0) for u in loads)  # runs recorded before it: none
             peak = max(max(u["loadavg_after"][0], u["loadavg_before"][0]) for u in loads)
             flagged = sum(1 for u in loads if u["flagged"])
             rows.append(
-                [system, str(len(loads)), f"{wall:.0f}", f"{foreign:.1f}", f"{idle:.1f}", f"{peak:.2f}",
-                 f"{flagged}/{len(loads)}"]
+                [system, str(len(loads)), f"{wall:.0f}", f"{foreign:.1f}", f"{idle:.1f}", f"{stolen:.1f}",
+                 f"{peak:.2f}", f"{flagged}/{len(loads)}"]
             )  # fmt: skip
         lines += _table(
             [
@@ -705,6 +706,7 @@ def load_lines(runs: Sequence[Run], header: Mapping[str, Any]) -> list[str]:
                 "wall (s)",
                 "CPU of other processes (s)",
                 "CPU of the run's idle systems (s)",
+                "CPU stolen by the hypervisor (s)",
                 "highest 1-min load avg.",
                 "flagged runs",
             ],
