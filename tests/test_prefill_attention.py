@@ -51,3 +51,14 @@ def test_bf16_inputs_run_in_bf16_and_merge_in_fp32(start: int, n: int) -> None:
     got = pa.prefill_attention(q, k, v, start)
     assert got.dtype == torch.bfloat16 and got.shape == q.shape
     assert float((got.double() - expected).abs().max() / expected.abs().max()) < 2e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_chunk_without_a_past_is_the_kernels_output_as_it_is(dtype: torch.dtype) -> None:
+    """A fresh sequence takes one causal call and no fp32 round trip: bit for bit what
+    the two-part path (which widens to fp32 for its merge) gives, in q's dtype."""
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(23, h, 16, generator=gen).to(dtype) for h in (6, 2, 2))
+    got = pa.prefill_attention(q, k, v, 0)
+    assert got.dtype == dtype and torch.equal(got, pa._fused(q, k, v, 0)[0].to(dtype))
+    assert torch.equal(pa.prefill_partial(q, k, v, 0)[0].to(dtype), got)

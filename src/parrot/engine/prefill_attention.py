@@ -55,6 +55,8 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
     _check_keys(q, k, start)
     if not fused_prefill_available(q):
         return sdpa_prefill_attention(q, k, v, start)
+    if start == 0:  # no past: one causal call, whose output is already in q's dtype
+        return _own_keys(q, k, v)[0][0].transpose(0, 1)
     out, _ = _fused(q, k, v, start)
     return out.to(q.dtype)
 
@@ -94,6 +96,20 @@ def _check_keys(q: Tensor, k: Tensor, start: int) -> None:
         raise ValueError(f"keys must cover positions [0, start + n): {total} != {start} + {n}")
 
 
+def _own_keys(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """The chunk over its own keys (the last ``n`` of ``k``, ``v``), causal: (out [1, H, n, D]
+    in q's dtype, lse [1, H, n]), as the flash kernel returns them."""
+    n, heads, dim = q.shape
+    group = heads // k.shape[1]
+    # the kernel wants as many kv heads as query heads, so each of the chunk's own kv
+    # heads is repeated G times (n keys: cheap)
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+    own = k.shape[0] - n  # where the chunk's keys begin
+    kc = k[own:].transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)  # [1, H, n, D]
+    vc = v[own:].transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)
+    return _flash_op()(qh, kc, vc, 0.0, True, scale=1.0 / math.sqrt(dim))
+
+
 def _fused(q: Tensor, k: Tensor, v: Tensor, start: int) -> tuple[Tensor, Tensor]:
     """The two flash calls and their merge: (out [n, H, D], lse [n, H]), both fp32."""
     n, heads, dim = q.shape
@@ -101,12 +117,7 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, start: int) -> tuple[Tensor, Tensor]
     flash = _flash_op()
     scale = 1.0 / math.sqrt(dim)
     group = heads // kv_heads
-    # The chunk itself, causal: the kernel wants as many kv heads as query heads, so
-    # each of the chunk's own kv heads is repeated G times (n keys: cheap).
-    qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-    kc = k[start:].transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)  # [1, H, n, D]
-    vc = v[start:].transpose(0, 1).repeat_interleave(group, 0).unsqueeze(0)
-    out_b, lse_b = flash(qh, kc, vc, 0.0, True, scale=scale)  # [1, H, n, D], [1, H, n]
+    out_b, lse_b = _own_keys(q, k, v)  # [1, H, n, D], [1, H, n]
     if start == 0:
         return out_b[0].transpose(0, 1).float(), lse_b[0].transpose(0, 1).float()
     # The past, unmasked: the G query heads of a kv head read the same keys, so they
