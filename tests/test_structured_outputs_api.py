@@ -1,8 +1,8 @@
 """Structured outputs through the manager's APIs, against a real manager HTTP server on
 loopback with the tiny seeded engine embedded: the official ``openai`` client with
-``response_format`` and vLLM's guided fields, bad constraints and compile limits (400s
-naming the field, the server still serving), ``P.Output(json_schema/regex/choices)``,
-and transform failures that name their call and keep the raw text."""
+``response_format``, vLLM's ``structured_outputs`` and its older guided fields, bad
+constraints and compile limits (400s naming the field, the server still serving),
+``P.Output(json_schema/regex/choices)``, and transform failures that name their call and keep the raw text."""
 
 from __future__ import annotations
 
@@ -107,9 +107,57 @@ def test_the_official_client_sends_guided_fields_on_completions(api: openai.Open
     assert valid(json.loads(text)), text
 
 
+def test_the_official_client_sends_vllms_structured_outputs(api: openai.OpenAI) -> None:
+    """vLLM's current field (vLLM 0.32 no longer reads the guided_* ones), each kind once."""
+    regex = api.completions.create(
+        model="tiny", prompt="Code: ", max_tokens=20, temperature=1.0, n=3, seed=2,
+        extra_body={"structured_outputs": {"regex": DIGITS}},
+    )  # fmt: skip
+    assert [bool(re.fullmatch(DIGITS, c.text)) for c in regex.choices] == [True] * 3
+    choice = api.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Pick one."}], max_tokens=20, temperature=1.0,
+        extra_body={"structured_outputs": {"choice": CHOICES}},
+    )  # fmt: skip
+    assert choice.choices[0].message.content in CHOICES
+    schema = api.completions.create(
+        model="tiny", prompt="J: ", max_tokens=80, temperature=0.7, seed=5,
+        extra_body={"structured_outputs": {"json": SCHEMA}},
+    )  # fmt: skip
+    assert valid(json.loads(schema.choices[0].text)), schema.choices[0].text
+    anything = api.completions.create(
+        model="tiny", prompt="O: ", max_tokens=40, temperature=0.7, seed=6,
+        extra_body={"structured_outputs": {"json_object": True}},
+    )  # fmt: skip
+    text = anything.choices[0].text
+    assert anything.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict), text
+
+
 @pytest.mark.parametrize(
     ("path", "body", "field"),
     [
+        (
+            "/v1/completions",
+            {"structured_outputs": {"grammar": "root ::= 'a'"}},
+            "invalid structured_outputs: grammar not supported (only json, regex, choice, json_object)",
+        ),
+        (
+            "/v1/chat/completions",
+            {"structured_outputs": {"regex": "a", "choice": ["a"]}},
+            "invalid structured_outputs: give exactly one of json, regex, choice, json_object, got 2",
+        ),
+        ("/v1/completions", {"structured_outputs": {}}, "give exactly one of json, regex, choice"),
+        ("/v1/completions", {"structured_outputs": {"json_object": False}}, "json_object: must be true"),
+        ("/v1/completions", {"structured_outputs": {"regex": "a(b"}}, "invalid structured_outputs.regex: "),
+        (
+            "/v1/chat/completions",
+            {"structured_outputs": {"choice": ["a"]}, "guided_regex": "a"},
+            "give at most one of structured_outputs and guided_regex",
+        ),
+        (
+            "/v1/completions",
+            {"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}},
+            "give at most one of response_format and structured_outputs.choice",
+        ),
         ("/v1/completions", {"guided_regex": "a(b"}, "invalid guided_regex: "),
         (
             "/v1/completions",

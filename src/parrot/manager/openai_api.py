@@ -25,8 +25,8 @@ many most likely alternatives, :mod:`parrot.manager.openai_logprobs`); ``stop`` 
 to :data:`MAX_STOP` strings, as OpenAI); ``stream`` (server-sent events
 ``data: {...}`` then ``data: [DONE]``; ``stream_options.include_usage`` adds a
 usage chunk); vLLM's ``ignore_eos`` / ``stop_token_ids``; and structured outputs
-(``response_format``, vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice``:
-:mod:`parrot.manager.openai_constraint`).  Parameters
+(``response_format``, vLLM's ``structured_outputs`` and its older ``guided_json`` /
+``guided_regex`` / ``guided_choice``: :mod:`parrot.manager.openai_constraint`).  Parameters
 Parrot cannot honour (``echo``, ``suffix``, a non-empty ``logit_bias``) are
 rejected with 400 rather than silently ignored.  Errors use Parrot's JSON error body ``{"error": {"code",
 "message"}}`` with its HTTP status (400 invalid parameters, 503 ``no_engine``
@@ -94,6 +94,7 @@ class OpenAIRequest(StrictBody):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    structured_outputs: dict[str, Any] | None = None
     # Accepted only at its no-op value:
     logit_bias: dict[str, float] | None = None
     user: str | None = Field(default=None, max_length=1000)

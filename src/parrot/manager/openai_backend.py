@@ -9,8 +9,10 @@ the call's sampling settings and streams the answer back chunk by chunk; the
 generated tokens then join the context (the server's own ids when it returns them,
 else the answer re-tokenized here); ``free_context`` drops the list.  The backend
 keeps no state of ours, so nothing needs freeing there.  A constrained output (structured
-outputs) goes to a ``vllm`` backend as its ``guided_json``/``guided_regex``/``guided_choice``
-field; other kinds refuse it with a 400 rather than answer unconstrained.
+outputs) goes to a ``vllm`` backend in its ``structured_outputs`` field (``json``,
+``regex`` or ``choice``: vLLM 0.10.2 and later; vLLM 0.32 answers the older
+``guided_*`` fields unconstrained, with HTTP 200); other kinds refuse it with a 400
+rather than answer unconstrained.
 
 Capacity: at most ``max_inflight`` requests are in flight at once on one backend;
 further generations wait here (reported as ``num_waiting``).  ``stats`` asks the
@@ -312,11 +314,11 @@ class OpenAIBackend:
             if ctx.salt:
                 body["cache_salt"] = ctx.salt
         if sampling.constraint is not None:
-            body.update(self._guided(sampling.constraint))
+            body["structured_outputs"] = self._structured(sampling.constraint)
         return body
 
-    def _guided(self, constraint: Constraint) -> dict:
-        """vLLM's guided-decoding fields for ``constraint``; other kinds of backend cannot be
+    def _structured(self, constraint: Constraint) -> dict:
+        """vLLM's ``structured_outputs`` for ``constraint``; other kinds of backend cannot be
         trusted to enforce one (a server that ignores unknown fields would answer
         unconstrained), so a constrained call on them fails with a clear 400."""
         if self.options.kind != "vllm":
@@ -325,7 +327,7 @@ class OpenAIBackend:
                 "constraint: structured outputs need a Parrot engine or a vLLM backend",
                 code="constraint_unsupported",
             )
-        field = {"json_schema": "guided_json", "regex": "guided_regex", "choice": "guided_choice"}
+        field = {"json_schema": "json", "regex": "regex", "choice": "choice"}
         return {field[constraint.kind]: constraint.value}
 
     async def _encode(self, text: str) -> list[int]:

@@ -17,8 +17,9 @@ parts; at most :data:`MAX_MESSAGES`), ``max_tokens`` / ``max_completion_tokens``
 prompt, ``choices[j]``; streamed chunks carry their choice's ``index``),
 ``presence_penalty`` / ``frequency_penalty`` (-2..2), ``logprobs`` with
 ``top_logprobs`` (0..20), structured outputs (``response_format`` of type ``text``,
-``json_object`` or ``json_schema``, and vLLM's ``guided_json`` / ``guided_regex`` /
-``guided_choice``: :mod:`parrot.manager.openai_constraint`), and vLLM's ``ignore_eos`` /
+``json_object`` or ``json_schema``, vLLM's ``structured_outputs`` and its older
+``guided_json`` / ``guided_regex`` / ``guided_choice``:
+:mod:`parrot.manager.openai_constraint`), and vLLM's ``ignore_eos`` /
 ``stop_token_ids``.  Refused with 400 rather than ignored: ``logit_bias``, ``tools``,
 other content parts.
 
