@@ -10,8 +10,13 @@ no emulated delay:
 * as a request-level client posting each rendered prompt to vLLM's own
   ``/v1/completions`` (the same prompts: rendered with the chat markup Parrot reports).
 
-Decoding is greedy, so the final values must be equal.  Prints one line per app and
-writes ``results.json`` and ``report.txt`` under ``--out``; exits 1 if any differ::
+Decoding is greedy, so the final values must be equal.  Then structured outputs: one
+greedy completion per constraint (a choice in ``structured_outputs``, the same in the
+older ``guided_choice``, a regex), through Parrot and sent straight to vLLM, each
+answer checked against its constraint (vLLM 0.32 ignores ``guided_*``: its direct
+answer to that one shows it).  Prints one line per app and constraint and writes
+``results.json`` and ``report.txt`` under ``--out``; exits 1 if any app's outputs
+differ or any answer through Parrot breaks its constraint::
 
     python benchmarks/parrot_over_vllm_check.py --out docs/evaluation/parrot-over-vllm
     python benchmarks/parrot_over_vllm_check.py --vllm-url http://127.0.0.1:8100 --apps qa_chain
@@ -28,7 +33,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -118,11 +123,54 @@ def check_app(name: str, app: Any, parrot_url: str, backend_url: str) -> AppResu
     )
 
 
-def report(results: list[AppResult], command: str) -> str:
-    """The text report: the command, then per app its equality and both wall times."""
+CHOICES = ["alpha", "beta", "gamma"]
+FOUR_DIGITS = "[0-9]{4}"
+CONSTRAINTS = {  # name: (the request's field, a check of the answer)
+    "structured_outputs.choice": ({"structured_outputs": {"choice": CHOICES}}, lambda t: t in CHOICES),
+    "guided_choice": ({"guided_choice": CHOICES}, lambda t: t in CHOICES),
+    "structured_outputs.regex": (
+        {"structured_outputs": {"regex": FOUR_DIGITS}},
+        lambda t: re.fullmatch(FOUR_DIGITS, t) is not None,
+    ),
+}
+
+
+@dataclass
+class ConstraintResult:
+    constraint: str
+    server: str  # "parrot" or "vllm"
+    text: str
+    follows: bool
+
+
+def check_constraints(parrot_url: str, backend_url: str, model: str = "smollm2") -> list[ConstraintResult]:
+    """Each of :data:`CONSTRAINTS` as one greedy completion through Parrot and straight to vLLM."""
+    import httpx
+
+    prompt = "Write a long story about a dragon:"
+    body = {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+    out = []
+    for name, (field, follows) in CONSTRAINTS.items():
+        for server, url in (("parrot", parrot_url), ("vllm", backend_url)):
+            r = httpx.post(f"{url}/v1/completions", json={**body, **field}, timeout=300, trust_env=False)
+            r.raise_for_status()
+            text = r.json()["choices"][0]["text"]
+            out.append(ConstraintResult(name, server, text, bool(follows(text))))
+    return out
+
+
+def constraint_line(c: ConstraintResult) -> str:
+    return f"{c.constraint:26s} {c.server:6s} {'follows' if c.follows else 'ignores'} it: {c.text!r}"
+
+
+def report(results: list[AppResult], command: str, constraints: Sequence[ConstraintResult] = ()) -> str:
+    """The text report: the command, then per app its equality and both wall times, then
+    each constrained answer."""
     lines = [f"$ {command}", "", *map(result_line, results)]
     same = sum(r.equal for r in results)
     lines += ["", f"{same}/{len(results)} apps with equal greedy outputs"]
+    if constraints:
+        lines += ["", *map(constraint_line, constraints)]
     return "\n".join(lines)
 
 
@@ -174,7 +222,7 @@ def vllm(args: argparse.Namespace, model_dir: Path) -> Iterator[str]:
 
 def run_check(
     args: argparse.Namespace, backend: Callable[[], contextlib.AbstractContextManager[str]], tokenizer: str
-) -> list[AppResult]:
+) -> tuple[list[AppResult], list[ConstraintResult]]:
     apps = build_apps(args.apps, args.max_tokens, args.chunk_words, args.file, args.topic)
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
@@ -184,7 +232,8 @@ def run_check(
             for name, app in apps.items():
                 results.append(check_app(name, app, parrot_url, backend_url))
                 print(result_line(results[-1]), flush=True)
-    return results
+            constraints = check_constraints(parrot_url, backend_url) if args.constraints else []
+    return results, constraints
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -202,6 +251,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chunk-words", type=int, default=350)
     p.add_argument("--file", type=Path, default=DEFAULT_FILE)
     p.add_argument("--topic", default=DEFAULT_TOPIC)
+    p.add_argument(
+        "--no-constraints", dest="constraints", action="store_false", help="skip the structured outputs"
+    )
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "evaluation" / "parrot-over-vllm")
     return p.parse_args(argv)
 
@@ -212,12 +264,15 @@ def main(argv: list[str] | None = None) -> int:
         from peers import ensure_model
 
         args.model_dir = ensure_model("smollm2")
-    results = run_check(args, lambda: vllm(args, args.model_dir), str(args.model_dir))
-    text = report(results, "python benchmarks/parrot_over_vllm_check.py " + " ".join(argv or sys.argv[1:]))
+    results, constraints = run_check(args, lambda: vllm(args, args.model_dir), str(args.model_dir))
+    command = "python benchmarks/parrot_over_vllm_check.py " + " ".join(argv or sys.argv[1:])
+    text = report(results, command, constraints)
     print(text)
     (args.out / "report.txt").write_text(text + "\n")
-    (args.out / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
-    return 0 if all(r.equal for r in results) else 1
+    saved = {"apps": [asdict(r) for r in results], "constraints": [asdict(c) for c in constraints]}
+    (args.out / "results.json").write_text(json.dumps(saved, indent=2) + "\n")
+    kept = all(c.follows for c in constraints if c.server == "parrot")
+    return 0 if all(r.equal for r in results) and kept else 1
 
 
 if __name__ == "__main__":

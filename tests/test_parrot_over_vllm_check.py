@@ -1,6 +1,7 @@
 """The Parrot-over-vLLM greedy-equality script (benchmarks/parrot_over_vllm_check.py),
-without vLLM: its app building, command line and report, and one whole run with a
-real Parrot server standing in for vLLM (``--backend-kind openai``: text prompts)."""
+without vLLM: its app building, command line and report, one whole run with a real
+Parrot server standing in for vLLM (``--backend-kind openai``: text prompts), and its
+structured-output requests against a real Parrot server."""
 
 from __future__ import annotations
 
@@ -44,9 +45,24 @@ def test_report_counts_equal_apps_and_shows_where_outputs_differ():
 
 def test_a_whole_check_against_a_parrot_backend(live, tmp_path):
     args = check.parse_args(
-        ["--apps", "qa_chain", "--backend-kind", "openai", "--out", str(tmp_path), "--parrot-port", "0"]
-    )
-    results = check.run_check(args, lambda: contextlib.nullcontext(live.url), "tiny")
+        ["--apps", "qa_chain", "--backend-kind", "openai", "--out", str(tmp_path), "--parrot-port", "0",
+         "--no-constraints"]  # an openai-kind backend refuses them (tested in test_openai_backend)
+    )  # fmt: skip
+    results, constraints = check.run_check(args, lambda: contextlib.nullcontext(live.url), "tiny")
     (r,) = results
+    assert constraints == []
     assert r.app == "qa_chain" and r.equal and r.difference == "outputs equal: yes" and r.parrot_value
     assert "manager ready at" in (tmp_path / "parrot-serve.log").read_text()
+
+
+def test_the_constraint_checks_tell_an_answer_that_follows_from_one_that_does_not(live):
+    # Parrot's own API takes every field the check sends, so both "servers" follow them
+    found = check.check_constraints(live.url, live.url, model="tiny")
+    assert [(c.constraint, c.server) for c in found] == [
+        (name, server) for name in check.CONSTRAINTS for server in ("parrot", "vllm")
+    ]
+    assert all(c.follows for c in found), found
+    ignored = check.ConstraintResult("guided_choice", "vllm", "a story", False)
+    text = check.report([], "python x.py", [*found[:1], ignored])
+    assert "guided_choice              vllm   ignores it: 'a story'" in text
+    assert f"structured_outputs.choice  parrot follows it: {found[0].text!r}" in text
