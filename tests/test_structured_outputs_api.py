@@ -129,6 +129,7 @@ def test_the_official_client_sends_vllms_structured_outputs(api: openai.OpenAI) 
         extra_body={"structured_outputs": {"json_object": True}},
     )  # fmt: skip
     text = anything.choices[0].text
+    assert text.lstrip().startswith("{"), text  # an object, finished or cut at max_tokens
     assert anything.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict), text
 
 
