@@ -74,11 +74,13 @@ class FakeOpenAI:
     in_flight: int = 0
     max_in_flight: int = 0
     metrics: str = ""  # what GET /metrics answers (vLLM's Prometheus text)
+    generation: int = 0  # bumped by reset: a request of an earlier test no longer counts
 
     def reset(self) -> None:
         self.seen.clear()
         self.in_flight = self.max_in_flight = 0
         self.metrics = ""
+        self.generation += 1
 
 
 def _fake_app(state: FakeOpenAI) -> FastAPI:
@@ -94,6 +96,7 @@ def _fake_app(state: FakeOpenAI) -> FastAPI:
         ANSWER_S / 2, the rest after ANSWER_S, then the usage chunk."""
         seen = Seen(body, time.perf_counter())
         state.seen.append(seen)
+        generation = state.generation
         state.in_flight += 1
         state.max_in_flight = max(state.max_in_flight, state.in_flight)
         text = completion_of(body["prompt"])
@@ -114,7 +117,8 @@ def _fake_app(state: FakeOpenAI) -> FastAPI:
                 yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
                 yield b"data: [DONE]\n\n"
             finally:
-                state.in_flight -= 1
+                if state.generation == generation:  # an earlier test's stream may end late
+                    state.in_flight -= 1
                 seen.end = time.perf_counter()
 
         assert body.get("stream") is True
