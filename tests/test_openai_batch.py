@@ -7,6 +7,7 @@ what the engine computed: one fill per prompt, however many samples."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -192,11 +193,15 @@ def test_chat_with_n_samples(live: conftest.LiveServer, api: openai.OpenAI, tiny
 
 
 def test_an_abandoned_n_request_frees_every_fork(
-    live: conftest.LiveServer, tiny_engine: LocalEngine, monkeypatch: pytest.MonkeyPatch
+    live: conftest.LiveServer,
+    tiny_engine: LocalEngine,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     # each engine step slowed by 10 ms: 1,500 steps take at least 15 s, far longer than the
     # client's patience (0.5 s) plus the server's disconnect poll, even on a loaded machine
     slow_each_step(monkeypatch, tiny_engine, 0.01)
+    caplog.set_level(logging.INFO, logger="parrot.manager.openai_response")
     before = stats(live, tiny_engine).generated_tokens  # the engine is shared with earlier tests
     client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=0.5)
     started = time.monotonic()
@@ -205,14 +210,25 @@ def test_an_abandoned_n_request_frees_every_fork(
             model="tiny", prompt="Go on", n=4, max_tokens=1500, extra_body={"ignore_eos": True}
         )
     gave_up = time.monotonic() - started
-    settled(live, tiny_engine, 0)
+    closed = None  # when the manager had closed the request's session
+    deadline = time.monotonic() + WAIT
+    while live.manager.sessions or stats(live, tiny_engine).num_contexts > 0:
+        if closed is None and not live.manager.sessions:
+            closed = time.monotonic() - started
+        assert time.monotonic() < deadline, "a session or an engine context was left behind"
+        time.sleep(0.02)
     stopped = time.monotonic() - started
     generated = stats(live, tiny_engine).generated_tokens
     time.sleep(0.3)
     assert stats(live, tiny_engine).generated_tokens == generated  # nothing runs on
-    # ... and it stopped before the forks' end
-    timing = f"client gave up after {gave_up:.2f} s, engine idle after {stopped:.2f} s"
+    # ... and it stopped before the forks' end; if not, say which layer missed it
+    seen = "the client went away" in caplog.text
+    timing = (
+        f"client gave up after {gave_up:.2f} s; the manager saw it: {seen}; session closed after "
+        f"{'-' if closed is None else f'{closed:.2f}'} s; engine idle after {stopped:.2f} s"
+    )
     assert generated - before < 4 * 1500, timing
+    assert seen, timing
 
 
 def test_penalties_reach_the_engines_sampler(

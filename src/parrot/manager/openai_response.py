@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +43,8 @@ __all__ = ["COMPLETION_TEMPLATE", "Choice", "Completion", "Prompt", "answer", "c
 
 COMPLETION_TEMPLATE = "{{input:prompt}}{{output:text}}"
 _TASK_GRACE_S = 30.0  # how long to wait for a finished call to free its engine context
-DISCONNECT_POLL_S = 0.25
+log = logging.getLogger(__name__)
+
 
 Prompt = str | tuple[int, ...]
 """A prompt: text, or token ids filled as given."""
@@ -290,6 +292,7 @@ async def answer(
         )
     try:
         if not await _unless_disconnected(request, comp.wait_value()):
+            log.info("completion %s: the client went away; its calls are cancelled", comp.id)
             return Response(status_code=499)  # nobody reads it; closing the session cancels the calls
         await comp.wait_call()
         if any(c.var.state != "ready" for c in comp.choices):
@@ -302,22 +305,31 @@ async def answer(
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[None]) -> bool:
-    """Await ``work`` unless the client goes away first (checked every
-    :data:`DISCONNECT_POLL_S`); False if it did (``work`` is then cancelled)."""
+    """Await ``work`` unless the client goes away first; False if it did (``work`` is then
+    cancelled).  A task waits on the request's receive channel the whole time, as
+    Starlette's streaming responses do: a check that gives up at once (Starlette's
+    ``is_disconnected``) sometimes went on answering "connected" for a client that had
+    closed its connection long before, until the work ended (uvicorn 0.55, h11)."""
     task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_client_gone(request))
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                task.result()
-                return True
-            if await request.is_disconnected():
-                return False
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()
+            return True
+        return False
     finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        for t in (task, gone):
+            if not t.done():
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+
+
+async def _client_gone(request: Request) -> None:
+    """Return once the client has closed its connection (the body was read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _wait_any(vars_: list[Variable], timeout: float) -> None:
