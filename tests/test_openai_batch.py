@@ -35,12 +35,17 @@ def stats(live: conftest.LiveServer, engine: LocalEngine) -> EngineStats:
     return live.run_on_loop(engine.stats())
 
 
-def settled(live: conftest.LiveServer, engine: LocalEngine, contexts: int) -> None:
-    """No session left behind, and the engine back to ``contexts`` contexts."""
+def settled(live: conftest.LiveServer, engine: LocalEngine, contexts: int) -> float | None:
+    """No session left behind, and the engine back to ``contexts`` contexts; returns when
+    (``time.monotonic()``) the last session was seen closed while contexts remained, else None."""
     deadline = time.monotonic() + WAIT
+    closed = None
     while live.manager.sessions or stats(live, engine).num_contexts > contexts:
+        if closed is None and not live.manager.sessions:
+            closed = time.monotonic()
         assert time.monotonic() < deadline, "a session or an engine context was left behind"
         time.sleep(0.02)
+    return closed
 
 
 def greedy(api: openai.OpenAI, prompt: str | list[int], max_tokens: int = 6) -> str:
@@ -210,13 +215,7 @@ def test_an_abandoned_n_request_frees_every_fork(
             model="tiny", prompt="Go on", n=4, max_tokens=1500, extra_body={"ignore_eos": True}
         )
     gave_up = time.monotonic() - started
-    closed = None  # when the manager had closed the request's session
-    deadline = time.monotonic() + WAIT
-    while live.manager.sessions or stats(live, tiny_engine).num_contexts > 0:
-        if closed is None and not live.manager.sessions:
-            closed = time.monotonic() - started
-        assert time.monotonic() < deadline, "a session or an engine context was left behind"
-        time.sleep(0.02)
+    closed_at = settled(live, tiny_engine, 0)  # when the manager had closed the request's session
     stopped = time.monotonic() - started
     generated = stats(live, tiny_engine).generated_tokens
     time.sleep(0.3)
@@ -225,7 +224,7 @@ def test_an_abandoned_n_request_frees_every_fork(
     seen = "the client went away" in caplog.text
     timing = (
         f"client gave up after {gave_up:.2f} s; the manager saw it: {seen}; session closed after "
-        f"{'-' if closed is None else f'{closed:.2f}'} s; engine idle after {stopped:.2f} s"
+        f"{'-' if closed_at is None else f'{closed_at - started:.2f}'} s; engine idle after {stopped:.2f} s"
     )
     assert generated - before < 4 * 1500, timing
     assert seen, timing
