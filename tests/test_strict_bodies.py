@@ -4,11 +4,17 @@ earlier work and a bystander's chain are untouched."""
 
 from __future__ import annotations
 
+import gc
 import json
+import time
 
 import httpx
 import pytest
+from fastapi import HTTPException
 
+from parrot.engine.local import LocalEngine  # noqa: F401  (the engine's objects, as in a server)
+from parrot.manager.app import create_app  # noqa: F401
+from parrot.protocol.asgi import MAX_JSON_ITEMS, collector_paused, json_items_bound, parse_json_body
 from parrot.protocol.sampling import MAX_STOP_TOKEN_IDS
 from tests.api_client import Bystander, Raw, healthz_stalls, inp, out
 
@@ -83,11 +89,11 @@ def test_stop_token_ids_are_bounded(raw: Raw, bystander: Bystander) -> None:
 
 
 def test_a_large_body_is_parsed_and_checked_off_the_event_loop(raw: Raw, bystander: Bystander) -> None:
-    """A 7 MB body (a million stop token ids next to an emoji's surrogate pair, which makes
-    the body's strings worth checking) is refused while /healthz keeps answering at once;
-    the same body with a lone surrogate too is refused for that."""
+    """A 3.9 MB body (half a million stop token ids next to an emoji's surrogate pair, which
+    makes the body's strings worth checking) is refused while /healthz keeps answering at
+    once; the same body with a lone surrogate too is refused for that."""
     before = raw.baseline()
-    ids = list(range(1_000_000))
+    ids = list(range(MAX_JSON_ITEMS - 100_000))
     sampling = {"max_tokens": 2, "stop_token_ids": ids}
     body = {"template": "Say \U0001f99c {{output:x}}", "placeholders": [out("x", sampling=sampling)]}
     emoji = json.dumps(body).encode()
@@ -101,3 +107,73 @@ def test_a_large_body_is_parsed_and_checked_off_the_event_loop(raw: Raw, bystand
     assert stalls and max(stalls) < 0.5, max(stalls)
     raw.assert_intact(before)
     bystander.finish()
+
+
+@pytest.mark.parametrize("where", ["calls", "completions", "batch"])
+def test_a_body_of_too_many_json_items_is_refused_before_it_is_decoded(
+    raw: Raw, bystander: Bystander, where: str
+) -> None:
+    """More items than MAX_JSON_ITEMS (here as many commas inside one string, which the
+    bound counts too) is a 413 naming the limit, on every JSON endpoint; the session and a
+    bystander are untouched, and the same request with fewer items is served."""
+    before = raw.baseline()
+    path, body = {
+        "calls": (f"{raw.path}/calls", {"template": "Say {{output:x}}", "placeholders": [out("x")]}),
+        "completions": ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+        "batch": (f"{raw.path}/batch", {"ops": []}),
+    }[where]
+    resp = send(raw, "POST", path, {**body, "user": "," * (MAX_JSON_ITEMS + 1)})
+    assert resp.status_code == 413, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "payload_too_large"
+    assert f"more than {MAX_JSON_ITEMS} JSON items" in error["message"]
+    raw.assert_intact(before)
+    if where == "completions":  # the same request without the commas is served
+        ok = send(raw, "POST", path, body)
+        assert ok.status_code == 200, ok.text
+    bystander.finish()
+
+
+@pytest.mark.parametrize("item", [b'{"a":0}', b"[0]", b"[]"], ids=["objects", "lists", "empty-lists"])
+def test_decoding_the_costliest_bodies_under_the_item_limit_is_short(item: bytes) -> None:
+    """The item bound exists so that decoding (which holds the GIL, worker thread or not)
+    stays under the ~100 ms a request may hold the event loop: a body of small containers,
+    the costliest items per comma (each is two items: its bracket and its comma), just
+    under the limit decodes in well under that, in this process that has the manager and
+    the engine imported (the garbage collector, paused while decoding, would otherwise
+    traverse all their objects several times over).  The best of three, so that a busy
+    machine does not decide it; one more container is a 413."""
+    count = MAX_JSON_ITEMS // 2 - 1
+    body = b"[" + b",".join([item] * count) + b"]"
+    assert json_items_bound(body) <= MAX_JSON_ITEMS
+    took = []
+    for _ in range(3):
+        started = time.perf_counter()
+        assert len(parse_json_body(body)) == count
+        took.append(time.perf_counter() - started)
+    assert min(took) < 0.1, took
+    assert gc.isenabled()
+    with pytest.raises(HTTPException) as info:
+        parse_json_body(b"[" + b",".join([item] * (count + 2)) + b"]")
+    assert info.value.status_code == 413
+
+
+def test_the_collector_pause_restores_the_collector_however_decoding_ends() -> None:
+    """Overlapping pauses (two threads decoding at once) turn the collector back on once,
+    when the last ends, and only if it was on; a body that is not JSON leaves it on too."""
+    assert gc.isenabled()
+    with collector_paused():
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()  # it was off: left off
+    finally:
+        gc.enable()
+    with pytest.raises(json.JSONDecodeError):
+        parse_json_body(b"[" + b"0," * 40_000 + b"]")  # over OFFLOOP_JSON_BYTES, so decoded paused
+    assert gc.isenabled()
