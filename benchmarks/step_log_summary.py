@@ -15,12 +15,19 @@ Reads a step log (``parrot serve --step-log``, :mod:`parrot.engine.step_log`) an
 * for each ``--batches`` value k: the mean latency of ``--chains`` chains of ``--calls``
   calls (``--prompt`` prompt tokens and ``--output`` generated tokens each) served k
   chains at a time, one batch after another: a call step takes ``k * P * p + O * (a + c * k)``
-  and the mean chain finishes after ``(N / k + 1) / 2`` batches.
+  and the mean chain finishes after ``(N / k + 1) / 2`` batches;
+* for each ``--prefill-speedups`` value s (default 1, 2, 4): with ``p`` divided by s, the
+  batch k that gives the lowest mean latency, that mean, the mean of all chains at once
+  (k = N, what a request-level server that admits every request does), and their ratio:
+  by this model, the most that batching chains by application can gain on this engine
+  over serving them all at once.  Faster prompt computation makes decode steps a larger
+  share of the time, so batching them matters more and the ratio falls.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
@@ -75,6 +82,13 @@ def chain_mean_latency(costs: StepCosts, k: int, chains: int, calls: int, prompt
     return calls * step * (chains / k + 1) / 2
 
 
+def best_batch(costs: StepCosts, chains: int, calls: int, prompt: int, output: int) -> tuple[int, float]:
+    """The batch k in 1..chains with the lowest :func:`chain_mean_latency`, and that latency."""
+    means = {k: chain_mean_latency(costs, k, chains, calls, prompt, output) for k in range(1, chains + 1)}
+    k = min(means, key=means.__getitem__)
+    return k, means[k]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("log", type=Path)
@@ -83,6 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt", type=int, default=250)
     ap.add_argument("--output", type=int, default=25)
     ap.add_argument("--batches", type=int, nargs="+", default=[7, 9, 12, 25])
+    ap.add_argument("--prefill-speedups", type=float, nargs="+", default=[1.0, 2.0, 4.0])
     args = ap.parse_args(argv)
     rows = read_step_log(args.log)
     print(f"# {args.log}: {len(rows)} steps, {sum(s for _, s in rows):.1f} s")
@@ -97,6 +112,15 @@ def main(argv: list[str] | None = None) -> None:
     for k in args.batches:
         mean = chain_mean_latency(costs, k, args.chains, args.calls, args.prompt, args.output)
         print(f"{args.chains} chains, {k} at a time: mean latency {mean:.1f} s")
+    shape = (args.chains, args.calls, args.prompt, args.output)
+    for speedup in args.prefill_speedups:
+        faster = dataclasses.replace(costs, p=costs.p / speedup)
+        k, best = best_batch(faster, *shape)
+        together = chain_mean_latency(faster, args.chains, *shape)
+        print(
+            f"prompt tokens {speedup:g}x as fast: best {k} at a time, mean {best:.1f} s; all "
+            f"{args.chains} at once {together:.1f} s; ratio {together / best:.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -46,6 +46,23 @@ def test_the_costs_of_an_exact_engine_are_recovered(tmp_path: Path, capsys) -> N
     assert f"25 chains, 9 at a time: mean latency {expected:.1f} s" in out
 
 
+def test_the_best_batch_and_its_gain_over_all_at_once(tmp_path: Path, capsys) -> None:
+    """The best batch is the k with the lowest modelled mean; with prompt tokens twice as
+    fast the script prints that k, its mean, the all-at-once mean and their ratio."""
+    costs = summary.StepCosts(A, C, P, 0.5)
+    shape = (25, 4, 250, 25)
+    means = {k: summary.chain_mean_latency(costs, k, *shape) for k in range(1, 26)}
+    k, best = summary.best_batch(costs, *shape)
+    assert best == min(means.values()) and means[k] == best and 1 < k < 25
+    summary.main([str(_log(tmp_path / "s.jsonl")), "--batches", "9", "--prefill-speedups", "2"])
+    faster = summary.StepCosts(A, C, P / 2, 0.5)
+    k2, best2 = summary.best_batch(faster, *shape)
+    together = summary.chain_mean_latency(faster, 25, *shape)
+    out = capsys.readouterr().out
+    line = f"prompt tokens 2x as fast: best {k2} at a time, mean {best2:.1f} s; "
+    assert line + f"all 25 at once {together:.1f} s" in out and f"ratio {together / best2:.2f}x" in out
+
+
 def test_a_log_without_the_steps_it_needs_is_refused(tmp_path: Path) -> None:
     log = StepLog(tmp_path / "d.jsonl")
     log.record(StepWork(0, 3, 30, 0), 0.03)
