@@ -54,7 +54,12 @@ class InstantEngine:
         return None
 
     async def generate(
-        self, sampling: SamplingParams, context_id: int, parent_context_id: int | None = None
+        self,
+        sampling: SamplingParams,
+        context_id: int,
+        parent_context_id: int | None = None,
+        *,
+        priority: int = 0,
     ) -> AsyncIterator[GenerateChunk]:
         yield GenerateChunk(token_ids=[65], text="A", done=True, finish_reason="length")
 

@@ -20,6 +20,7 @@ differ or any answer through Parrot breaks its constraint::
 
     python benchmarks/parrot_over_vllm_check.py --out docs/evaluation/parrot-over-vllm
     python benchmarks/parrot_over_vllm_check.py --vllm-url http://127.0.0.1:8100 --apps qa_chain
+    python benchmarks/parrot_over_vllm_check.py --backend-priority --out /tmp/priority-check
 """
 
 from __future__ import annotations
@@ -85,8 +86,11 @@ def build_apps(names: list[str], max_tokens: int, chunk_words: int, file: Path, 
     return apps
 
 
-def serve_command(backend_url: str, tokenizer: str, port: int, kind: str = "vllm") -> list[str]:
-    """``parrot serve`` in front of one backend (argv, run with this Python)."""
+def serve_command(
+    backend_url: str, tokenizer: str, port: int, kind: str = "vllm", priority: bool = False
+) -> list[str]:
+    """``parrot serve`` in front of one backend (argv, run with this Python); ``priority``:
+    with ``--backend-priority``."""
     return [
         sys.executable,
         "-m",
@@ -102,6 +106,7 @@ def serve_command(backend_url: str, tokenizer: str, port: int, kind: str = "vllm
         tokenizer,
         "--backend-timeout",
         "600",
+        *(["--backend-priority"] if priority else []),
     ]
 
 
@@ -216,7 +221,8 @@ def vllm(args: argparse.Namespace, model_dir: Path) -> Iterator[str]:
         return
     from peers import running_peer
 
-    with running_peer("vllm", model_dir, args.vllm_port, prefix_caching=True) as url:
+    extra = ["--scheduling-policy", "priority"] if args.backend_priority else None
+    with running_peer("vllm", model_dir, args.vllm_port, prefix_caching=True, extra_args=extra) as url:
         yield url
 
 
@@ -227,7 +233,9 @@ def run_check(
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     with backend() as backend_url:
-        command = serve_command(backend_url, tokenizer, args.parrot_port, args.backend_kind)
+        command = serve_command(
+            backend_url, tokenizer, args.parrot_port, args.backend_kind, args.backend_priority
+        )
         with parrot_over(command, args.out / "parrot-serve.log") as parrot_url:
             for name, app in apps.items():
                 results.append(check_app(name, app, parrot_url, backend_url))
@@ -246,6 +254,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--parrot-port", type=int, default=9400)
     p.add_argument("--model-dir", type=Path, default=None, help="default: .peers/models/smollm2 (exported)")
     p.add_argument("--backend-kind", default="vllm", choices=["vllm", "sglang", "openai"])
+    p.add_argument(
+        "--backend-priority",
+        action="store_true",
+        help="start vLLM with --scheduling-policy priority and Parrot with --backend-priority",
+    )
     p.add_argument("--apps", type=lambda s: s.split(","), default=list(APPS))
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--chunk-words", type=int, default=350)

@@ -18,7 +18,8 @@ class GatedEngine:
     """Generates one token ("A") per output, but only while its gate is open.
 
     ``gate`` is an :class:`asyncio.Event` of the loop the engine runs on; ``generated``
-    lists the context ids in the order their generation began.
+    lists the context ids in the order their generation began, ``priorities`` the
+    priority each of those generations carried.
     """
 
     model_name = "fake"
@@ -29,6 +30,7 @@ class GatedEngine:
         self.gate = asyncio.Event()
         self.gate.set()
         self.generated: list[int] = []
+        self.priorities: list[int] = []
 
     async def fill(
         self,
@@ -40,9 +42,15 @@ class GatedEngine:
         await asyncio.sleep(0)
 
     async def generate(
-        self, sampling: SamplingParams, context_id: int, parent_context_id: int | None = None
+        self,
+        sampling: SamplingParams,
+        context_id: int,
+        parent_context_id: int | None = None,
+        *,
+        priority: int = 0,
     ) -> AsyncIterator[GenerateChunk]:
         self.generated.append(context_id)
+        self.priorities.append(priority)
         await self.gate.wait()
         yield GenerateChunk(token_ids=[65], text="A", done=True, finish_reason="length")
 

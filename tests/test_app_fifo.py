@@ -113,3 +113,32 @@ def test_an_application_whose_work_ended_gives_up_its_place():
         server.live.stop()
     assert [c.name for c in sorted(calls, key=lambda c: c.dispatched_at)] == ["a1", "c1", "b1", "a2"]
     assert not manager.executor.order.app_ranks and not manager.executor.order.app_active
+
+
+@pytest.mark.parametrize("app_fifo", [True, False], ids=["app-fifo", "no-app-fifo"])
+def test_generations_carry_their_applications_place_as_their_priority(app_fifo: bool):
+    """A's a1 and B's b1 both run (held at the gate), then a1 ends and A's a2 runs.  Each
+    generation carries a priority for engines that order their own queue (a vLLM backend
+    with ``--backend-priority``): with app-FIFO a2 keeps A's place, ahead of B, which came
+    later; without it a2 ranks by its own arrival, behind b1."""
+    manager = Manager(ManagerConfig(app_fifo=app_fifo))
+    engine = GatedEngine()
+    manager.pool.register(engine, name="roomy")
+    server = GatedServer(start_server(manager, record=False), engine)
+    try:
+        server.set_gate(False)
+        with P.connect(server.live.url, timeout=WAIT) as a, P.connect(server.live.url, timeout=WAIT) as b:
+            a2 = a.call(fn("a2"), x=a.call(fn("a1"), x="go"))
+            wait_until(server, "a1 runs", lambda m: len(m.executor._placed) == 1)
+            b1 = b.call(fn("b1"), x="go")
+            wait_until(server, "b1 runs", lambda m: len(m.executor._placed) == 2)
+            server.set_gate(True)
+            assert a2.get(timeout=WAIT) == "A" and b1.get(timeout=WAIT) == "A"
+    finally:
+        server.set_gate(True)
+        server.live.stop()
+    pa1, pb1, pa2 = engine.priorities  # the server has stopped: nothing writes it any more
+    if app_fifo:
+        assert pa1 == pa2 < pb1, engine.priorities
+    else:
+        assert pa1 < pb1 < pa2, engine.priorities

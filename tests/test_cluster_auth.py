@@ -184,7 +184,12 @@ class CancellingEngine(GatedEngine):
     """Streams one token, then the chunk an engine sends when someone else freed the context."""
 
     async def generate(
-        self, sampling: SamplingParams, context_id: int, parent_context_id: int | None = None
+        self,
+        sampling: SamplingParams,
+        context_id: int,
+        parent_context_id: int | None = None,
+        *,
+        priority: int = 0,
     ) -> AsyncIterator[GenerateChunk]:
         yield GenerateChunk(token_ids=[65], text="A")
         yield GenerateChunk(done=True, finish_reason="cancelled")

@@ -233,7 +233,12 @@ class SlowishEngine:
         await asyncio.sleep(0)
 
     async def generate(
-        self, sampling: SamplingParams, context_id: int, parent_context_id: int | None = None
+        self,
+        sampling: SamplingParams,
+        context_id: int,
+        parent_context_id: int | None = None,
+        *,
+        priority: int = 0,
     ) -> AsyncIterator[GenerateChunk]:
         await asyncio.sleep(0.001)  # rounds run while calls hold their engines
         yield GenerateChunk(token_ids=[65], text="A", done=True, finish_reason="length")

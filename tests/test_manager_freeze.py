@@ -25,7 +25,12 @@ class FixedTextEngine(GatedEngine):
     """Answers every generate with :data:`EVIL_OUTPUT`."""
 
     async def generate(
-        self, sampling: SamplingParams, context_id: int, parent_context_id: int | None = None
+        self,
+        sampling: SamplingParams,
+        context_id: int,
+        parent_context_id: int | None = None,
+        *,
+        priority: int = 0,
     ) -> AsyncIterator[GenerateChunk]:
         yield GenerateChunk(token_ids=[97], text=EVIL_OUTPUT, done=True, finish_reason="length")
 

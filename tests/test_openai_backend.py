@@ -258,6 +258,10 @@ def test_parrot_serve_with_backends_runs_calls_on_them(live, tmp_path):
             ["--backend", "openai", "--backend-url", "x", "--backend-api-key-env", "NO_SUCH_VAR_X"],
             "$NO_SUCH_VAR_X",
         ),
+        (
+            ["--backend", "sglang", "--backend-url", "http://127.0.0.1:1", "--backend-priority"],
+            "request priorities are vLLM's",
+        ),
     ],
 )
 def test_parrot_serve_refuses_backends_it_cannot_drive(args, message):
@@ -419,3 +423,36 @@ def test_a_backends_latency_cap_is_measured_from_the_gaps_between_its_tokens():
 async def _drain(chunks) -> None:
     async for _ in chunks:
         pass
+
+
+def test_priorities_reach_a_vllm_backend_only_when_asked_and_then_lift_its_latency_cap():
+    """With ``send_priority`` every completion request carries the generation's priority and
+    the adapter reports its whole capacity as the latency cap (source "priority"); without
+    it no request has the field.  Only vLLM has it: other kinds refuse the option."""
+    from parrot.manager.openai_backend import NO_CAPACITY_CAP
+
+    bad = start_misbehaving(Script(mode="ok"))
+    try:
+        stats = {}
+        for send in (False, True):
+            engine = connect_backend(bad.url, BackendOptions(kind="vllm", send_priority=send), TINY)
+
+            async def run(engine=engine) -> object:
+                await engine.fill(TINY.encode("x"), 1)
+                await _drain(engine.generate(P.SamplingParams(max_tokens=4), 1, priority=7 << 31 | 3))
+                got = await engine.stats()
+                await engine.close()
+                return got
+
+            stats[send] = asyncio.run(run())
+        plain, prioritised = (b for b in bad.script.bodies if b["max_tokens"] == 4)
+        assert "priority" not in plain and prioritised["priority"] == 7 << 31 | 3
+        assert (prioritised["priority"] < 2**63) and stats[False].latency_cap_source == "none"
+        assert (stats[True].latency_cap_source, stats[True].latency_cap_tokens) == (
+            "priority",
+            NO_CAPACITY_CAP,
+        )
+    finally:
+        bad.stop()
+    with pytest.raises(ValueError, match="vLLM"):
+        BackendOptions(kind="openai", send_priority=True)

@@ -62,6 +62,13 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
         help="send each long prompt prefix with max_tokens=1 before its generation, to warm the "
         "backend's prefix cache (off by default: one more request per call)",
     )
+    p.add_argument(
+        "--backend-priority",
+        action="store_true",
+        help="vllm only, started with --scheduling-policy priority: send each call's place in the "
+        "manager's order (app-FIFO) as its request priority, and dispatch latency calls up to the "
+        "backend's capacity instead of holding them back under the latency cap",
+    )
 
 
 def register_backends(args: argparse.Namespace, manager: Manager) -> list[OpenAIBackend]:
@@ -88,6 +95,7 @@ def register_backends(args: argparse.Namespace, manager: Manager) -> list[OpenAI
                 max_inflight=args.backend_max_inflight,
                 timeout_s=args.backend_timeout,
                 warm_prefix=args.backend_warm_prefix,
+                send_priority=args.backend_priority,
             )
             engine = connect_backend(url, options, tokenizer, max_seq_len=args.backend_max_seq_len)
             manager.pool.register(engine, name=f"{args.backend}-{len(engines)}", url=engine.url, polled=True)

@@ -179,7 +179,12 @@ class LocalEngine:
             raise
 
     async def generate(
-        self, sampling: SamplingParams, context_id: int, parent_context_id: int | None = None
+        self,
+        sampling: SamplingParams,
+        context_id: int,
+        parent_context_id: int | None = None,
+        *,
+        priority: int = 0,
     ) -> AsyncIterator[GenerateChunk]:
         mailbox = self._mailbox(asyncio.get_running_loop())
         chunks: asyncio.Queue[GenerateChunk | ParrotError] = asyncio.Queue()

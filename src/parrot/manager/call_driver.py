@@ -43,10 +43,13 @@ async def drive(
     rendered: Rendered,
     on_ready: Callable[[Call], None],
     metrics: ManagerMetrics | None = None,
+    *,
+    priority: int = 0,
 ) -> None:
     """Run ``rendered``'s steps for ``call`` on ``handle`` (see the module docstring),
     observing its time to first token and each output's time per token in ``metrics``.
     Engine failures propagate (an EngineError); the caller decides about re-running.
+    Every generation carries ``priority`` (:meth:`~parrot.protocol.engine_api.EngineAPI.generate`).
 
     An output with forks (``n`` samples) is generated in ``n`` contexts forked from the
     filled prompt's, concurrently: the prompt is computed once and every sample reads
@@ -64,9 +67,11 @@ async def drive(
                 continue
             out = step.output
             if out.forks:
-                values = await _generate_forked(call, handle, context_id, [out, *out.forks], metrics)
+                values = await _generate_forked(
+                    call, handle, context_id, [out, *out.forks], metrics, priority
+                )
             else:
-                values = [await _generate(call, handle, out, context_id, None, metrics)]
+                values = [await _generate(call, handle, out, context_id, None, metrics, priority)]
             for spec, value in zip([out, *out.forks], values, strict=True):
                 if spec.transform is not None:
                     value = await _transform(call, spec, value)
@@ -126,6 +131,7 @@ async def _generate(
     context_id: int,
     parent_id: int | None = None,
     metrics: ManagerMetrics | None = None,
+    priority: int = 0,
 ) -> str:
     """Generate ``out`` in ``context_id`` (created forked from ``parent_id`` if given),
     streaming its text into the variable's ``partial``; returns the whole text."""
@@ -133,7 +139,7 @@ async def _generate(
     out.generated_tokens, out.finish_reason = 0, None
     out.logprobs.clear()
     first_at = last_at = 0.0
-    async for chunk in handle.api.generate(out.sampling, context_id, parent_id):
+    async for chunk in handle.api.generate(out.sampling, context_id, parent_id, priority=priority):
         if chunk.finish_reason == "cancelled":  # the manager never cancels this way
             raise CallFailed(
                 f"call {call.call_id}: the engine stopped its generation after "
@@ -168,12 +174,13 @@ async def _generate_forked(
     parent_id: int,
     outs: list[OutputSpec],
     metrics: ManagerMetrics | None = None,
+    priority: int = 0,
 ) -> list[str]:
     """Generate each of ``outs`` in a context of its own forked from ``parent_id``, all
     at once; if one fails the others are cancelled.  The forks are freed however it ends."""
     children = [handle.new_context_id() for _ in outs]
     tasks = [
-        asyncio.ensure_future(_generate(call, handle, out, child, parent_id, metrics))
+        asyncio.ensure_future(_generate(call, handle, out, child, parent_id, metrics, priority))
         for out, child in zip(outs, children, strict=True)
     ]
     try:

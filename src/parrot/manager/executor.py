@@ -87,6 +87,7 @@ class _Ticket:
     # (a request-level prompt; parrot.manager.shared_start)
     leading_chunks: list[tuple[str, float]] = field(default_factory=list)
     started: bool = False  # its task began running (a task cancelled before that never runs at all)
+    priority: int = 0  # its generations' priority, for an engine that orders by it (set when placed)
     queued: QueuedCall | None = None  # what the last round saw (reused while nothing changes)
     token_source: TokenSource | None = None  # its long prompt text, tokenized off the loop first
     tokenizing: asyncio.Task[None] | None = None  # while that runs, rounds pass the call over
@@ -294,6 +295,7 @@ class Executor:
             self.prefixes.record(placement.engine_id, ticket.prefix_keys)
             ticket.call.placement = placement.reason
             ticket.call.dispatched_at = clock.wall()
+            ticket.priority = self.order.engine_priority(ticket.call, ticket.arrival, self._fifo_by_app)
             self.metrics.placed(placement.engine_id, now - ticket.queued_at)
             self.order.served(ticket.call)
             self._start(ticket)
@@ -512,7 +514,7 @@ class Executor:
             call.prompt_tokens = rendered.prompt_tokens
             call.state = "running"
             call.started_at, call.first_token_at = clock.wall(), None
-            await drive(call, handle, rendered, self.dispatch, self.metrics)
+            await drive(call, handle, rendered, self.dispatch, self.metrics, priority=ticket.priority)
         except asyncio.CancelledError as exc:
             lost = exc.args[0] if exc.args and isinstance(exc.args[0], _EngineLost) else None
             if lost is None or call.state in ("done", "failed"):

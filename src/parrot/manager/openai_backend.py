@@ -19,6 +19,13 @@ further generations wait here (reported as ``num_waiting``).  ``stats`` asks the
 backend's ``GET /v1/models`` so a backend that stops answering stays out of the
 manager's placement (suspected) until it answers again.
 
+Priority: with ``send_priority`` (a vLLM backend started with ``--scheduling-policy
+priority``), each request carries the call's ``priority`` (its application's place in
+the manager's order, lower first), so the backend itself serves earlier applications'
+calls first while it admits them all; the adapter then reports a latency cap of its
+whole capacity (``latency_cap_source`` "priority") and the manager dispatches latency
+calls up to it instead of holding them back.
+
 Latency cap: measured here, as Parrot's own engine measures its own
 (:mod:`parrot.engine.latency_probe`).  A backend's decode step is the time
 between two tokens of one streamed answer, so every token after an answer's first
@@ -83,7 +90,10 @@ class BackendOptions:
     place on the backend (0: the manager's default).  ``warm_prefix``: a fill of at
     least ``warm_min_tokens`` also sends that prefix with ``max_tokens=1`` so the
     backend's prefix cache holds it before the generation (off by default: it costs a
-    request, and automatic prefix caching already keeps what the first call computed)."""
+    request, and automatic prefix caching already keeps what the first call computed).
+    ``send_priority``: send each generation's ``priority`` (vLLM's field; its server must
+    run ``--scheduling-policy priority``, or it refuses any priority but 0) and let the
+    manager dispatch latency calls up to the backend's capacity."""
 
     kind: str = "openai"
     model: str | None = None
@@ -93,6 +103,7 @@ class BackendOptions:
     token_capacity: int = 0
     warm_prefix: bool = False
     warm_min_tokens: int = 64
+    send_priority: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in BACKEND_KINDS:
@@ -101,6 +112,8 @@ class BackendOptions:
             raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.send_priority and self.kind != "vllm":
+            raise ValueError(f"request priorities are vLLM's: a {self.kind!r} backend has no such field")
 
     @property
     def token_id_prompts(self) -> bool:
@@ -201,7 +214,12 @@ class OpenAIBackend:
 
     # ------------------------------------------------------------ generate
     async def generate(
-        self, sampling: SamplingParams, context_id: int, parent_context_id: int | None = None
+        self,
+        sampling: SamplingParams,
+        context_id: int,
+        parent_context_id: int | None = None,
+        *,
+        priority: int = 0,
     ) -> AsyncIterator[GenerateChunk]:
         """Stream the backend's answer for the context (forked from the parent first when
         it does not exist yet); the last chunk has ``done`` and the finish reason."""
@@ -213,6 +231,8 @@ class OpenAIBackend:
         if room <= 0:
             raise ContextTooLong(f"context {context_id} fills the backend's {self._max_seq_len} tokens")
         body = self._body(ctx, sampling, min(sampling.max_tokens, room), stream=True)
+        if self.options.send_priority:
+            body["priority"] = priority
         client = self._http()
         assert self._slots is not None
         self._waiting += 1
@@ -370,6 +390,10 @@ class OpenAIBackend:
             raise EngineError(f"backend {self.url} answered GET /v1/models with {resp.status_code}")
         if self.latency.fit is None:
             self.latency.refit()  # the first fit as soon as the samples allow, not 64 tokens later
+        capacity = self.options.token_capacity or NO_CAPACITY_CAP
+        cap = self.latency.report(capacity)
+        if self.options.send_priority:  # the backend orders by priority: nothing to hold back
+            cap = {**cap, "latency_cap_tokens": capacity, "latency_cap_source": "priority"}
         return EngineStats(
             num_contexts=len(self._contexts),
             num_running=self._running,
@@ -377,7 +401,7 @@ class OpenAIBackend:
             token_load=self._load,
             token_capacity=self.options.token_capacity,
             **self._counts,
-            **self.latency.report(self.options.token_capacity or NO_CAPACITY_CAP),
+            **cap,
         )
 
     async def set_token_capacity(self, n: int) -> None:

@@ -105,7 +105,12 @@ class RemoteEngine:
         return reused if isinstance(reused, int) and 0 <= reused <= len(tokens) else None
 
     async def generate(
-        self, sampling: SamplingParams, context_id: int, parent_context_id: int | None = None
+        self,
+        sampling: SamplingParams,
+        context_id: int,
+        parent_context_id: int | None = None,
+        *,
+        priority: int = 0,
     ) -> AsyncIterator[GenerateChunk]:
         body = {
             "sampling": sampling.to_dict(),

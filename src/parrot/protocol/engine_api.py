@@ -38,9 +38,20 @@ class EngineAPI(Protocol):
         (0 to ``len(tokens)``), or None when the engine does not know."""
 
     def generate(
-        self, sampling: SamplingParams, context_id: int, parent_context_id: int | None = None
+        self,
+        sampling: SamplingParams,
+        context_id: int,
+        parent_context_id: int | None = None,
+        *,
+        priority: int = 0,
     ) -> AsyncIterator[GenerateChunk]:
-        """Stream generated chunks; the last has ``done`` set.  Closing early cancels."""
+        """Stream generated chunks; the last has ``done`` set.  Closing early cancels.
+
+        ``priority`` (lower first): the call's place in the manager's order (its
+        application's place under app-FIFO, after its tenant's turn), for an engine that
+        orders its own queue by it: an OpenAI-compatible backend with
+        ``send_priority`` (vLLM started with ``--scheduling-policy priority``).  Parrot's
+        own engines serve in the order the manager dispatches and take no notice of it."""
 
     async def free_context(self, context_id: int) -> None: ...
 

@@ -239,8 +239,10 @@ class EngineStats(BaseModel):
     latency_cap_tokens: int = Field(
         default=0, ge=0, description="Token load under which latency-sensitive work may run here; 0: unknown."
     )
-    latency_cap_source: Literal["none", "measured", "fixed"] = Field(
-        default="none", description="measured: from the decode-step fit; fixed: set by the operator."
+    latency_cap_source: Literal["none", "measured", "fixed", "priority"] = Field(
+        default="none",
+        description="measured: from the decode-step fit; fixed: set by the operator; priority: the "
+        "engine orders requests by priority itself, so the cap is its whole capacity.",
     )
     decode_ms_base: float = Field(default=0.0, description="Fitted decode step time at no load (ms).")
     decode_ms_per_1k_tokens: float = Field(

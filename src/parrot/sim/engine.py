@@ -149,7 +149,12 @@ class SimEngine:
             raise
 
     async def generate(
-        self, sampling: SamplingParams, context_id: int, parent_context_id: int | None = None
+        self,
+        sampling: SamplingParams,
+        context_id: int,
+        parent_context_id: int | None = None,
+        *,
+        priority: int = 0,
     ) -> AsyncIterator[GenerateChunk]:
         chunks: asyncio.Queue[GenerateChunk | ParrotError] = asyncio.Queue()
         job = Job(
