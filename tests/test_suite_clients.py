@@ -730,6 +730,9 @@ def test_systems_change_one_mechanism_each_and_baselines_have_no_prefix_cache() 
         spec = SYSTEMS[name]
         assert spec.kind == "openai" and spec.engine_flags == ("--no-prefix-cache",)
     assert SYSTEMS["vllm"].engine_flags == ()
+    priority = SYSTEMS["parrot-vllm-priority"]  # a way to drive vLLM, not a mechanism switched off
+    assert not priority.ablation and priority.serve_flags == ("--backend-priority",)
+    assert priority.peer_flags == ("--scheduling-policy", "priority") and not SYSTEMS["vllm"].peer_flags
 
 
 def test_every_flag_of_the_systems_exists_in_the_cli() -> None:
@@ -740,6 +743,9 @@ def test_every_flag_of_the_systems_exists_in_the_cli() -> None:
 
     for spec in SYSTEMS.values():
         if spec.backend != "parrot":
+            if spec.kind == "parrot" and spec.serve_flags:  # Parrot over peers: options of serve --backend
+                args = ["serve", "--backend", spec.backend, "--backend-url", "x", *spec.serve_flags]
+                assert _parser().parse_args(args) is not None
             continue
         if spec.serve_flags:
             assert _parser().parse_args(["serve", *spec.serve_flags]) is not None

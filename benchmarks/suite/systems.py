@@ -17,6 +17,8 @@ name                            client      server
 ``parrot-baseline-throughput``  baseline    ``--policy baseline-throughput``, engines ``--no-prefix-cache``
 ``parrot-vllm``                 Parrot      ``parrot serve --backend vllm``: Parrot's manager in front of the
                                             N vLLM-CPU servers of ``vllm`` (its engines)
+``parrot-vllm-priority``        Parrot      ``parrot-vllm`` with ``--backend-priority``, the vLLM servers
+                                            started with ``--scheduling-policy priority``
 ``vllm``                        baseline    N vLLM-CPU 0.32 OpenAI servers, automatic prefix caching on
 ``fastchat``                    baseline    FastChat 0.2.36: controller + one model worker + OpenAI server
 ==============================  ==========  ==========================================================
@@ -92,7 +94,7 @@ class SystemSpec:
     """What a system name stands for: which client drives it and what serves it.
 
     ``serve_flags`` go to ``parrot serve``, ``engine_flags`` to every Parrot
-    engine (embedded or not)."""
+    engine (embedded or not), ``peer_flags`` to every peer server (vLLM)."""
 
     kind: Kind  # "parrot": Parrot's client; "openai": the baseline client over /v1/completions
     backend: Backend
@@ -100,12 +102,13 @@ class SystemSpec:
     description: str = ""
     serve_flags: tuple[str, ...] = ()
     engine_flags: tuple[str, ...] = ()
+    peer_flags: tuple[str, ...] = ()
 
     @property
     def ablation(self) -> bool:
-        """Parrot with one mechanism switched off (reported as such)."""
+        """Parrot on its own engines with one mechanism switched off (reported as such)."""
         switched_off = self.policy != "parrot" or bool(self.serve_flags + self.engine_flags)
-        return self.kind == "parrot" and switched_off
+        return self.kind == "parrot" and self.backend == "parrot" and switched_off
 
 
 NO_PREFIX_CACHE = "--no-prefix-cache"
@@ -164,6 +167,15 @@ SYSTEMS: dict[str, SystemSpec] = {
     ),
     "parrot-vllm": SystemSpec(
         "parrot", "vllm", "parrot", "Parrot's manager driving the vLLM-CPU servers as its engines"
+    ),
+    "parrot-vllm-priority": SystemSpec(
+        "parrot",
+        "vllm",
+        "parrot",
+        "Parrot's manager over vLLM-CPU servers that schedule by request priority: each call "
+        "carries its app-FIFO place, and the manager does not hold latency calls back",
+        serve_flags=("--backend-priority",),
+        peer_flags=("--scheduling-policy", "priority"),
     ),
     "vllm": SystemSpec("openai", "vllm", None, "baseline client on N vLLM-CPU servers (prefix caching on)"),
     "fastchat": SystemSpec("openai", "fastchat", None, "baseline client on FastChat (HF transformers)"),
@@ -512,7 +524,13 @@ def _peer_system(
             f"vLLM: {len(binds)} server(s), OpenMP threads bound to cores {', '.join(binds)}; "
             "automatic prefix caching on; requests to the server with the fewest in flight"
         )
-        opts = [dict(prefix_caching=True, threads=b, dtype=dtype, timeout=timeout_s) for b in binds]
+        extra = list(spec.peer_flags) or None
+        opts = [
+            dict(prefix_caching=True, threads=b, dtype=dtype, timeout=timeout_s, extra_args=extra)
+            for b in binds
+        ]
+        if spec.peer_flags:
+            notes.append(f"vLLM started with {' '.join(spec.peer_flags)}")
     else:
         ports = [free_port_block(8200, 3)]
         opts = [{"timeout": timeout_s}]
