@@ -36,7 +36,7 @@ __all__ = ["QueueOrder"]
 
 _ORDER_BITS = 64  # an app-FIFO rank is (application's place << _ORDER_BITS) | the call's own order
 _TURN_SHIFT = 192  # a rank is (tenant's turn << _TURN_SHIFT) | the call's rank within its tenant
-_PRIORITY_PART = (1 << 31) - 1  # the most each half of an engine priority holds
+_PRIORITY_MAX = (1 << 63) - 1  # an engine priority fits a signed 64-bit integer
 _TENANTS_REMEMBERED = 1024  # past this many, tenants owing nothing are forgotten
 
 
@@ -98,13 +98,13 @@ class QueueOrder:
     def engine_priority(self, call: Call, arrival: int, fifo_by_app: bool) -> int:
         """The priority a placed call's generations carry to an engine that orders its own
         queue by it (lower first; :meth:`parrot.protocol.engine_api.EngineAPI.generate`):
-        its tenant's turn, then its application's place (its own arrival without app-FIFO),
-        each clamped to 31 bits so the number fits vLLM's int64.  Two calls of one
-        application share it; a chain's next call keeps its application's place, ahead of
-        applications that came later."""
-        turn = min(self.turns.get(call.call_id, 0), _PRIORITY_PART)
+        its application's place (its own arrival without app-FIFO), clamped to 63 bits
+        (vLLM's int64).  Calls of one application share it, so a chain's next call keeps
+        its application's place, ahead of applications that came later.  Tenants' turns
+        are not in it: they order what the manager dispatches, and what it has dispatched
+        the engine orders by application."""
         place = self.app_ranks.get(call.session_id, arrival) if fifo_by_app else arrival
-        return (turn << 31) | min(place, _PRIORITY_PART)
+        return min(place, _PRIORITY_MAX)
 
     # ----------------------------------------------------------- tenants
     def share(self, queued: Iterable[tuple[Call, int]], fifo_by_app: bool) -> None:

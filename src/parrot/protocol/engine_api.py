@@ -48,7 +48,7 @@ class EngineAPI(Protocol):
         """Stream generated chunks; the last has ``done`` set.  Closing early cancels.
 
         ``priority`` (lower first): the call's place in the manager's order (its
-        application's place under app-FIFO, after its tenant's turn), for an engine that
+        application's place under app-FIFO), for an engine that
         orders its own queue by it: an OpenAI-compatible backend with
         ``send_priority`` (vLLM started with ``--scheduling-policy priority``).  Parrot's
         own engines serve in the order the manager dispatches and take no notice of it."""
