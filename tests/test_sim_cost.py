@@ -22,7 +22,12 @@ from parrot.sim.fit import TERMS, fit_step_cost
 from parrot.sim.gpu_cost import LLAMA7B_A6000, LLAMA13B_A100
 
 TRUE = StepCost(
-    base=0.012, per_prefill_token=6e-4, per_decode_seq=3e-4, per_kv_token=1.2e-6, per_prefill_pair=2e-8
+    base=0.012,
+    per_prefill_token=6e-4,
+    per_decode_seq=3e-4,
+    per_kv_token=1.2e-6,
+    per_prefill_pair=2e-8,
+    per_prompt_step=0.02,
 )
 
 
@@ -51,7 +56,7 @@ def test_fit_recovers_known_parameters_exactly_without_noise() -> None:
 def test_fit_recovers_parameters_within_noise_and_reports_the_errors() -> None:
     fit = fit_step_cost(_synthetic(TRUE, 0.03))
     for term in TERMS:  # the prompt-attention term is a few % of a prefill step: looser
-        rel = 0.5 if term == "per_prefill_pair" else 0.1
+        rel = 0.5 if term in ("per_prefill_pair", "per_prompt_step") else 0.1
         assert getattr(fit.cost, term) == pytest.approx(getattr(TRUE, term), rel=rel), term
     assert 0.005 < fit.rms_rel_error < 0.03
     assert fit.max_abs_rel_error < 0.07
@@ -79,7 +84,7 @@ def test_fit_rejects_what_it_cannot_fit() -> None:
     samples = _synthetic(TRUE, 0.0)
     with pytest.raises(ValueError, match="unknown terms"):
         fit_step_cost(samples, ("base", "per_flop"))
-    with pytest.raises(ValueError, match="cannot fit 5 terms"):
+    with pytest.raises(ValueError, match=f"cannot fit {len(TERMS)} terms"):
         fit_step_cost(samples[:3])
     decode_only = [(w, s) for w, s in samples if not w.prefill_tokens]
     with pytest.raises(ValueError, match="no sample exercises"):

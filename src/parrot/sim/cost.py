@@ -8,6 +8,7 @@ model is linear in those quantities::
                    + decode_seqs * per_decode_seq
                    + kv_tokens_read * per_kv_token
                    + prefill_pairs * per_prefill_pair
+                   + (per_prompt_step if prefill_tokens else 0)
 
 * ``kv_tokens_read`` counts the KV tokens of the step's sequences; with
   ``share_prefix`` a block that several sequences share is read once (the
@@ -16,6 +17,11 @@ model is linear in those quantities::
 * ``prefill_pairs`` counts (query, key) pairs of the prompt chunks' causal
   attention: a chunk of ``n`` tokens starting at position ``s`` has
   ``n * s + n * (n + 1) / 2``.  It is the compute side, quadratic in prompt length.
+* ``per_prompt_step`` is what a step that computes prompt tokens costs beyond
+  the rest: on the CPU engine a decode-only step runs the C forward
+  (:mod:`parrot.engine.step_forward`), any other the model's PyTorch forward,
+  whose fixed cost per step is higher.  Without it, served steps mixing prompt
+  chunks with decodes came out at 0.82x of their time (``docs/simulation.md``).
 
 :func:`~parrot.engine.step_work.step_work` computes the four quantities from a
 planned step, the same way for the simulated engine, for the calibration that
@@ -53,6 +59,7 @@ class StepCost:
     per_decode_seq: float
     per_kv_token: float
     per_prefill_pair: float = 0.0
+    per_prompt_step: float = 0.0  # a step with prompt tokens, beyond the other terms
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -69,6 +76,7 @@ class StepCost:
             + decode_seqs * self.per_decode_seq
             + kv_tokens_read * self.per_kv_token
             + prefill_pairs * self.per_prefill_pair
+            + (self.per_prompt_step if prefill_tokens else 0.0)
         )
 
     def step_seconds(self, work: StepWork) -> float:
@@ -120,7 +128,7 @@ class CostProfile:
         known = [f.name for f in fields(StepCost)]
         if not isinstance(params, dict) or not set(known[:4]) <= set(params) <= set(known):
             raise ValueError(
-                f"{origin}: 'cost' must be an object with the fields {known} (the last optional)"
+                f"{origin}: 'cost' must be an object with the fields {known} (the last two optional)"
             )
         try:
             cost = StepCost(**params)

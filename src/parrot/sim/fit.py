@@ -21,7 +21,7 @@ from parrot.sim.cost import StepCost, StepWork
 
 __all__ = ["TERMS", "Fit", "fit_step_cost"]
 
-TERMS = ("base", "per_prefill_token", "per_decode_seq", "per_kv_token", "per_prefill_pair")
+TERMS = ("base", "per_prefill_token", "per_decode_seq", "per_kv_token", "per_prefill_pair", "per_prompt_step")
 """The model's terms, in StepCost's order."""
 
 
@@ -49,6 +49,7 @@ def _column(work: StepWork, term: str) -> float:
         "per_decode_seq": work.decode_seqs,
         "per_kv_token": work.kv_tokens_read,
         "per_prefill_pair": work.prefill_pairs,
+        "per_prompt_step": 1.0 if work.prefill_tokens else 0.0,
     }[term]
 
 
