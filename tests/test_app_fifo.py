@@ -30,12 +30,14 @@ def wait_until(server: GatedServer, what: str, check) -> None:
         time.sleep(0.005)
 
 
-def placement_order(config: ManagerConfig) -> list[str]:
-    """A's call a1 runs (held); B's b1 is queued behind it; then a1 finishes, making A's
-    a2 ready.  The engine fits one call at a time: which of a2 and b1 goes first?"""
+def chain_and_later_app(config: ManagerConfig, b_queues: bool) -> tuple[GatedEngine, list[str]]:
+    """A's call a1 runs (held at the gate); then B's b1 arrives, queued behind it
+    (``b_queues``: the engine fits one call at a time) or running beside it; then the gate
+    opens, a1 finishes and A's a2 becomes ready.  Returns the engine and the calls' names
+    in the order they were dispatched."""
     manager = Manager(config)
     engine = GatedEngine()
-    manager.pool.register(engine, name="one-at-a-time")
+    manager.pool.register(engine, name="gated")
     server = GatedServer(start_server(manager, record=False), engine)
     executor = manager.executor
     try:
@@ -44,7 +46,10 @@ def placement_order(config: ManagerConfig) -> list[str]:
             a2 = a.call(fn("a2"), x=a.call(fn("a1"), x="go"))
             wait_until(server, "a1 runs", lambda m: len(m.executor._placed) == 1)
             b1 = b.call(fn("b1"), x="go")
-            wait_until(server, "b1 is queued", lambda m: len(m.executor._queue) == 1)
+            if b_queues:
+                wait_until(server, "b1 is queued", lambda m: len(m.executor._queue) == 1)
+            else:
+                wait_until(server, "b1 runs", lambda m: len(m.executor._placed) == 2)
             server.set_gate(True)
             assert a2.get(timeout=WAIT) == "A" and b1.get(timeout=WAIT) == "A"
             sessions = (a.session_id, b.session_id)
@@ -53,7 +58,12 @@ def placement_order(config: ManagerConfig) -> list[str]:
     finally:
         server.set_gate(True)
         server.live.stop()
-    return [c.name for c in sorted(calls, key=lambda c: c.dispatched_at)]
+    return engine, [c.name for c in sorted(calls, key=lambda c: c.dispatched_at)]
+
+
+def placement_order(config: ManagerConfig) -> list[str]:
+    """Which of a2 and b1 goes first, on an engine that fits one call at a time?"""
+    return chain_and_later_app(config, b_queues=True)[1]
 
 
 # one call at a time on a busy engine, whatever its objective
@@ -121,23 +131,9 @@ def test_generations_carry_their_applications_place_as_their_priority(app_fifo: 
     generation carries a priority for engines that order their own queue (a vLLM backend
     with ``--backend-priority``): with app-FIFO a2 keeps A's place, ahead of B, which came
     later; without it a2 ranks by its own arrival, behind b1."""
-    manager = Manager(ManagerConfig(app_fifo=app_fifo))
-    engine = GatedEngine()
-    manager.pool.register(engine, name="roomy")
-    server = GatedServer(start_server(manager, record=False), engine)
-    try:
-        server.set_gate(False)
-        with P.connect(server.live.url, timeout=WAIT) as a, P.connect(server.live.url, timeout=WAIT) as b:
-            a2 = a.call(fn("a2"), x=a.call(fn("a1"), x="go"))
-            wait_until(server, "a1 runs", lambda m: len(m.executor._placed) == 1)
-            b1 = b.call(fn("b1"), x="go")
-            wait_until(server, "b1 runs", lambda m: len(m.executor._placed) == 2)
-            server.set_gate(True)
-            assert a2.get(timeout=WAIT) == "A" and b1.get(timeout=WAIT) == "A"
-    finally:
-        server.set_gate(True)
-        server.live.stop()
-    pa1, pb1, pa2 = engine.priorities  # the server has stopped: nothing writes it any more
+    engine, order = chain_and_later_app(ManagerConfig(app_fifo=app_fifo), b_queues=False)
+    assert order == ["a1", "b1", "a2"]
+    pa1, pb1, pa2 = engine.priorities  # in that order; the server has stopped
     if app_fifo:
         assert pa1 == pa2 < pb1, engine.priorities
     else:
