@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import json
 import time
+import weakref
 
 import httpx
 import pytest
@@ -14,7 +15,13 @@ from fastapi import HTTPException
 
 from parrot.engine.local import LocalEngine  # noqa: F401  (the engine's objects, as in a server)
 from parrot.manager.app import create_app  # noqa: F401
-from parrot.protocol.asgi import MAX_JSON_ITEMS, collector_paused, json_items_bound, parse_json_body
+from parrot.protocol.asgi import (
+    MAX_JSON_ITEMS,
+    collector_paused,
+    json_items_bound,
+    parse_json_body,
+    startup_objects_frozen,
+)
 from parrot.protocol.sampling import MAX_STOP_TOKEN_IDS
 from tests.api_client import Bystander, Raw, healthz_stalls, inp, out
 
@@ -177,3 +184,26 @@ def test_the_collector_pause_restores_the_collector_however_decoding_ends() -> N
     with pytest.raises(json.JSONDecodeError):
         parse_json_body(b"[" + b"0," * 40_000 + b"]")  # over OFFLOOP_JSON_BYTES, so decoded paused
     assert gc.isenabled()
+
+
+def test_serving_freezes_the_start_up_objects_after_collecting_their_garbage() -> None:
+    """``parrot serve`` and ``parrot engine`` serve inside ``startup_objects_frozen``: the
+    objects alive at start-up leave the collector's reach (a full collection then walks only
+    what serving created), garbage cycles of start-up are collected first rather than frozen
+    for ever, and leaving unfreezes them."""
+
+    class Node:
+        pass
+
+    cycle = Node()
+    cycle.self = cycle  # garbage only a collection can free
+    gone = weakref.ref(cycle)
+    del cycle
+    kept = Node()
+    assert gone() is not None and gc.get_freeze_count() == 0
+    with startup_objects_frozen():
+        assert gone() is None  # collected, not frozen
+        assert gc.get_freeze_count() > 0
+        assert all(o is not kept for o in gc.get_objects())  # out of the collector's lists
+    assert gc.get_freeze_count() == 0
+    assert any(o is kept for o in gc.get_objects())

@@ -433,6 +433,7 @@ def serve(args: argparse.Namespace) -> None:
 
     from parrot.manager.app import create_app
     from parrot.manager.service import Manager
+    from parrot.protocol.asgi import startup_objects_frozen
 
     started = time.perf_counter()
     manager = Manager(manager_config(args))
@@ -452,14 +453,15 @@ def serve(args: argparse.Namespace) -> None:
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5, **tls)
     server = uvicorn.Server(config)
     host, port = sock.getsockname()[:2]
-    print(
-        f"parrot: manager ready at {'https' if tls else 'http'}://{host}:{port} "
-        f"in {time.perf_counter() - started:.2f}s "
-        f"({what})",
-        flush=True,
-    )
     try:
-        server.run(sockets=[sock])
+        with startup_objects_frozen():  # before "ready": clients connect as soon as they read it
+            print(
+                f"parrot: manager ready at {'https' if tls else 'http'}://{host}:{port} "
+                f"in {time.perf_counter() - started:.2f}s "
+                f"({what})",
+                flush=True,
+            )
+            server.run(sockets=[sock])
     finally:
         if engine is not None:
             engine.close()
@@ -469,6 +471,7 @@ def run_engine(args: argparse.Namespace) -> None:
     import uvicorn
 
     from parrot.engine.http_app import create_engine_app, register_and_heartbeat
+    from parrot.protocol.asgi import startup_objects_frozen
 
     try:
         secret = resolve_secret(args.cluster_secret)
@@ -513,7 +516,8 @@ def run_engine(args: argparse.Namespace) -> None:
             await beat
 
     try:
-        asyncio.run(main())
+        with startup_objects_frozen():
+            asyncio.run(main())
     finally:
         engine.close()
 
