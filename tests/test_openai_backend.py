@@ -447,7 +447,7 @@ def test_priorities_reach_a_vllm_backend_only_when_asked_and_then_lift_its_laten
             stats[send] = asyncio.run(run())
         plain, prioritised = (b for b in bad.script.bodies if b["max_tokens"] == 4)
         assert "priority" not in plain and prioritised["priority"] == 2**40 + 3
-        assert (prioritised["priority"] < 2**63) and stats[False].latency_cap_source == "none"
+        assert stats[False].latency_cap_source == "none"
         assert (stats[True].latency_cap_source, stats[True].latency_cap_tokens) == (
             "priority",
             NO_CAPACITY_CAP,

@@ -96,7 +96,7 @@ def test_stop_token_ids_are_bounded(raw: Raw, bystander: Bystander) -> None:
 
 
 def test_a_large_body_is_parsed_and_checked_off_the_event_loop(raw: Raw, bystander: Bystander) -> None:
-    """A 3.9 MB body (half a million stop token ids next to an emoji's surrogate pair, which
+    """A 1.5 MB body (200,000 stop token ids next to an emoji's surrogate pair, which
     makes the body's strings worth checking) is refused while /healthz keeps answering at
     once; the same body with a lone surrogate too is refused for that."""
     before = raw.baseline()
