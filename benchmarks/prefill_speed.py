@@ -1,10 +1,13 @@
-"""Prefill speed of the built-in engine against its step size: many new prompts filled at once.
+"""Prefill speed of the built-in engine against its step size and prompt attention kernel.
 
     python benchmarks/prefill_speed.py [--model smollm2] [--dtype bfloat16] [--prompts 32]
-        [--prompt-tokens 100] [--max-step-tokens 512 2048] [--repeats 5] [--threads 2]
+        [--prompt-tokens 100] [--max-step-tokens 512 2048] [--amx-prefill on off]
+        [--repeats 5] [--threads 2]
 
 In-process: one :class:`~parrot.engine.local.LocalEngine` per ``--max-step-tokens``
-value, over one loaded model.  In each repeat every engine, in turn (the order
+value and ``--amx-prefill`` setting (prompt attention on the AMX kernel or PyTorch's
+flash attention; the other kernel options from the ``PARROT_*`` variables), over one
+loaded model.  In each repeat every engine, in turn (the order
 alternating between repeats), fills ``--prompts`` random prompts of about
 ``--prompt-tokens`` tokens (up to a quarter longer, so lengths differ) at once, new
 prompts each time so that the prefix cache never hits; the figure is prompt tokens
@@ -12,7 +15,7 @@ per second of wall time until the last fill is done.  Only one engine works at a
 time (the others idle on their queues).  A warm-up first touches each engine's KV
 pages (first writes to fresh memory cost more than the computation on this VM).
 Prints each engine's median and the median of the per-repeat ratios to the first
-value, with their range.
+engine, with their range.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import asyncio
 import random
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
@@ -54,6 +58,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=100)
     ap.add_argument("--max-step-tokens", type=int, nargs="+", default=[512, 2048])
+    ap.add_argument("--amx-prefill", choices=["on", "off"], nargs="+", default=["on"])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -62,23 +67,26 @@ def main() -> None:
     loaded = load_model(args.model)
     vocab = loaded.tokenizer.vocab_size
     rng = random.Random(0)
-    steps = args.max_step_tokens
+    steps = [(step, amx) for step in args.max_step_tokens for amx in args.amx_prefill]
+    env = KernelOptions.from_env()
     engines = {
-        step: LocalEngine(
+        (step, amx): LocalEngine(
             loaded, max_step_tokens=step, weight_dtype=dtype, kv_dtype=dtype, latency_probe=False,
-            kernels=KernelOptions.from_env(),
+            kernels=replace(env, amx_prefill=amx == "on"),
         )
-        for step in steps
+        for step, amx in steps
     }  # fmt: skip
     print(
         f"# {args.prompts} prompts of ~{args.prompt_tokens} tokens, {args.model} {args.dtype}, "
         f"{args.threads} threads, {args.repeats} repeats"
     )
+    for (step, amx), engine in engines.items():
+        print(f"#   max_step_tokens {step}, amx-prefill {amx}: {engine.runner.kernels.describe()}")
     try:
         for engine in engines.values():  # warm-up: the pool's pages, oneDNN's kernels
             for _ in range(3):
                 asyncio.run(fill_all(engine, prompts_for(rng, args.prompts * 4, args.prompt_tokens, vocab)))
-        tps: dict[int, list[float]] = {step: [] for step in steps}
+        tps: dict[tuple[int, str], list[float]] = {step: [] for step in steps}
         for r in range(args.repeats):
             for step in steps if r % 2 == 0 else steps[::-1]:
                 prompts = prompts_for(rng, args.prompts, args.prompt_tokens, vocab)
@@ -90,8 +98,8 @@ def main() -> None:
     for step in steps:
         ratios = [a / b for a, b in zip(tps[step], tps[first], strict=True)]
         print(
-            f"max_step_tokens {step:5d}: {statistics.median(tps[step]):7.0f} tok/s "
-            f"[{min(tps[step]):.0f}, {max(tps[step]):.0f}], x{first}: {statistics.median(ratios):.2f}x "
+            f"max_step_tokens {step[0]:5d} amx-prefill {step[1]:3s}: {statistics.median(tps[step]):7.0f} "
+            f"tok/s [{min(tps[step]):.0f}, {max(tps[step]):.0f}], x first: {statistics.median(ratios):.2f}x "
             f"[{min(ratios):.2f}, {max(ratios):.2f}]",
             flush=True,
         )

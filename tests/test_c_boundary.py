@@ -67,7 +67,7 @@ _HEADER = '#include "parrot_ops.h"\n'
 def test_the_header_declares_every_op_and_struct() -> None:
     b = c_boundary.boundary()
     assert [s.name for s in b.structs] == ["ParrotDecodeLayer", "ParrotDecodeShape", "ParrotDecodeAttention"]
-    assert len(b.functions) == 16 and all(f.name.startswith("parrot_") for f in b.functions)
+    assert len(b.functions) == 18 and all(f.name.startswith("parrot_") for f in b.functions)
     fns = {f.name: f for f in b.functions}
     p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     assert c_boundary.signature(fns["parrot_rope"], {}) == ([p, i64, i64, i64, i64, p, p, i], None)

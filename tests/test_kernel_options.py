@@ -29,7 +29,7 @@ def _parse(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], argv: list[str]
 
 def test_without_variables_or_flags_every_kernel_is_on(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _parse(monkeypatch, {}, []) == KernelOptions() == EngineConfig().kernels
-    assert KernelOptions() == KernelOptions("native", True, True, True, True, None)
+    assert KernelOptions() == KernelOptions("native", True, True, True, True, None, True)
 
 
 def test_each_variable_reaches_its_option(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -40,9 +40,10 @@ def test_each_variable_reaches_its_option(monkeypatch: pytest.MonkeyPatch) -> No
         "PARROT_DECODE_FORWARD": "0",
         "PARROT_HUGEPAGES": "0",
         "PARROT_KERNEL_CACHE": "/tmp/parrot-kernels",
+        "PARROT_AMX_PREFILL": "0",
     }
     assert _parse(monkeypatch, env, []) == KernelOptions(
-        "portable", False, False, False, False, "/tmp/parrot-kernels"
+        "portable", False, False, False, False, "/tmp/parrot-kernels", False
     )
     # the old switch values: 0 is off, 1 the native build; any other value leaves a kernel on
     assert KernelOptions.from_env({"PARROT_CPU_KERNEL": "0"}).cpu_kernel == "off"
@@ -104,10 +105,11 @@ def test_the_kernel_set_names_only_kernels_its_options_allow_and_its_build_has()
     lib = native.library("native")
     assert on.lib is lib and on.c_attention == on.c_forward == (lib is not None)
     assert on.f32_linear == (lib is not None and bool(lib.parrot_f32_linear_supported()))
-    assert on.amx_linear == (lib is not None and bool(lib.parrot_amx_ready()))
+    assert on.amx_linear == on.amx_prefill == (lib is not None and bool(lib.parrot_amx_ready()))
+    assert not for_options(KernelOptions(amx_prefill=False)).amx_prefill
     narrowed = for_options(KernelOptions(amx=False, f32_linear=False, c_forward=False))
-    assert not (narrowed.amx_linear or narrowed.f32_linear or narrowed.c_forward)
+    assert not (narrowed.amx_linear or narrowed.amx_prefill or narrowed.f32_linear or narrowed.c_forward)
     assert narrowed.c_attention == on.c_attention
     portable = for_options(KernelOptions(cpu_kernel="portable"))  # no AVX-512 / AMX code in it
-    assert not (portable.f32_linear or portable.amx_linear)
+    assert not (portable.f32_linear or portable.amx_linear or portable.amx_prefill)
     assert portable.describe().startswith("C ops build portable") or portable.lib is None

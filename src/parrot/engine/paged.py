@@ -16,10 +16,15 @@ computed once in the constructor and reused by all layers:
   ``triton`` decode backend (the CUDA strategy) the segments stay on the host and
   their :class:`~parrot.engine.kernels.attention.triton_kernel.TritonDecodePlan`
   is uploaded once per step;
-- for each prefill chunk, the blocks holding its sequence's keys (one
-  ``index_select`` per layer gathers them); its attention is
+- for the prefill chunks, with ``prefill_lib`` (the CPU, a bf16 cache: see
+  :mod:`parrot.engine.step_forward`), their
+  :class:`~parrot.engine.kernels.prefill_amx.PrefillPlan`: every layer's chunks then
+  attend in one call of the AMX kernel, which reads the cache blocks in place;
+  otherwise, per chunk, the blocks holding its sequence's keys (one
+  ``index_select`` per layer gathers them) and
   :func:`~parrot.engine.prefill_attention.prefill_attention` (causal from the
-  chunk's start).
+  chunk's start).  Chunks whose pasts share blocks take the shared prefill
+  (:mod:`parrot.engine.prefill_sharing`) before either.
 
 Invariant (the caller's): before the step, every slice's context table covers
 its new positions with blocks it may write (:meth:`ContextTable.reserve`, with
@@ -29,12 +34,14 @@ hold that sequence's KV.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
 
 from parrot.engine.kernels.attention import DecodePlan, Segment, paged_decode_attention, plan_decode_attention
 from parrot.engine.kernels.attention.triton_kernel import TritonDecodePlan, plan_triton_decode
+from parrot.engine.kernels.prefill_amx import ChunkSpec, PrefillPlan
 from parrot.engine.kv_store import PagedKVCache
 from parrot.engine.prefill_attention import prefill_attention
 from parrot.engine.prefill_sharing import SharedPrefill, plan_shared_prefill
@@ -73,9 +80,12 @@ class PagedStepAttention:
         *,
         share_prefix: bool = True,
         decode_backend: str = "auto",
+        prefill_lib: ctypes.CDLL | None = None,
     ):
         """``decode_backend``: the ``backend`` of every layer's
-        :func:`~parrot.engine.kernels.attention.paged_decode_attention` call."""
+        :func:`~parrot.engine.kernels.attention.paged_decode_attention` call;
+        ``prefill_lib``: the C ops build whose AMX kernel runs the prefill chunks'
+        attention (the caller has checked it applies: CPU, bf16 cache)."""
         bs, device = cache.block_size, cache.device
         self.cache = cache
         self.share = share_prefix
@@ -118,6 +128,20 @@ class PagedStepAttention:
         self._prefill_tables = [(s.ctx.block_table, s.start, s.start + s.n) for s in chunk_slices]
         self._shared_prefill: SharedPrefill | None = None
         self._prefill_planned = not share_prefix or len(self.chunks) < 2
+        self._amx_prefill = (
+            PrefillPlan(
+                [
+                    ChunkSpec(
+                        c.rows.start, c.total - c.start, c.start, s.ctx.block_table[: -(-c.total // bs)]
+                    )
+                    for c, s in zip(self.chunks, chunk_slices, strict=True)
+                ],
+                bs,
+                prefill_lib,
+            )
+            if prefill_lib is not None and self.chunks
+            else None
+        )
 
     def decode_plan(self, q_probe: torch.Tensor) -> DecodePlan | TritonDecodePlan | None:
         """The decode slices' attention plan every layer of the step uses (made once, from
@@ -171,6 +195,9 @@ class PagedStepAttention:
             self._shared_prefill = plan_shared_prefill(tables, starts, totals, cache.block_size, q)
         if self._shared_prefill is not None:
             out[nd:] = self._shared_prefill.attend(q[nd:], k_layer, v_layer)
+            return out
+        if self._amx_prefill is not None and q.dtype == torch.float32:
+            self._amx_prefill.attend(q, k_layer, v_layer, out)
             return out
         kv_heads, dim = k.shape[1], k.shape[2]
         # A bf16 cache on CPU: prefill attention runs in bf16 (the keys and values are

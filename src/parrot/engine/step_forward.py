@@ -28,6 +28,12 @@ projections have), the KV cache and the engine's kernels
 ``decode_attention`` (:class:`~parrot.engine.config.EngineConfig`) picks the decode
 backend: ``auto`` (Triton on CUDA when installed, the CPU's own paths otherwise),
 ``torch`` or ``triton``.
+
+Prompt chunks' attention is chosen with the strategy too: on the CPU with a bf16 KV
+cache, a head dimension that is a multiple of 32 and the kernel set's ``amx_prefill``,
+every step's chunks attend on the AMX kernel (:mod:`parrot.engine.kernels.prefill_amx`,
+``prefill_lib``); otherwise through PyTorch's flash attention
+(:mod:`parrot.engine.prefill_attention`).
 """
 
 from __future__ import annotations
@@ -54,19 +60,26 @@ __all__ = ["StepForward", "choose"]
 class StepForward:
     """``name``: what the stats show; ``c_forward``: try the C forward first, with
     ``lib`` (the engine's build of the C ops); ``decode_backend``: the backend of the
-    step's decode attention (``auto``, ``torch`` or ``triton``)."""
+    step's decode attention (``auto``, ``torch`` or ``triton``); ``prefill_lib``: the
+    build whose AMX kernel computes prompt chunks' attention (None: PyTorch's)."""
 
     name: str
     c_forward: bool
     lib: ctypes.CDLL | None = field(default=None, compare=False, repr=False)
     decode_backend: str = "auto"
+    prefill_lib: ctypes.CDLL | None = field(default=None, compare=False, repr=False)
 
     def attention(
         self, cache: PagedKVCache, slices: list[SeqSlice], slots: list[int], *, share_prefix: bool
     ) -> PagedStepAttention:
         """The attention backend of one step over ``slices`` (see :class:`PagedStepAttention`)."""
         return PagedStepAttention(
-            cache, slices, slots, share_prefix=share_prefix, decode_backend=self.decode_backend
+            cache,
+            slices,
+            slots,
+            share_prefix=share_prefix,
+            decode_backend=self.decode_backend,
+            prefill_lib=self.prefill_lib,
         )
 
     def __call__(
@@ -108,16 +121,18 @@ def choose(
         )
     kernels = for_options() if kernels is None else kernels
     lib = kernels.lib
+    amx_prefill = kernels.amx_prefill and cache.k.dtype == torch.bfloat16 and model.config.head_dim % 32 == 0
+    prefill_lib = lib if amx_prefill else None
     c_forward = kernels.c_forward and decode_attention == "auto"  # its attention is the C kernels'
     mode = decode_forward.c_forward_mode(model, cache, lib) if c_forward else None
     if mode is not None:
-        return StepForward(f"c-forward/{mode}", c_forward=True, lib=lib)
+        return StepForward(f"c-forward/{mode}", c_forward=True, lib=lib, prefill_lib=prefill_lib)
     packed = len(model.model.layers) > 0 and model.model.layers[0].self_attn.qkv is not None
     residual = model.model.embed_tokens.weight  # the residual stream has its dtype and device
     if packed and fused.applies(
         torch.empty(1, model.config.hidden_size, dtype=residual.dtype, device=residual.device)
     ):
-        return StepForward("pytorch/fused", c_forward=False, decode_backend=decode_attention)
-    return StepForward(
-        "pytorch/packed" if packed else "pytorch", c_forward=False, decode_backend=decode_attention
-    )
+        name = "pytorch/fused"
+    else:
+        name = "pytorch/packed" if packed else "pytorch"
+    return StepForward(name, c_forward=False, decode_backend=decode_attention, prefill_lib=prefill_lib)

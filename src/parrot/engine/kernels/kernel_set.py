@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass, field
 
-from parrot.engine.kernels import amx_linear, f32_linear, native
+from parrot.engine.kernels import amx_linear, f32_linear, native, prefill_amx
 from parrot.engine.kernels.options import KernelOptions
 
 __all__ = ["KernelSet", "for_options"]
@@ -17,6 +17,8 @@ class KernelSet:
     (None: ``cpu_kernel='off'`` or the build failed); ``f32_linear`` — fp32
     projections of decode size run on Parrot's fp32 kernel (AVX-512 build);
     ``amx_linear`` — bf16 ones on the AMX kernel (AMX build, tiles granted);
+    ``amx_prefill`` — prompt chunks over a bf16 KV cache attend on the AMX kernel
+    (:mod:`parrot.engine.kernels.prefill_amx`; the same build and grant, ``amx`` on);
     ``c_attention`` — decode attention may run on the C kernels (else PyTorch);
     ``c_forward`` — decode steps may run all layers in one C call.  Invariant: every
     kernel it names is allowed by ``options`` and present in ``lib``."""
@@ -25,6 +27,7 @@ class KernelSet:
     lib: ctypes.CDLL | None = field(compare=False, repr=False)
     f32_linear: bool
     amx_linear: bool
+    amx_prefill: bool
     c_attention: bool
     c_forward: bool
 
@@ -45,6 +48,7 @@ class KernelSet:
             for name, on in (
                 ("f32-linear", self.f32_linear),
                 ("amx-linear", self.amx_linear),
+                ("amx-prefill", self.amx_prefill),
                 ("c-attention", self.c_attention),
                 ("c-forward", self.c_forward),
             )
@@ -68,6 +72,10 @@ def for_options(options: KernelOptions | None = None) -> KernelSet:
         lib=lib,
         f32_linear=options.f32_linear and lib is not None and f32_linear.available(lib),
         amx_linear=options.amx and lib is not None and amx_linear.available(lib),
+        amx_prefill=options.amx
+        and options.amx_prefill
+        and lib is not None
+        and prefill_amx.available(32, lib),
         c_attention=lib is not None,
         c_forward=options.c_forward and lib is not None,
     )

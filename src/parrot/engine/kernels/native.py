@@ -78,6 +78,7 @@ SOURCES = (
     "layer_ops.c",
     "shared_rows.c",
     "amx_linear.c",
+    "prefill_amx.c",
     "f32_linear.c",
     "decode_forward.c",
 )

@@ -15,6 +15,8 @@ variable                   flag                       field
                                                       ``portable`` (no AVX-512/AMX code) or
                                                       ``off`` (``0``: PyTorch paths only)
 ``PARROT_AMX``             ``--[no-]amx``             ``amx``: bf16 projections on AMX tiles
+``PARROT_AMX_PREFILL``     ``--[no-]amx-prefill``     ``amx_prefill``: prompt attention on AMX
+                                                      tiles (with ``amx`` on, a bf16 KV cache)
 ``PARROT_F32_LINEAR``      ``--[no-]f32-linear``      ``f32_linear``: the fp32 AVX-512 kernel
 ``PARROT_DECODE_FORWARD``  ``--[no-]c-forward``       ``c_forward``: decode steps in one C call
 ``PARROT_HUGEPAGES``       ``--[no-]hugepages``       ``hugepages``: weights and KV on 2 MiB pages
@@ -42,6 +44,7 @@ CPU_KERNEL_MODES = ("native", "portable", "off")
 ENVIRONMENT = {
     "PARROT_CPU_KERNEL": "cpu_kernel",
     "PARROT_AMX": "amx",
+    "PARROT_AMX_PREFILL": "amx_prefill",
     "PARROT_F32_LINEAR": "f32_linear",
     "PARROT_DECODE_FORWARD": "c_forward",
     "PARROT_HUGEPAGES": "hugepages",
@@ -54,7 +57,9 @@ _MODE_ALIASES = {"1": "native", "0": "off"}
 class KernelOptions:
     """``cpu_kernel`` — which build of Parrot's C ops the engine loads (one of
     :data:`CPU_KERNEL_MODES`); ``amx`` / ``f32_linear`` — whether packed projections
-    keep the AMX (bf16) / fp32 C kernel's copy for decode-sized calls; ``c_forward`` —
+    keep the AMX (bf16) / fp32 C kernel's copy for decode-sized calls; ``amx_prefill``
+    — whether prompt chunks over a bf16 KV cache attend on the AMX kernel (needs
+    ``amx`` too); ``c_forward`` —
     whether decode steps may run all layers in one C call; ``hugepages`` — whether the
     fp32 kernel's weights and the KV cache ask for 2 MiB pages; ``kernel_cache`` — the
     folder for built libraries (None: ``~/.cache/parrot/kernels``)."""
@@ -65,6 +70,7 @@ class KernelOptions:
     c_forward: bool = True
     hugepages: bool = True
     kernel_cache: str | None = None
+    amx_prefill: bool = True
 
     def __post_init__(self) -> None:
         if self.cpu_kernel not in CPU_KERNEL_MODES:
@@ -87,6 +93,7 @@ class KernelOptions:
         return cls(
             cpu_kernel=_MODE_ALIASES.get(mode, mode),
             amx=env.get("PARROT_AMX", "1") != "0",
+            amx_prefill=env.get("PARROT_AMX_PREFILL", "1") != "0",
             f32_linear=env.get("PARROT_F32_LINEAR", "1") != "0",
             c_forward=env.get("PARROT_DECODE_FORWARD", "1") != "0",
             hugepages=env.get("PARROT_HUGEPAGES", "1") != "0",
@@ -101,7 +108,8 @@ class KernelOptions:
 
 # flag -> what it switches (each a --flag / --no-flag pair; the field is the flag with _)
 _SWITCHES = {
-    "amx": "bf16 projections on the AMX kernel ($PARROT_AMX)",
+    "amx": "bf16 projections (and, with --amx-prefill, prompt attention) on AMX tiles ($PARROT_AMX)",
+    "amx-prefill": "prompt attention over a bf16 KV cache on AMX tiles ($PARROT_AMX_PREFILL)",
     "f32-linear": "fp32 projections on the AVX-512 kernel ($PARROT_F32_LINEAR)",
     "c-forward": "decode steps in one C call ($PARROT_DECODE_FORWARD)",
     "hugepages": "weights and KV cache on 2 MiB pages ($PARROT_HUGEPAGES)",
