@@ -740,6 +740,7 @@ HEARTBEAT_STATS = EngineStats(
     decode_ms_per_1k_tokens=0.5,
     decode_ms_target=5.0,
     decode_steps_fitted=10,
+    prefill_tokens_per_decode_step=30.0,
 ).model_dump()
 """A remote engine's plausible heartbeat, every field set (for the mutations to hit)."""
 

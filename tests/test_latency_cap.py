@@ -115,6 +115,27 @@ def test_step_latency_refits_from_recorded_steps_and_reports():
             StepLatency(**bad)  # type: ignore[arg-type]
 
 
+def test_prompt_steps_tell_how_many_prompt_tokens_cost_one_decode_step():
+    tracker = StepLatency()
+    tracker.record_prefill(1000, 0, 0, 0.5)  # before a fit: nothing to compare with
+    assert tracker.prefill_tokens_per_decode_step() == 0.0
+    rng = random.Random(3)
+    for load, t in line(0.020, 5e-6, [600, 2400], lp.REFIT_EVERY // 2, rng):
+        tracker.record(load, t)
+    assert tracker.fit is not None and tracker.report(50_000)["prefill_tokens_per_decode_step"] == 0.0
+    base = tracker.fit.base_s
+    # 2 ms a prompt token on top of the step's decode part: base / 2 ms tokens cost one step
+    tracker.record_prefill(1000, 0, 0, base + 2.0)
+    tracker.record_prefill(512, 1200, 4, tracker.fit.step_s(1200) + 512 * 2e-3)
+    tracker.record_prefill(600, 0, 0, base + 600 * 1e-3)  # a faster step: the median of three
+    tracker.record_prefill(lp.PREFILL_MIN_TOKENS - 1, 0, 0, 9.0)  # too few prompt tokens: ignored
+    tracker.record_prefill(1000, 0, 0, base / 2)  # faster than its decode part: ignored
+    tracker.record_prefill(1000, 0, 0, float("inf"))
+    want = float(f"{base / 2e-3:.2g}")
+    assert tracker.prefill_tokens_per_decode_step() == want == pytest.approx(10, rel=0.1)
+    EngineStats(**tracker.report(50_000))
+
+
 # ------------------------------------------------------------------ the probe on the tiny model
 @pytest.fixture
 def one_thread() -> Iterator[None]:
@@ -127,7 +148,7 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def test_probe_on_the_tiny_model_gives_a_positive_cap_quickly_without_prefilling(
+def test_probe_on_the_tiny_model_gives_a_positive_cap_quickly_without_counting_its_steps(
     tiny_model: LoadedModel, one_thread
 ):
     engine = LocalEngine(tiny_model, max_step_tokens=256)  # the probe runs before it returns
@@ -145,7 +166,9 @@ def test_probe_on_the_tiny_model_gives_a_positive_cap_quickly_without_prefilling
         assert 2 <= stats.decode_steps_fitted <= len(lp.PROBE_SEQS) * lp.PROBE_MAX_STEPS
         probe_s = runner.latency.probe_s
         assert probe_s is not None and probe_s < lp.PROBE_BUDGET_S + 2, probe_s  # ms on an idle machine
-        # nothing prefilled, nothing left behind, no step counted as the engine's
+        # its fabricated prompts tell what a prompt token costs
+        assert stats.prefill_tokens_per_decode_step > 0
+        # no fill counted, nothing left behind, no step counted as the engine's
         assert stats.fills == stats.filled_tokens == stats.generates == 0
         assert stats.num_contexts == 0 and stats.kv_blocks_used == 0 and runner.counters["steps"] == 0
     finally:
@@ -250,7 +273,8 @@ def test_engines_endpoint_shows_the_cap(tiny_model: LoadedModel):
         [info] = httpx.get(f"{server.url}/v1/engines", timeout=10).json()
         stats = info["stats"]
         assert (stats["latency_cap_tokens"], stats["latency_cap_source"]) == (2500, "fixed")
-        for field in ("decode_ms_base", "decode_ms_per_1k_tokens", "decode_ms_target", "decode_steps_fitted"):
+        fit = ("decode_ms_base", "decode_ms_per_1k_tokens", "decode_ms_target", "decode_steps_fitted")
+        for field in (*fit, "prefill_tokens_per_decode_step"):
             assert field in stats
         [snap] = manager.executor.snapshots()
         assert snap.latency_cap_tokens == 2500
@@ -360,6 +384,27 @@ def test_the_operator_cap_overrides_every_engine_and_heartbeats_carry_remote_cap
         assert [c.engine_id for c in calls].count(ha.engine_id) == 2, [c.engine_id for c in calls]
         assert (a.running, b.running) == (2, 2)
         await release_and_drain(manager, [a, b])
+
+    asyncio.run(main())
+
+
+def test_each_engines_prompt_cost_reaches_its_snapshot_unless_the_operator_fixes_one():
+    async def main() -> None:
+        manager = Manager(ManagerConfig())
+        tokenizer = TextTokenizer.byte_level_tiny()
+        remote = manager.pool.register(HeldEngine(tokenizer, None), url="http://fake")
+        [snap] = manager.executor.snapshots()
+        assert snap.prefill_tokens_per_step == 0.0  # unknown: the scheduler's default applies
+        manager.pool.heartbeat(
+            remote.engine_id, EngineStats(token_capacity=20_000, prefill_tokens_per_decode_step=45.0)
+        )
+        [snap] = manager.executor.snapshots()
+        assert snap.prefill_tokens_per_step == 45.0
+        assert manager.executor.scheduler.prefill_tokens_per_step is None
+        await manager.executor.drain()
+        fixed = Manager(ManagerConfig(prefill_tokens_per_step=200.0))
+        assert fixed.executor.scheduler.prefill_tokens_per_step == 200.0
+        await fixed.executor.drain()
 
     asyncio.run(main())
 

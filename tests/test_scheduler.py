@@ -306,6 +306,22 @@ def test_queued_decode_heavy_calls_batch_past_the_latency_cap():
     assert len(run_saturated(calls, [eng("e1", lat=1800, cap=2500)])) == 2500 // 174
 
 
+def test_saturation_batching_sizes_its_batch_by_each_engines_prompt_cost():
+    """An engine whose prompt tokens are cheaper (more of them cost one decode step) batches
+    more queued calls; the operator's figure, when set, replaces every engine's."""
+    calls = decode_heavy(32)
+    unknown = run_saturated(calls, [eng("e1", lat=1800, cap=20_000)])
+    assert len(unknown) == math.floor(k_star(32, 174, 64, pi=24.0))  # the default
+    cheap = dataclasses.replace(eng("e1", lat=1800, cap=20_000), prefill_tokens_per_step=96.0)
+    measured = run_saturated(calls, [cheap])
+    assert len(measured) == math.floor(k_star(32, 174, 64, pi=96.0)) > len(unknown)
+    assert len(run_saturated(calls, [cheap], prefill_tokens_per_step=24.0)) == len(unknown)
+    with pytest.raises(ValueError, match="prefill_tokens_per_step"):
+        SchedulerConfig(prefill_tokens_per_step=0.0)
+    with pytest.raises(ValueError, match="prefill_tokens_per_step"):
+        dataclasses.replace(cheap, prefill_tokens_per_step=-1.0)
+
+
 def test_prompt_heavy_calls_keep_the_cap_and_throughput_work_always_does():
     engines = [eng("e1", lat=1800, cap=20_000)]
     assert run_saturated(prompt_heavy(25), engines) == run(prompt_heavy(25), engines)

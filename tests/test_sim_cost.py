@@ -153,6 +153,14 @@ def test_gpu_profiles_kv_pool_is_memory_after_weights_and_prefill_is_compute_bou
     assert _ms(LLAMA13B_A100, 1, 1024) < _ms(LLAMA7B_A6000, 1, 1024) < 35.0
 
 
+def test_a_simulated_engine_reports_its_prompt_cost_as_a_real_engine_does() -> None:
+    # (base + one sequence) / per prompt token = 12.3 ms / 0.6 ms = 20.5, in two digits
+    assert TRUE.prefill_tokens_per_decode_step() == 21.0
+    assert StepCost(0.01, 0.0, 0.0, 0.0).prefill_tokens_per_decode_step() == 0.0
+    # a GPU computes hundreds of prompt tokens in a decode step's time
+    assert LLAMA13B_A100.cost.prefill_tokens_per_decode_step() > 100
+
+
 # ------------------------------------------------------------ cost files
 
 

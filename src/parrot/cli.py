@@ -283,9 +283,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--prefill-tokens-per-step",
         type=float,
-        default=24.0,
-        help="how many prompt tokens cost one unloaded decode step on the engines (default 24: "
-        "SmolLM2 on a 2-core Xeon; a GPU: a few hundred); sizes saturation batching",
+        default=None,
+        help="how many prompt tokens cost one unloaded decode step on every engine; sizes saturation "
+        "batching (default: what each engine measures from its steps, else 24)",
     )
     serve.add_argument(
         "--no-app-fifo",

@@ -33,6 +33,16 @@ the machine, so each engine measures its own cap:
   size), three rounds or more while the machine is noisy, then frees them.
   Real decode steps keep refining the fit (it is redone every
   :data:`REFIT_EVERY` of them).
+- *Prompt tokens.*  Steps that compute at least :data:`PREFILL_MIN_TOKENS`
+  prompt tokens give what one prompt token costs: the step's time less the
+  fitted time of its decode rows (none: the unloaded step), over its prompt
+  tokens; the median of the last :data:`WINDOW` such steps.  With the fit's
+  unloaded step it says how many prompt tokens cost one decode step
+  (``prefill_tokens_per_decode_step``, two significant digits), the figure the
+  manager's saturation batching sizes its batches by
+  (:mod:`parrot.manager.saturation`).  The probe computes
+  :data:`PROBE_PREFILL_STEPS` fabricated prompts of :data:`PROBE_PREFILL_TOKENS`
+  for a first figure.
 - *Cap.*  The load at which the fitted step time reaches the target:
   ``target = factor * a`` (default :data:`LATENCY_FACTOR` = 1.25, the
   paper's "within 20-25 %") or an absolute ``target_ms``;
@@ -105,6 +115,18 @@ PROBE_SETTLED = 0.2
 PROBE_BUDGET_S = 3.0
 """The probe stops stepping once it has run this long (the engine's start waits for it): on a
 machine oversubscribed by other processes a step can take seconds.  What it measured is fitted."""
+
+PREFILL_MIN_TOKENS = 256
+"""A step computes at least this many prompt tokens to tell what one costs (a few tokens would
+measure the step's fixed costs)."""
+
+PROBE_PREFILL_TOKENS = 512
+"""Tokens of each fabricated prompt the probe computes (fewer where the engine's step, context
+or free KV memory is smaller)."""
+
+PROBE_PREFILL_STEPS = 2
+"""Fabricated prompts the probe computes, one a step (the faster counts twice in the median of
+two: the first may pay one-time costs)."""
 
 _PROBE_CONTEXT_BASE = -1_000_000  # probe contexts get ids below this; clients use their own ids
 
@@ -251,6 +273,7 @@ class StepLatency:
         self.probe_s: float | None = None  # how long the start-up probe took
         self.last: tuple[int, float] | None = None  # the last step recorded
         self._buckets: dict[int, deque[tuple[int, float]]] = {}
+        self._prompt_token_s: deque[float] = deque(maxlen=WINDOW)  # per step with prompt tokens
         self._since_refit = 0
 
     def record(self, load: int, seconds: float) -> None:
@@ -265,6 +288,26 @@ class StepLatency:
         self._since_refit += 1
         if self._since_refit >= REFIT_EVERY:
             self.refit()
+
+    def record_prefill(self, prompt_tokens: int, decode_load: int, decodes: int, seconds: float) -> None:
+        """A step that computed ``prompt_tokens`` prompt tokens and ``decodes`` decode rows
+        reading ``decode_load`` KV tokens, in ``seconds`` (worker thread).  Steps of fewer
+        than :data:`PREFILL_MIN_TOKENS` prompt tokens, and any before a fit, are ignored."""
+        fit = self.fit
+        if fit is None or prompt_tokens < PREFILL_MIN_TOKENS or not (seconds > 0 and math.isfinite(seconds)):
+            return
+        rest = seconds - (fit.step_s(decode_load) if decodes else fit.base_s)
+        if rest > 0:
+            self._prompt_token_s.append(rest / prompt_tokens)
+
+    def prefill_tokens_per_decode_step(self) -> float:
+        """How many prompt tokens cost one unloaded decode step (two significant digits);
+        0 while unknown."""
+        fit = self.fit
+        if fit is None or not self._prompt_token_s:
+            return 0.0
+        ratio = fit.base_s / statistics.median(self._prompt_token_s)
+        return float(f"{ratio:.2g}")
 
     def refit(self, min_samples: int = MIN_BUCKET_SAMPLES) -> StepFit | None:
         """Fit the kept steps again (buckets of at least ``min_samples`` steps); keeps the
@@ -298,6 +341,7 @@ class StepLatency:
             "decode_ms_per_1k_tokens": 0.0 if fit is None else round(fit.per_token_s * 1e6, 6),
             "decode_ms_target": 0.0 if fit is None else round(self.target_s_for(fit) * 1e3, 6),
             "decode_steps_fitted": 0 if fit is None else fit.steps,
+            "prefill_tokens_per_decode_step": self.prefill_tokens_per_decode_step(),
         }
 
 
@@ -330,8 +374,9 @@ def probe(runner: EngineRunner) -> StepFit | None:
     are fitted (buckets of one step count); timings that cannot place the cap
     (see :func:`fit_step_times`) leave it unknown.  The probe is skipped when
     the sequences would be under 16 tokens or the engine is busy.
-    Everything is freed afterwards; the runner's counters are left as they
-    were and its ``on_step`` hook does not see these steps.  Returns
+    With a fit, :func:`_probe_prefill` then times a few fabricated prompts (what one
+    prompt token costs).  Everything is freed afterwards; the runner's counters are
+    left as they were and its ``on_step`` hook does not see these steps.  Returns
     ``runner.latency.fit``.
     """
     started = time.perf_counter()
@@ -394,5 +439,49 @@ def probe(runner: EngineRunner) -> StepFit | None:
                 contexts.free(cid)
         runner.counters.update(counters)
         runner._probing = False
+    fit = latency.refit(min_samples=1)
+    if fit is not None:
+        _probe_prefill(runner, started)
     latency.probe_s = time.perf_counter() - started
-    return latency.refit(min_samples=1)
+    return fit
+
+
+def _probe_prefill(runner: EngineRunner, started: float) -> None:
+    """Compute :data:`PROBE_PREFILL_STEPS` fabricated prompts of up to
+    :data:`PROBE_PREFILL_TOKENS` tokens, one a step (their steps recorded as any step
+    with prompt tokens: :meth:`StepLatency.record_prefill`), within the probe's budget,
+    then free them; nothing when a prompt would be under :data:`PREFILL_MIN_TOKENS`."""
+    contexts, vocab = runner.contexts, runner.loaded.config.vocab_size
+    n = min(
+        PROBE_PREFILL_TOKENS,
+        runner.planner.max_step_tokens,
+        runner.max_seq_len - 1,
+        runner.pool.num_free * runner.pool.block_size // 2,
+    )
+    if n < PREFILL_MIN_TOKENS:
+        return
+    from parrot.engine.jobs import Job
+
+    counters = dict(runner.counters)
+    runner._probing = True
+    try:
+        for step in range(PROBE_PREFILL_STEPS):
+            if time.perf_counter() - started > PROBE_BUDGET_S:
+                break
+            cid = _PROBE_CONTEXT_BASE - 1000 - step
+            ctx = contexts.open(cid, None)
+            try:
+                # tokens of their own (no prefix-cache hit from the previous step's prompt)
+                contexts.append(ctx, [(11 * p + 5 * step + 1) % vocab for p in range(n)])
+                ctx.busy = True
+                runner.planner.running.append(Job(cid, None, internal=True, ctx=ctx))
+                runner._forward()
+                if runner.planner.running:  # not expected: the prompt fits one step
+                    runner.planner.take_all()
+                    return
+            finally:
+                if cid in contexts:
+                    contexts.free(cid)
+    finally:
+        runner.counters.update(counters)
+        runner._probing = False

@@ -448,6 +448,17 @@ class EngineRunner:
                     len(plan), num_tokens, len(self.planner.running), self.token_load(), self.pool.num_used
                 )
             )
+        if num_tokens > len(plan):  # prompt tokens in it: what one costs (latency_probe)
+            decoding = KVLoad(self.pool.block_size)
+            decodes = [s for _, s in plan if s.n == 1]
+            for s in decodes:
+                decoding.add(s.ctx.block_table, s.ctx.computed_len, s.ctx.num_pending)
+            self.latency.record_prefill(
+                num_tokens - len(decodes),
+                decoding.total,
+                len(decodes),
+                step_seconds(started, self.cache.device),
+            )
         if not finishing:
             return [], None
         with torch.inference_mode():

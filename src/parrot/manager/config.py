@@ -41,9 +41,10 @@ class ManagerConfig:
     affinity_spill: bool = False
     # while latency calls queue, batch them past the latency cap up to the size that finishes
     # them soonest on average (parrot.manager.saturation), given how many prompt tokens cost
-    # one unloaded decode step on the engines; False: the paper's rule (the cap binds always)
+    # one unloaded decode step on the engines (None: what each engine measured, else 24);
+    # False: the paper's rule (the cap binds always)
     saturation_batching: bool = True
-    prefill_tokens_per_step: float = 24.0
+    prefill_tokens_per_step: float | None = None
     engine_token_capacity: int = 32768
     queue_timeout_s: float | None = 600.0
     # a session nobody used for this long (seconds) with no call queued or running is

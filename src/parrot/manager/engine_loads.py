@@ -128,10 +128,17 @@ class EngineLoads:
         stale = self._stale
         stale.update(self.prefixes.take_changed())
         # What the pool says of each engine; an engine joining or leaving, suspected or back,
-        # or reporting another capacity or latency cap changes this list.
+        # or reporting another capacity, latency cap or prompt cost changes this list.
         default = self.default_capacity
         pool_now = [
-            (h, h.alive, h.stats.token_capacity or default, h.stats.latency_cap_tokens) for h in self.pool
+            (
+                h,
+                h.alive,
+                h.stats.token_capacity or default,
+                h.stats.latency_cap_tokens,
+                h.stats.prefill_tokens_per_decode_step,
+            )
+            for h in self.pool
         ]
         if pool_now != self._pool_seen:
             self._pool_seen = pool_now
@@ -174,6 +181,7 @@ class EngineLoads:
             latency_cap_tokens=h.stats.latency_cap_tokens or DEFAULT_LATENCY_CAP_TOKENS,
             last_assigned=use.last_assigned,
             latency_calls=use.kinds.get("latency", 0),
+            prefill_tokens_per_step=h.stats.prefill_tokens_per_decode_step,
         )
 
     def snapshots(self) -> list[EngineSnapshot]:

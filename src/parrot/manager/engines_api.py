@@ -43,6 +43,7 @@ _PUBLIC_STATS = {
     "decode_ms_base",
     "decode_ms_per_1k_tokens",
     "decode_ms_target",
+    "prefill_tokens_per_decode_step",
     "decode_path",
 }
 """What anyone may see of an engine's stats: its size and latency fit, nothing of its activity

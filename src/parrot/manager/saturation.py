@@ -17,8 +17,9 @@ so the mean completion time is ``(N / k + 1) / 2`` batches, and it is smallest a
     k* = sqrt(N * O * a / (P * p + O * c))
 
 In units of an unloaded decode step ``a``: ``P * p / a = P / prefill_tokens_per_step``
-(how many prompt tokens cost one unloaded decode step: 16-29 on this project's
-2-core Xeon, ``docs/engine.md``; a few hundred on a GPU), and, from the cap's own
+(how many prompt tokens cost one unloaded decode step: each engine measures it,
+:mod:`parrot.engine.latency_probe`; tens on a 2-core CPU, a few hundred on a GPU),
+and, from the cap's own
 definition (a load of ``cap`` tokens makes a step 1.25 times slower),
 ``c / a = 0.25 * T / cap`` for a call holding ``T`` KV tokens on average over
 its life (``P + O / 2``).

@@ -136,6 +136,7 @@ from parrot.manager import saturation
 from parrot.manager.scheduler_types import (  # the scheduler's vocabulary, re-exported
     CAP_SCOPES,
     DEFAULT_LATENCY_CAP_TOKENS,
+    DEFAULT_PREFILL_TOKENS_PER_STEP,
     IN_ROUND,
     MODES,
     POLICIES,
@@ -152,6 +153,7 @@ from parrot.manager.scheduler_types import (  # the scheduler's vocabulary, re-e
 __all__ = [
     "CAP_SCOPES",
     "DEFAULT_LATENCY_CAP_TOKENS",
+    "DEFAULT_PREFILL_TOKENS_PER_STEP",
     "POLICIES",
     "CapScope",
     "EngineSnapshot",
@@ -464,10 +466,18 @@ class Scheduler:
         if self._saturation_open and kind == "latency" and mode != "throughput" and not self.cap_mixed_only:
             # latency calls queue: up to the batch that finishes them soonest, within the capacity
             k = saturation.batch_calls(
-                self._competing, tokens, c.new_tokens, lat_cap, self.config.prefill_tokens_per_step
+                self._competing, tokens, c.new_tokens, lat_cap, self._prefill_tokens_per_step(e.snap)
             )
             return e.lat_calls + 1 <= k and load + tokens <= capacity
         return False
+
+    def _prefill_tokens_per_step(self, snap: EngineSnapshot) -> float:
+        """The operator's figure, else the engine's own, else the default."""
+        return (
+            self.config.prefill_tokens_per_step
+            or snap.prefill_tokens_per_step
+            or DEFAULT_PREFILL_TOKENS_PER_STEP
+        )
 
     def _fits(self, e: _Eng, c: QueuedCall, kind: str) -> bool:
         s = e.snap

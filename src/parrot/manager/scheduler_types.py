@@ -4,6 +4,7 @@ construction; see :mod:`parrot.manager.scheduler` for the algorithm."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -35,6 +36,10 @@ MODES = ("latency", "throughput", None)
 DEFAULT_LATENCY_CAP_TOKENS = 6144
 """An engine's latency cap when it reports none: the paper's figure (LLaMA-13B, A100)."""
 
+DEFAULT_PREFILL_TOKENS_PER_STEP = 24.0
+"""Prompt tokens that cost one unloaded decode step, for an engine that measured none
+(SmolLM2 on a 2-core Xeon before prompt attention ran on AMX tiles; a GPU: a few hundred)."""
+
 IN_ROUND = 1 << 62
 """Recency of the first placement of a round: above every snapshot's ``last_assigned``."""
 
@@ -48,7 +53,9 @@ class EngineSnapshot:
     it runs only throughput work, None if idle.  ``token_load`` counts KV
     tokens of work running or already assigned there.  ``latency_cap_tokens``
     is the engine's own latency cap (measured by the engine; the paper's
-    6,144 for one that reports none).  ``last_assigned``: when the engine was
+    6,144 for one that reports none); ``prefill_tokens_per_step`` how many prompt
+    tokens cost one of its unloaded decode steps (measured by the engine; 0:
+    unknown, the scheduler's default applies).  ``last_assigned``: when the engine was
     last given a call, on the caller's monotone clock (0: never; must stay
     below 2**62); of two equally loaded engines the smaller value wins.
     """
@@ -65,6 +72,7 @@ class EngineSnapshot:
     latency_cap_tokens: int = DEFAULT_LATENCY_CAP_TOKENS
     last_assigned: int = 0
     latency_calls: int = 0
+    prefill_tokens_per_step: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.engine_id:
@@ -81,6 +89,8 @@ class EngineSnapshot:
             raise ValueError(f"engine {self.engine_id}: last_assigned must lie in [0, 2**62)")
         if self.latency_calls < 0:
             raise ValueError(f"engine {self.engine_id}: latency_calls must be >= 0")
+        if not (math.isfinite(self.prefill_tokens_per_step) and self.prefill_tokens_per_step >= 0):
+            raise ValueError(f"engine {self.engine_id}: prefill_tokens_per_step must be finite and >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +133,9 @@ class SchedulerConfig:
     ``saturation_batching``: while latency calls queue, an engine running latency work takes
     them up to the batch that finishes them soonest on average (:mod:`parrot.manager.saturation`),
     which may exceed the latency cap; ``prefill_tokens_per_step``: how many prompt tokens cost
-    one unloaded decode step on the engines, the figure that batch size rests on."""
+    one unloaded decode step on every engine, the figure that batch size rests on (None: each
+    engine's own, ``EngineSnapshot.prefill_tokens_per_step``, else
+    :data:`DEFAULT_PREFILL_TOKENS_PER_STEP`)."""
 
     policy: Policy = "parrot"
     latency_cap_tokens: int | None = None
@@ -131,7 +143,7 @@ class SchedulerConfig:
     latency_cap_scope: CapScope = "all"
     affinity_spill: bool = False
     saturation_batching: bool = False
-    prefill_tokens_per_step: float = 24.0
+    prefill_tokens_per_step: float | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -142,8 +154,10 @@ class SchedulerConfig:
             raise ValueError("latency_cap_tokens must be positive (or None)")
         if self.throughput_cap is not None and self.throughput_cap <= 0:
             raise ValueError("throughput_cap must be positive (or None)")
-        if not self.prefill_tokens_per_step > 0:
-            raise ValueError("prefill_tokens_per_step must be positive")
+        if self.prefill_tokens_per_step is not None and not (
+            math.isfinite(self.prefill_tokens_per_step) and self.prefill_tokens_per_step > 0
+        ):
+            raise ValueError("prefill_tokens_per_step must be positive (or None)")
 
 
 @dataclass(frozen=True, slots=True)

@@ -158,12 +158,12 @@ class Manager:
             log.warning("engine %s: stats poll failed: %r", handle.engine_id, exc)
             self.pool.suspect(handle.engine_id, str(getattr(exc, "message", exc)))
             return handle.stats
-        caps = (handle.stats.token_capacity, handle.stats.latency_cap_tokens)
+        caps = _caps(handle.stats)
         try:
             self.pool.heartbeat(handle.engine_id, stats)
         except NotFound:
             return stats
-        if (stats.token_capacity, stats.latency_cap_tokens) != caps:
+        if _caps(stats) != caps:
             self.executor.kick()  # queued calls may fit now
         return stats
 
@@ -572,3 +572,8 @@ def _index_bindings(bindings: list[PlaceholderBinding]) -> dict[str, Placeholder
             raise BindingError(f"placeholder {b.name!r} is bound twice")
         out[b.name] = b
     return out
+
+
+def _caps(stats: EngineStats) -> tuple[int, int, float]:
+    """What of an engine's stats decides which queued calls it takes."""
+    return (stats.token_capacity, stats.latency_cap_tokens, stats.prefill_tokens_per_decode_step)

@@ -216,6 +216,8 @@ class EngineStats(BaseModel):
     decode step (each running request's time per output token) within
     ``decode_ms_target``, from its fit ``decode_ms_base + decode_ms_per_1k_tokens
     * load / 1000`` (see :mod:`parrot.engine.latency_probe`); 0 while unknown.
+    ``prefill_tokens_per_decode_step`` sizes the manager's saturation batching
+    (:mod:`parrot.manager.saturation`).
     Invariant: ``latency_cap_tokens <= token_capacity``.
     """
 
@@ -250,6 +252,11 @@ class EngineStats(BaseModel):
     )
     decode_ms_target: float = Field(default=0.0, description="The step time the cap keeps to (ms).")
     decode_steps_fitted: int = Field(default=0, description="Decode steps behind the fit.")
+    prefill_tokens_per_decode_step: float = Field(
+        default=0.0,
+        description="How many prompt tokens cost one unloaded decode step, measured from steps "
+        "computing prompts (two significant digits); 0: unknown.",
+    )
     decode_path: str = Field(
         default="",
         max_length=64,

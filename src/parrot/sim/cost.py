@@ -82,6 +82,14 @@ class StepCost:
     def step_seconds(self, work: StepWork) -> float:
         return self.seconds(work.prefill_tokens, work.decode_seqs, work.kv_tokens_read, work.prefill_pairs)
 
+    def prefill_tokens_per_decode_step(self) -> float:
+        """How many prompt tokens cost one unloaded decode step of one sequence (two
+        significant digits, as the engine reports it: :mod:`parrot.engine.latency_probe`);
+        0 when prompt tokens cost nothing here."""
+        if self.per_prefill_token <= 0:
+            return 0.0
+        return float(f"{(self.base + self.per_decode_seq) / self.per_prefill_token:.2g}")
+
     def latency_cap(self, factor: float, capacity: int) -> int:
         """The KV load at which a decode step of one sequence takes ``factor`` times its
         unloaded time (the engine's latency cap, :mod:`parrot.engine.latency_probe`),

@@ -223,6 +223,7 @@ class SimEngine:
             cached_tokens=self.counters["cached_tokens"],
             latency_cap_tokens=self.cost.latency_cap(LATENCY_FACTOR, self.token_capacity),
             latency_cap_source="fixed",
+            prefill_tokens_per_decode_step=self.cost.prefill_tokens_per_decode_step(),
             decode_path="simulated",
         )
 
