@@ -5,6 +5,7 @@ session page's files and what its data requests get without the right token."""
 from __future__ import annotations
 
 import asyncio
+import time
 from urllib.parse import unquote, urlsplit
 
 import httpx
@@ -185,3 +186,19 @@ def test_graph_text_is_capped_for_the_whole_answer(live, monkeypatch):
         made = [s.variable(value=c * 10) for c in "abc"]
         texts = {v["var_id"]: (v["text"], v["text_truncated"]) for v in s.graph(value_chars=100)["variables"]}
     assert [texts[v.id] for v in made] == [("a" * 10, False), ("b" * 10, False), ("c" * 5, True)]
+
+
+def test_the_graph_carries_the_managers_time_on_the_scale_of_its_stamps(live):
+    """``X-Parrot-Time`` is the manager's clock as it answered: after every stamp in the
+    answer, and (the clock being this process's) within moments of ``time.time()``."""
+    with P.connect(live.url) as s:
+        out = ask("time")
+        out.get(timeout=60)
+        before = time.time()
+        resp = httpx.get(
+            f"{live.url}/v1/sessions/{s.session_id}/graph", headers={"Authorization": f"Bearer {s.token}"}
+        )
+    now = float(resp.headers["X-Parrot-Time"])
+    [call] = resp.json()["calls"]
+    assert call["submitted_at"] <= call["started_at"] <= call["finished_at"] <= now
+    assert before - 1.0 <= now <= time.time() + 1.0

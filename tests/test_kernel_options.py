@@ -5,6 +5,8 @@ overrides its variable, and an engine built with an option runs what it says."""
 from __future__ import annotations
 
 import argparse
+import queue
+import threading
 
 import pytest
 
@@ -12,7 +14,8 @@ from parrot.engine.config import EngineConfig
 from parrot.engine.kernels import native
 from parrot.engine.kernels.kernel_set import for_options
 from parrot.engine.kernels.options import ENVIRONMENT, KernelOptions, add_kernel_arguments
-from parrot.engine.loader import LoadedModel
+from parrot.engine.loader import LoadedModel, load_model
+from parrot.engine.local import LocalEngine
 from parrot.engine.model import LlamaModel
 from parrot.engine.runner import EngineRunner
 
@@ -113,3 +116,50 @@ def test_the_kernel_set_names_only_kernels_its_options_allow_and_its_build_has()
     portable = for_options(KernelOptions(cpu_kernel="portable"))  # no AVX-512 / AMX code in it
     assert not (portable.f32_linear or portable.amx_linear or portable.amx_prefill)
     assert portable.describe().startswith("C ops build portable") or portable.lib is None
+
+
+def test_each_thread_has_its_own_selection_and_others_get_the_latest() -> None:
+    seen: dict[str, str] = {}
+
+    def engine_thread(mode: str) -> None:
+        native.select(mode)
+        seen[mode] = native.selected()
+
+    mine = native.selected()
+    with native.using(mine):  # leave the process's selection as it was
+        for mode in ("portable", "off"):
+            t = threading.Thread(target=engine_thread, args=(mode,))
+            t.start()
+            t.join()
+        assert seen == {"portable": "portable", "off": "off"}
+        bystander: list[str] = []
+        t = threading.Thread(target=lambda: bystander.append(native.selected()))
+        t.start()
+        t.join()
+        assert bystander == ["off"]  # a thread that never selected: the latest selection
+        with native.using("portable"):
+            assert native.selected() == "portable" and native.library() is native.library("portable")
+        assert native.selected() == mine  # this thread's own, restored
+
+
+def test_two_engines_of_one_process_each_run_their_own_build() -> None:
+    """Each engine selects its build on its own worker thread, where its steps run: the
+    attention and fused ops inside one engine's forward find that engine's build, not
+    the build of the engine started last."""
+    modes = ("portable", "off")
+    engines = [
+        LocalEngine(load_model("tiny"), kernels=KernelOptions(cpu_kernel=mode), latency_probe=False)
+        for mode in modes
+    ]
+    try:
+        for engine, mode in zip(engines, modes, strict=True):
+            answers: queue.Queue = queue.Queue()
+            engine.runner.call(
+                lambda: (native.selected(), native.library()), lambda got, err: answers.put((got, err))
+            )
+            (selected, lib), err = answers.get(timeout=60)
+            assert err is None and selected == mode
+            assert (lib is None) == (mode == "off")
+    finally:
+        for engine in engines:
+            engine.close()

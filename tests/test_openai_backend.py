@@ -30,7 +30,7 @@ from parrot.manager.service import Manager, ManagerConfig
 from parrot.protocol.tokenizer import TextTokenizer
 from tests.conftest import LiveServer, start_server
 from tests.misbehaving_backend import Script, start_misbehaving
-from tests.procs import OPERATOR, Proc, free_port, parrot_command
+from tests.procs import OPERATOR, TEST_CLUSTER_SECRET, Proc, free_port, parrot_command
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 if str(EXAMPLES) not in sys.path:
@@ -456,3 +456,70 @@ def test_priorities_reach_a_vllm_backend_only_when_asked_and_then_lift_its_laten
         bad.stop()
     with pytest.raises(ValueError, match="vLLM"):
         BackendOptions(kind="openai", send_priority=True)
+
+
+# ------------------------------------------------------------ registering a backend at run time
+def _register(url: str, body: dict, headers: dict | None = OPERATOR) -> httpx.Response:
+    return httpx.post(f"{url}/v1/engines", json=body, headers=headers, timeout=30)
+
+
+def test_an_operator_registers_a_backend_while_the_manager_runs_and_calls_run_on_it(live, fronts):
+    """A manager with no engine takes a backend through POST /v1/engines (the tokenizer
+    from --backend-tokenizer), then runs an application on it as on a backend given at
+    start; the registration is refused without the cluster secret."""
+    config = ManagerConfig(
+        heartbeat_interval_s=0.2,
+        engine_wait_s=10.0,
+        cluster_secret=TEST_CLUSTER_SECRET,
+        backend_tokenizer="tiny",
+    )
+    fronts.append(over := start_server(Manager(config)))
+    body = {"kind": "openai", "url": live.url, "model": "tiny", "name": "late"}
+    assert _register(over.url, body, headers=None).status_code == 401
+    assert len(over.manager.pool) == 0
+    resp = _register(over.url, body)
+    assert resp.status_code == 201, resp.text
+    [info] = httpx.get(f"{over.url}/v1/engines", headers=OPERATOR, timeout=10).json()
+    assert (info["engine_id"], info["name"], info["model"], info["url"]) == (
+        resp.json()["engine_id"], "late", "tiny", live.url
+    )
+    assert info["max_seq_len"] == live.manager.pool.longest_context("tiny").max_seq_len  # as reported
+    with P.connect(over.url):
+        got = one_call("late").get(timeout=60)
+    assert got == direct(live.url, "Say late ")
+
+
+@pytest.mark.parametrize(
+    ("body", "code", "message"),
+    [
+        ({"kind": "openai", "model": "tiny"}, "engine_unreachable", "cannot be reached"),
+        ({"kind": "openai", "model": "other"}, "engine_unreachable", "does not serve 'other'"),
+        ({"kind": "openai", "model": "tiny", "priority": True}, "bad_request", "request priorities are vLLM's"),
+        ({"kind": "carrier-pigeon", "model": "tiny"}, None, "kind"),
+        ({"kind": "parrot", "model": "tiny"}, None, "max_seq_len"),
+        ({"kind": "openai", "model": "tiny", "max_inflight": 0}, None, "max_inflight"),
+    ],
+)
+def test_a_backend_that_cannot_be_driven_is_refused_with_the_reason(live, fronts, body, code, message):
+    config = ManagerConfig(cluster_secret=TEST_CLUSTER_SECRET, backend_tokenizer="tiny")
+    fronts.append(over := start_server(Manager(config)))
+    unreachable = code == "engine_unreachable" and body["model"] == "tiny"
+    url = f"http://127.0.0.1:{free_port()}" if unreachable else live.url
+    resp = _register(over.url, {"url": url, **body})
+    assert resp.status_code in (400, 422), resp.text
+    error = resp.json()["error"]
+    assert message in error["message"]
+    if code is not None:
+        assert error["code"] == code
+    assert len(over.manager.pool) == 0  # nothing registered
+
+
+def test_a_backend_of_a_model_no_engine_serves_needs_the_managers_tokenizer(live, fronts):
+    fronts.append(over := start_server(Manager(ManagerConfig(cluster_secret=TEST_CLUSTER_SECRET))))
+    resp = _register(over.url, {"kind": "openai", "url": live.url, "model": "tiny"})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "no_tokenizer"
+    assert "--backend-tokenizer" in resp.json()["error"]["message"]
+    bad = ManagerConfig(cluster_secret=TEST_CLUSTER_SECRET, backend_tokenizer="/nonexistent")
+    fronts.append(other := start_server(Manager(bad)))
+    resp = _register(other.url, {"kind": "openai", "url": live.url, "model": "tiny"})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "no_tokenizer"

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.suite.breakdown import Split, app_split, breakdown_lines, mean_split  # noqa: E402
+from benchmarks.suite.breakdown import CLOCK_SLACK_S, Split, app_split, breakdown_lines, mean_split  # noqa: E402
 
 
 def call(start: float, end: float, ready: float | None = None, first: float | None = None) -> dict:
@@ -55,7 +55,8 @@ def test_parrot_calls_queue_in_the_manager_and_overlap_by_priority() -> None:
 
 
 def test_the_categories_always_sum_to_the_latency_and_are_clipped() -> None:
-    calls = [call(1.0, 3.0), call(2.0, 4.0, first=2.5), call(1.5, 2.5, ready=0.2), call(5.0, 9.0, first=6.0)]
+    ready = 0.5 - CLOCK_SLACK_S / 2  # a moment before the arrival, as the client read it
+    calls = [call(1.0, 3.0), call(2.0, 4.0, first=2.5), call(1.5, 2.5, ready=ready), call(5.0, 9.0, first=6.0)]
     split = app_split(app(calls, arrival=0.5, end=8.0))
     assert split is not None
     total = split.outside_s + split.queued_s + split.prefill_s + split.service_s + split.decode_s
@@ -85,7 +86,20 @@ def test_table_per_figure_system_and_app_kind() -> None:
     ]
     lines = breakdown_lines(runs)
     assert lines[2:] == [
-        "| fig12a | vllm | chain | 2 | 6.00 | 3.00 | 0.00 | 1.00 | 2.00 | 0.00 | 0.0 | 0.00 |",
-        "| fig12a | vllm | chat | 1 | 1.00 | 0.00 | 0.00 | 0.00 | 0.00 | 1.00 | 0.0 | 0.00 |",
+        "| fig12a | vllm | chain | 2 | 0 | 6.00 | 3.00 | 0.00 | 1.00 | 2.00 | 0.00 | 0.0 | 0.00 |",
+        "| fig12a | vllm | chat | 1 | 0 | 1.00 | 0.00 | 0.00 | 0.00 | 0.00 | 1.00 | 0.0 | 0.00 |",
     ]
     assert breakdown_lines([]) == []
+
+
+def test_an_app_whose_calls_were_stamped_on_another_clock_is_counted_not_split() -> None:
+    """Calls 17 s before the app's arrival (a server clock stepped away from the client's)
+    would be clipped into "outside"; such an app is left out of the means and counted."""
+    aligned = app([call(1.0, 3.0, ready=0.5, first=1.5)], end=4.0)
+    skewed = app([call(-16.0, -14.0, ready=-16.5, first=-15.5)], end=4.0)
+    late = app([call(4.0 + 2 * CLOCK_SLACK_S, 6.0)], end=4.0)  # begun after its app ended
+    within = app([call(1.0, 6.0, ready=-CLOCK_SLACK_S / 2)], end=4.0)  # may end after it
+    assert app_split(skewed) is None and app_split(late) is None
+    assert app_split(within) is not None and app_split(aligned) is not None
+    lines = breakdown_lines([{"figure": "fig11", "system": "parrot", "apps": [aligned, skewed, late, within]}])
+    assert lines[2].startswith("| fig11 | parrot | chain | 2 | 2 | ")

@@ -47,6 +47,7 @@ from benchmarks.suite.spec import AppSpec, CallSpec, Workload, check_app  # noqa
 from benchmarks.suite.systems import SystemHandle  # noqa: E402
 
 from parrot.manager.service import ManagerConfig  # noqa: E402
+from parrot.protocol import clock  # noqa: E402
 from parrot.protocol.cluster import CLUSTER_SECRET_HEADER  # noqa: E402
 
 ANSWER_S = 0.1
@@ -388,6 +389,17 @@ def test_parrot_app_submits_the_whole_app_in_one_request_and_fetches_only_output
     by = {c.name: c for c in record.calls}
     # (a producer records its end after freeing its engine context, a moment after its value went on)
     assert by["r"].ready_s == pytest.approx(max(by["m0"].end_s, by["m1"].end_s), abs=0.05)
+
+
+def test_parrot_call_times_stay_on_the_workload_clock_after_the_system_clock_steps(live, monkeypatch) -> None:
+    """The manager stamps calls on its own clock, fixed against the system's when it
+    started; after a step of the system clock (17 s here) the records still lie in
+    the app's span: they are placed through the manager's time as it answered."""
+    monkeypatch.setattr(clock, "_EPOCH_MINUS_MONOTONIC", clock._EPOCH_MINUS_MONOTONIC - 17.0)
+    record = asyncio.run(run_parrot_app(live.url, _parrot_app(), time.perf_counter(), Delay(100, 100)))
+    assert record.error is None, record.error
+    assert min(c.ready_s for c in record.calls) - record.start_s >= 0.09  # after the submission's delay
+    assert record.end_s - max(c.end_s for c in record.calls) >= 0.09  # before the answers' delay
 
 
 def test_parrot_submit_bodies_carry_the_objective_on_final_outputs_only() -> None:

@@ -56,6 +56,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 import parrot as P
+from parrot.protocol.clock import TIME_HEADER
 
 from .spec import AppRecord, AppSpec, CallRecord, CallSpec, RunRecord, Workload
 
@@ -196,21 +197,26 @@ async def _graph_records(session: P.AsyncSession, app: AppSpec, t0: float) -> li
     A call's ``ready_s`` is when it was submitted or, if later, when the last
     of its producers finished (at most its ``start_s``: a producer's value is
     handed on a moment before the producer records its end); ``start_s`` when
-    the manager placed it."""
+    the manager placed it.  The manager's stamps are placed on the workload clock
+    through the manager's own time as it answered (the ``X-Parrot-Time`` header),
+    not through this process's wall clock: a system clock stepped while a long-lived
+    manager runs moves the two apart."""
     if session.session_id is None or session.token is None:
         return None
     headers = {"Authorization": f"Bearer {session.token}"}
     try:
         async with httpx.AsyncClient(base_url=session.url, headers=headers, trust_env=False) as http:
             response = await http.get(f"/v1/sessions/{session.session_id}/graph", timeout=30.0)
+        answered = _rel(t0)
         response.raise_for_status()
         calls = response.json()["calls"]
+        server_now = float(response.headers[TIME_HEADER])
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return None
-    wall_at_t0 = time.time() - (time.perf_counter() - t0)
+    offset = server_now - answered  # a manager stamp minus this offset is on the workload clock
 
     def rel(stamp: Any) -> float | None:
-        return stamp - wall_at_t0 if isinstance(stamp, int | float) else None
+        return stamp - offset if isinstance(stamp, int | float) else None
 
     by_name = {c.get("name"): c for c in calls}
     records: dict[str, CallRecord] = {}

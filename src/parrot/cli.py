@@ -424,6 +424,7 @@ def manager_config(args: argparse.Namespace) -> ManagerConfig:
         affinity_spill=args.affinity_spill,
         saturation_batching=args.saturation_batching,
         prefill_tokens_per_step=args.prefill_tokens_per_step,
+        backend_tokenizer=args.backend_tokenizer or args.model,
         **tenants,
     )
 

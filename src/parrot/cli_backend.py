@@ -37,7 +37,8 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--backend-tokenizer",
         default=None,
-        help="model folder with the tokenizer.json the backend uses, or 'tiny' (default: --model)",
+        help="model folder with the tokenizer.json the backend uses, or 'tiny' (default: --model); "
+        "also the tokenizer of backends registered later (POST /v1/engines) whose model no engine serves",
     )
     p.add_argument(
         "--backend-api-key-env",

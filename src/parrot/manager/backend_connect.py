@@ -1,4 +1,4 @@
-"""Setting up an external OpenAI-compatible backend as an engine, before serving.
+"""Setting up an external OpenAI-compatible backend as an engine.
 
 :func:`connect_backend` asks the backend's ``GET /v1/models`` for the model's name and
 context length (``max_model_len``, as vLLM and Parrot report it), loads the tokenizer
@@ -7,7 +7,9 @@ built-in ``tiny`` one), and, where the backend has vLLM's ``POST /tokenize``, ch
 that both tokenize probe texts alike — prompts sent as token ids must mean to the
 backend what they mean to the manager.  It runs synchronously (``parrot serve`` calls
 it before its event loop starts) and raises :class:`BackendSetupError` with a message
-naming the backend for anything that does not fit.
+naming the backend for anything that does not fit.  :func:`connect_backend_off_loop`
+does the same from a running manager (a backend an operator registers with
+``POST /v1/engines``), in a worker thread, within a deadline.
 
 The manager needs the whole tokenizer locally: it renders and counts prompts on its
 own event loop, where a request to the backend per text would stall every session.
@@ -15,6 +17,7 @@ own event loop, where a request to the backend per text would stall every sessio
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import httpx
@@ -65,6 +68,23 @@ def connect_backend(
         raise BackendSetupError(f"backend {url} does not report max_model_len; give --backend-max-seq-len")
     options.model = model
     return OpenAIBackend(url, options, model, length, tokenizer)
+
+
+async def connect_backend_off_loop(
+    url: str, options: BackendOptions, tokenizer: TextTokenizer, *, max_seq_len: int | None = None, deadline_s: float
+) -> OpenAIBackend:
+    """:func:`connect_backend` in a worker thread (its HTTP requests, and the tokenizer's
+    pass over its vocabulary, stay off the event loop); raises
+    :class:`BackendSetupError` past ``deadline_s`` seconds too."""
+
+    def connect() -> OpenAIBackend:
+        _ = tokenizer.max_token_bytes  # computed once, here rather than on the loop
+        return connect_backend(url, options, tokenizer, max_seq_len=max_seq_len)
+
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(connect), deadline_s)
+    except TimeoutError:
+        raise BackendSetupError(f"backend {url} did not describe itself within {deadline_s:g} s") from None
 
 
 def _describe(client: httpx.Client, url: str, wanted: str | None) -> tuple[str, int | None]:

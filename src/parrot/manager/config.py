@@ -39,6 +39,9 @@ class ManagerConfig:
     # a CA bundle that verifies https engines' certificates (None: the system's trust store)
     tls_ca_file: str | None = None
     affinity_spill: bool = False
+    # the tokenizer (a model folder, or "tiny") of external backends registered at run time
+    # (POST /v1/engines with a kind) whose model no registered engine serves
+    backend_tokenizer: str | None = None
     # while latency calls queue, batch them past the latency cap up to the size that finishes
     # them soonest on average (parrot.manager.saturation), given how many prompt tokens cost
     # one unloaded decode step on the engines (None: what each engine measured, else 24);

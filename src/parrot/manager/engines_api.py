@@ -5,7 +5,13 @@ the ``X-Parrot-Cluster-Secret`` header): registering an engine and its
 heartbeats answer 401 without it, checked before the body is read, and a
 manager without a secret takes no remote engines.  ``GET /v1/engines`` answers
 anyone, but engine URLs and activity counters only to a caller presenting the
-secret (the operator): others see each engine's size and latency fit."""
+secret (the operator): others see each engine's size and latency fit.
+
+``POST /v1/engines`` with ``kind`` ``vllm``, ``sglang`` or ``openai`` (the operator's
+request) registers an external OpenAI-compatible server as an engine while the manager
+runs, as ``parrot serve --backend KIND --backend-url URL`` does at start: its
+tokenizer is that of the engines already serving its model, else the one the
+manager was started with (``--backend-tokenizer``, else ``--model``)."""
 
 from __future__ import annotations
 
@@ -15,12 +21,15 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header
 
+from parrot.manager.backend_connect import BackendSetupError, connect_backend_off_loop, load_tokenizer
+from parrot.manager.openai_backend import BackendOptions
 from parrot.manager.remote_engine import RemoteEngine
 from parrot.manager.service import Manager
 from parrot.protocol.asgi import OffLoopJsonRoute
 from parrot.protocol.cluster import CLUSTER_SECRET_HEADER, client_tls, secret_matches
 from parrot.protocol.errors import BadRequest, NotFound, ParrotError, Unauthorized
 from parrot.protocol.schemas import EngineDescription, EngineInfo, EngineRegistered, EngineStats, Heartbeat
+from parrot.protocol.tokenizer import TextTokenizer
 
 __all__ = ["REGISTER_TIMEOUT_S", "engines_router"]
 
@@ -54,6 +63,22 @@ def _public_stats(stats: EngineStats) -> EngineStats:
     return EngineStats(**stats.model_dump(include=_PUBLIC_STATS))
 
 
+def _tokenizer_of(manager: Manager, model: str) -> TextTokenizer | str:
+    """The tokenizer of an engine already serving ``model``, else the manager's backend
+    tokenizer spec (loaded off the loop by the caller); BadRequest when there is neither."""
+    for h in manager.pool:
+        tokenizer = getattr(h.api, "tokenizer", None)
+        if h.model == model and isinstance(tokenizer, TextTokenizer):
+            return tokenizer
+    if manager.config.backend_tokenizer is None:
+        raise BadRequest(
+            f"no tokenizer for model {model!r}: no engine serves it, and the manager was started "
+            "without --backend-tokenizer",
+            code="no_tokenizer",
+        )
+    return manager.config.backend_tokenizer
+
+
 def engines_router(manager: Manager) -> APIRouter:
     """The routes, bound to ``manager`` (its length is its routes, each a few lines)."""
     router = APIRouter(route_class=OffLoopJsonRoute)
@@ -84,6 +109,8 @@ def engines_router(manager: Manager) -> APIRouter:
     async def register_engine(body: EngineDescription) -> EngineRegistered:
         if not body.url.startswith(("http://", "https://")):
             raise BadRequest("engine url must start with http:// or https://")
+        if body.kind != "parrot":
+            return await register_backend(body)
         try:
             remote = await RemoteEngine.connect(
                 body.url,
@@ -103,6 +130,39 @@ def engines_router(manager: Manager) -> APIRouter:
         handle = manager.pool.register(remote, name=body.name, url=body.url)
         manager.executor.kick()  # queued calls may fit now
         log.info("engine %s registered: %s at %s", handle.engine_id, body.model, body.url)
+        return EngineRegistered(
+            engine_id=handle.engine_id, heartbeat_interval_s=manager.config.heartbeat_interval_s
+        )
+
+    async def register_backend(body: EngineDescription) -> EngineRegistered:
+        """An external backend as an engine (see the module docstring)."""
+        tokenizer = _tokenizer_of(manager, body.model)
+        if isinstance(tokenizer, str):
+            try:
+                tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer)
+            except BackendSetupError as exc:
+                raise BadRequest(f"no tokenizer for model {body.model!r}: {exc}", code="no_tokenizer") from exc
+        try:
+            options = BackendOptions(
+                kind=body.kind,
+                model=body.model,
+                max_inflight=body.max_inflight,
+                warm_prefix=body.warm_prefix,
+                send_priority=body.priority,
+            )
+            backend = await connect_backend_off_loop(
+                body.url, options, tokenizer, max_seq_len=body.max_seq_len, deadline_s=REGISTER_TIMEOUT_S
+            )
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from exc
+        except BackendSetupError as exc:
+            raise BadRequest(
+                f"could not register the backend at {body.url}: {exc}", code="engine_unreachable"
+            ) from exc
+        name = body.name or f"{body.kind}-{backend.url}"
+        handle = manager.pool.register(backend, name=name, url=backend.url, polled=True)
+        manager.executor.kick()
+        log.info("backend %s registered: %s %s at %s", handle.engine_id, body.kind, body.model, body.url)
         return EngineRegistered(
             engine_id=handle.engine_id, heartbeat_interval_s=manager.config.heartbeat_interval_s
         )

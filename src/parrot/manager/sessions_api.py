@@ -19,7 +19,9 @@ from parrot.manager.output_constraints import check_batch, check_outputs
 from parrot.manager.service import Manager
 from parrot.manager.var_stream import variable_events
 from parrot.manager.views import MAX_GRAPH_TEXT_CHARS, MAX_GRAPH_VALUE_CHARS, call_info, var_info, var_text
+from parrot.protocol import clock
 from parrot.protocol.asgi import OffLoopJsonRoute, bearer_token, ndjson_line
+from parrot.protocol.clock import TIME_HEADER
 from parrot.protocol.schemas import (
     BatchRequest,
     BatchResult,
@@ -171,13 +173,18 @@ def sessions_router(manager: Manager) -> APIRouter:
                 "value when ready, what its producer has streamed so far while pending.",
             ),
         ] = 0,
+        response: Response,
         authorization: Auth = None,
     ) -> dict:
         """The session's calls and variables (with ``value_chars``, each variable's text,
         at most MAX_GRAPH_TEXT_CHARS in all).  Consistent with reads: a variable shown
         ready is readable, and a call is shown done once its last output is ready (a
-        call's earlier outputs are readable, and shown ready, while it still runs)."""
+        call's earlier outputs are readable, and shown ready, while it still runs).
+        ``X-Parrot-Time`` carries the manager's clock as it answers, on the scale of the
+        calls' timestamps, so a client can place them on its own clock even where the
+        two machines' (or a stepped system clock's) wall times disagree."""
         session = manager.authorize(session_id, bearer_token(authorization))
+        response.headers[TIME_HEADER] = f"{clock.wall():.6f}"
         variables = []
         budget = MAX_GRAPH_TEXT_CHARS  # for the whole answer
         for v in session.variables.values():

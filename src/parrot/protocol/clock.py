@@ -14,10 +14,15 @@ from __future__ import annotations
 import asyncio
 import time
 
-__all__ = ["monotonic", "wall"]
+__all__ = ["TIME_HEADER", "monotonic", "wall"]
 
 _EPOCH_MINUS_MONOTONIC = time.time() - time.monotonic()
-"""``wall() - monotonic()``, fixed once: timestamps then never go backwards within a process."""
+"""``wall() - monotonic()``, fixed once: timestamps then never go backwards within a process
+(and drift from ``time.time()`` by as much as the system clock is stepped while it runs)."""
+
+TIME_HEADER = "X-Parrot-Time"
+"""Response header carrying :func:`wall` as the manager answers (``GET .../graph``): what a
+client subtracts the calls' timestamps from to place them on its own clock."""
 
 
 def monotonic() -> float:

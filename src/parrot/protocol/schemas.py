@@ -277,12 +277,28 @@ class EngineStats(BaseModel):
 
 
 class EngineDescription(StrictBody):
-    """What an engine tells the manager about itself when it registers."""
+    """What an engine tells the manager about itself when it registers, or what an
+    operator tells it of an external OpenAI-compatible backend to drive as an engine
+    (``kind`` ``vllm``, ``sglang`` or ``openai``: see
+    :mod:`parrot.manager.openai_backend`; its context length defaults to what the
+    backend reports)."""
 
     url: str = Field(max_length=2000)
     model: str = Field(max_length=500)
-    max_seq_len: int = Field(gt=0)
+    max_seq_len: int | None = Field(default=None, gt=0)
     name: str | None = Field(default=None, max_length=200)
+    kind: Literal["parrot", "vllm", "sglang", "openai"] = "parrot"
+    max_inflight: int = Field(default=64, ge=1, le=4096, description="a backend's requests in flight")
+    priority: bool = Field(default=False, description="vllm: send each call's app-FIFO place as priority")
+    warm_prefix: bool = Field(default=False, description="a backend: warm its prefix cache before calls")
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> EngineDescription:
+        if self.kind == "parrot" and self.max_seq_len is None:
+            raise ValueError("a Parrot engine registers with its max_seq_len")
+        if self.kind == "parrot" and (self.priority or self.warm_prefix or self.max_inflight != 64):
+            raise ValueError("max_inflight, priority and warm_prefix describe external backends only")
+        return self
 
 
 class EngineRegistered(BaseModel):

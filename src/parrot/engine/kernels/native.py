@@ -26,11 +26,13 @@ both.
 Which build the engine uses is its ``cpu_kernel`` option
 (:class:`~parrot.engine.kernels.options.KernelOptions`): ``native``, ``portable`` or
 ``off``.  A loaded library is a resource of the process (one per build, one OpenMP
-runtime), so the engine selects its build (:func:`select`) when it starts, and
-:func:`library` without an argument returns the selected build to the code that runs
-inside the model's forward (attention, the fused elementwise ops); the projections and
-the C forward are handed their library explicitly.  :func:`using` selects one for a
-block (tests).
+runtime); the engine selects its build (:func:`select`) when it starts, on the thread
+that then runs its steps, and :func:`library` without an argument returns the calling
+thread's selection to the code that runs inside the model's forward (attention, the
+fused elementwise ops), so two engines of one process, each on its own thread, each
+run their own build.  A thread that never selected one gets the process's latest
+selection.  The projections, the C forward and the prompt attention are handed their
+library explicitly.  :func:`using` selects one for a block (tests).
 
 The boundary is declared once, in ``csrc/parrot_ops.h``: every exported function's
 prototype and every struct shared with Python.  Every source includes it, and the
@@ -82,7 +84,7 @@ SOURCES = (
     "f32_linear.c",
     "decode_forward.c",
 )
-HEADERS = ("simd.h", "cache_row.h", "parrot_ops.h")  # included by the sources; part of the build key
+HEADERS = ("simd.h", "cache_row.h", "amx_tiles.h", "parrot_ops.h")  # included by the sources; part of the build key
 # Errors, not warnings: a call without a prototype, a non-static function missing from
 # parrot_ops.h, and pointer or integer mismatches at a call.  A definition that
 # conflicts with its prototype in parrot_ops.h is always an error in C.
@@ -107,8 +109,9 @@ MODES = ("native", "portable", "off")  # the values of KernelOptions.cpu_kernel
 _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL | None] = {}  # build ("native" / "portable") -> loaded, None if failed
 _statuses: dict[str, str] = {}  # build -> why it is or is not loaded
-_mode = "native"  # the selected build (select)
-_cache: Path | None = None  # the selected kernel cache folder (None: the default)
+_mode = "native"  # the process's latest selected build (select): threads that made none
+_cache: Path | None = None  # ... and its kernel cache folder (None: the default)
+_thread = threading.local()  # .selection: (build, cache folder) this thread selected
 
 
 def _cpu_signature() -> str:
@@ -123,7 +126,7 @@ def _cpu_signature() -> str:
 
 
 def _cache_dir(cache_dir: str | Path | None) -> Path:
-    folder = cache_dir if cache_dir is not None else _cache
+    folder = cache_dir if cache_dir is not None else _selection()[1]
     return Path(folder) if folder is not None else Path.home() / ".cache" / "parrot" / "kernels"
 
 
@@ -226,35 +229,47 @@ def _check_mode(mode: str) -> str:
 
 
 def select(mode: str, *, cache_dir: str | Path | None = None) -> None:
-    """Make ``mode`` (one of :data:`MODES`) the build :func:`library` returns, with
-    builds kept in ``cache_dir`` (None: ``~/.cache/parrot/kernels``).  Called by the
-    engine when it starts, from its ``KernelOptions``."""
+    """Make ``mode`` (one of :data:`MODES`) the build :func:`library` returns on this
+    thread (and on threads that never selected one), with builds kept in ``cache_dir``
+    (None: ``~/.cache/parrot/kernels``).  Called by the engine when it starts, on the
+    thread that runs its steps, from its ``KernelOptions``."""
     global _mode, _cache
-    _mode = _check_mode(mode)
-    _cache = None if cache_dir is None else Path(cache_dir)
+    selection = (_check_mode(mode), None if cache_dir is None else Path(cache_dir))
+    _mode, _cache = selection
+    _thread.selection = selection
+
+
+def _selection() -> tuple[str, Path | None]:
+    return getattr(_thread, "selection", None) or (_mode, _cache)
 
 
 def selected() -> str:
-    """The build :func:`library` returns (see :func:`select`)."""
-    return _mode
+    """The build :func:`library` returns on this thread (see :func:`select`)."""
+    return _selection()[0]
 
 
 @contextmanager
 def using(mode: str, *, cache_dir: str | Path | None = None) -> Iterator[None]:
-    """:func:`select` ``mode`` for the block, then restore the selection before it."""
-    before = (_mode, _cache)
+    """:func:`select` ``mode`` for the block, then restore the selections before it
+    (this thread's and the process's)."""
+    global _mode, _cache
+    before, before_thread = (_mode, _cache), getattr(_thread, "selection", None)
     select(mode, cache_dir=cache_dir)
     try:
         yield
     finally:
-        select(before[0], cache_dir=before[1])
+        _mode, _cache = before
+        if before_thread is None:
+            del _thread.selection
+        else:
+            _thread.selection = before_thread
 
 
 def library(mode: str | None = None) -> ctypes.CDLL | None:
     """The loaded library of build ``mode`` (default: the selected one), building it on
     the first call; None when unavailable or ``off`` (then :func:`status` gives the
     reason).  A failed build is not retried."""
-    mode = _check_mode(_mode if mode is None else mode)
+    mode = _check_mode(selected() if mode is None else mode)
     if mode == "off":
         return None
     if mode in _libs:
@@ -285,7 +300,7 @@ def require(lib: ctypes.CDLL | None = None) -> ctypes.CDLL:
 def status(mode: str | None = None) -> str:
     """'ready', 'ready (portable build)', 'not built yet', or why build ``mode``
     (default: the selected one) is not used."""
-    mode = _check_mode(_mode if mode is None else mode)
+    mode = _check_mode(selected() if mode is None else mode)
     if mode == "off":
         return "switched off (cpu_kernel='off')"
     return _statuses.get(mode, "not built yet")

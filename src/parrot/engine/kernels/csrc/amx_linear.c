@@ -77,34 +77,17 @@ static void amx_portable(const void *x, int x_bf16, int64_t m, int64_t k, const 
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && !defined(PARROT_PORTABLE)
 #define HAVE_AMX 1
-#include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include "amx_tiles.h"
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 #define ROWS 256 /* rows per chunk: its A tiles stay in L2 while the weight streams */
 
-typedef struct {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-/* Tiles 0-3: accumulators (16 x 16 fp32); 4-5: A (16 rows x 32 bf16); 6-7: B. */
-static void configure_tiles(void) {
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
-}
-
+/* Tiles 0-3: accumulators (16 x 16 fp32); 4-5: A (16 rows x 32 bf16); 6-7: B
+ * (configure_tiles, amx_tiles.h). */
 
 /* One 16 x 16 accumulator tile (stored in `tile`) into y rows [m0, m0 + 16) and
  * columns [n0, n0 + 16), clipped to M x N, plus bias. */

@@ -14,10 +14,11 @@
  * k and v are one layer's cache, [NB, BS, KVH, D] bf16.  Query i attends to the keys
  * at positions <= start[c] + i.  out rows are written like q's (fp32, out_stride).
  *
- * Per chunk: the keys and values of each kv head are copied once into the layouts of
- * the tile loads (VNNI pairs: Kp for the scores' B operand, pairs along the head
- * dimension; Vp for the values', pairs along the keys), zero past the last key.  Then
- * each (head, block of 16 queries) is one work item:
+ First, the keys and values of every chunk and kv head are copied once into the
+ * layouts of the tile loads (VNNI pairs: kp for the scores' B operand, pairs along the
+ * head dimension; vp for the values', pairs along the keys), zero past the last key,
+ * 32 keys a work item.  Then each (chunk, head, block of 16 queries) is one work item,
+ * the blocks with the most keys first:
  *   1. the queries, rounded to bf16, in a zero-padded [16, D] buffer (the A tiles);
  *   2. scores S = Q K^T for every 16 keys up to the block's last query (one 16 x 16
  *      fp32 tile over D / 32 tile products), stored in a [16, keys] buffer;
@@ -122,30 +123,11 @@ static int prefill_portable(const float *q, int64_t q_stride, const int64_t *q_r
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && !defined(PARROT_PORTABLE)
 #define HAVE_AMX 1
-#include <immintrin.h>
-
+#include "amx_tiles.h"
 #include "simd.h"
 
-typedef struct {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
 /* Tiles 0-3: output accumulators; 4: a score tile; 5: A (queries or probabilities);
- * 6: B (keys or values).  All 16 rows of 64 bytes. */
-static void configure_tiles(void) {
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
-}
+ * 6: B (keys or values) (configure_tiles, amx_tiles.h). */
 
 /* Copy 32-key step `step` of a chunk's keys [0, total) of kv head kvh into kp (its B
  * tiles for the scores: [ceil(total / 16)][dim / 32][16 pair rows][16 keys x 2]) and
