@@ -381,9 +381,7 @@ def main() -> None:
     )
     results = [asyncio.run(bench_model(m, args, log_dir)) for m in args.models]
     if args.json:
-        args.json.write_text(
-            json.dumps({"args": vars(args), "results": results}, indent=1, default=str)
-        )
+        args.json.write_text(json.dumps({"args": vars(args), "results": results}, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -155,7 +155,8 @@ def test_two_engines_of_one_process_each_run_their_own_build() -> None:
         for engine, mode in zip(engines, modes, strict=True):
             answers: queue.Queue = queue.Queue()
             engine.runner.call(
-                lambda: (native.selected(), native.library()), lambda got, err: answers.put((got, err))
+                lambda: (native.selected(), native.library()),
+                lambda got, err, answers=answers: answers.put((got, err)),
             )
             (selected, lib), err = answers.get(timeout=60)
             assert err is None and selected == mode

@@ -481,7 +481,10 @@ def test_an_operator_registers_a_backend_while_the_manager_runs_and_calls_run_on
     assert resp.status_code == 201, resp.text
     [info] = httpx.get(f"{over.url}/v1/engines", headers=OPERATOR, timeout=10).json()
     assert (info["engine_id"], info["name"], info["model"], info["url"]) == (
-        resp.json()["engine_id"], "late", "tiny", live.url
+        resp.json()["engine_id"],
+        "late",
+        "tiny",
+        live.url,
     )
     assert info["max_seq_len"] == live.manager.pool.longest_context("tiny").max_seq_len  # as reported
     with P.connect(over.url):
@@ -494,7 +497,11 @@ def test_an_operator_registers_a_backend_while_the_manager_runs_and_calls_run_on
     [
         ({"kind": "openai", "model": "tiny"}, "engine_unreachable", "cannot be reached"),
         ({"kind": "openai", "model": "other"}, "engine_unreachable", "does not serve 'other'"),
-        ({"kind": "openai", "model": "tiny", "priority": True}, "bad_request", "request priorities are vLLM's"),
+        (
+            {"kind": "openai", "model": "tiny", "priority": True},
+            "bad_request",
+            "request priorities are vLLM's",
+        ),
         ({"kind": "carrier-pigeon", "model": "tiny"}, None, "kind"),
         ({"kind": "parrot", "model": "tiny"}, None, "max_seq_len"),
         ({"kind": "openai", "model": "tiny", "max_inflight": 0}, None, "max_inflight"),

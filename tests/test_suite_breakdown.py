@@ -56,7 +56,12 @@ def test_parrot_calls_queue_in_the_manager_and_overlap_by_priority() -> None:
 
 def test_the_categories_always_sum_to_the_latency_and_are_clipped() -> None:
     ready = 0.5 - CLOCK_SLACK_S / 2  # a moment before the arrival, as the client read it
-    calls = [call(1.0, 3.0), call(2.0, 4.0, first=2.5), call(1.5, 2.5, ready=ready), call(5.0, 9.0, first=6.0)]
+    calls = [
+        call(1.0, 3.0),
+        call(2.0, 4.0, first=2.5),
+        call(1.5, 2.5, ready=ready),
+        call(5.0, 9.0, first=6.0),
+    ]
     split = app_split(app(calls, arrival=0.5, end=8.0))
     assert split is not None
     total = split.outside_s + split.queued_s + split.prefill_s + split.service_s + split.decode_s
@@ -101,5 +106,7 @@ def test_an_app_whose_calls_were_stamped_on_another_clock_is_counted_not_split()
     within = app([call(1.0, 6.0, ready=-CLOCK_SLACK_S / 2)], end=4.0)  # may end after it
     assert app_split(skewed) is None and app_split(late) is None
     assert app_split(within) is not None and app_split(aligned) is not None
-    lines = breakdown_lines([{"figure": "fig11", "system": "parrot", "apps": [aligned, skewed, late, within]}])
+    lines = breakdown_lines(
+        [{"figure": "fig11", "system": "parrot", "apps": [aligned, skewed, late, within]}]
+    )
     assert lines[2].startswith("| fig11 | parrot | chain | 2 | 2 | ")

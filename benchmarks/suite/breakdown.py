@@ -150,9 +150,9 @@ def breakdown_lines(runs: Sequence[Mapping[str, Any]]) -> list[str]:
         n = sum(1 for a in apps if app_split(a) is not None)
         skewed = sum(1 for a in apps if not a.get("error") and off_clock(a))
         rows.append(
-            f"| {figure} | {system} | {kind} | {n} | {skewed} | {split.latency_s:.2f} | {split.outside_s:.2f} | "
-            f"{split.queued_s:.2f} | {split.prefill_s:.2f} | {split.decode_s:.2f} | {split.service_s:.2f} | "
-            f"{split.delays:.1f} | {split.delay_s:.2f} |"
+            f"| {figure} | {system} | {kind} | {n} | {skewed} | {split.latency_s:.2f} | "
+            f"{split.outside_s:.2f} | {split.queued_s:.2f} | {split.prefill_s:.2f} | {split.decode_s:.2f} | "
+            f"{split.service_s:.2f} | {split.delays:.1f} | {split.delay_s:.2f} |"
         )
     if not rows:
         return []

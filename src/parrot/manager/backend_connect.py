@@ -71,7 +71,12 @@ def connect_backend(
 
 
 async def connect_backend_off_loop(
-    url: str, options: BackendOptions, tokenizer: TextTokenizer, *, max_seq_len: int | None = None, deadline_s: float
+    url: str,
+    options: BackendOptions,
+    tokenizer: TextTokenizer,
+    *,
+    max_seq_len: int | None = None,
+    deadline_s: float,
 ) -> OpenAIBackend:
     """:func:`connect_backend` in a worker thread (its HTTP requests, and the tokenizer's
     pass over its vocabulary, stay off the event loop); raises

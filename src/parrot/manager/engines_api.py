@@ -141,7 +141,9 @@ def engines_router(manager: Manager) -> APIRouter:
             try:
                 tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer)
             except BackendSetupError as exc:
-                raise BadRequest(f"no tokenizer for model {body.model!r}: {exc}", code="no_tokenizer") from exc
+                raise BadRequest(
+                    f"no tokenizer for model {body.model!r}: {exc}", code="no_tokenizer"
+                ) from exc
         try:
             options = BackendOptions(
                 kind=body.kind,

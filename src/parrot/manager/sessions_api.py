@@ -164,6 +164,7 @@ def sessions_router(manager: Manager) -> APIRouter:
     @router.get("/v1/sessions/{session_id}/graph")
     async def get_graph(
         session_id: str,
+        response: Response,
         value_chars: Annotated[
             int,
             Query(
@@ -173,7 +174,6 @@ def sessions_router(manager: Manager) -> APIRouter:
                 "value when ready, what its producer has streamed so far while pending.",
             ),
         ] = 0,
-        response: Response,
         authorization: Auth = None,
     ) -> dict:
         """The session's calls and variables (with ``value_chars``, each variable's text,

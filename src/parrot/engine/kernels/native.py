@@ -84,7 +84,12 @@ SOURCES = (
     "f32_linear.c",
     "decode_forward.c",
 )
-HEADERS = ("simd.h", "cache_row.h", "amx_tiles.h", "parrot_ops.h")  # included by the sources; part of the build key
+HEADERS = (
+    "simd.h",
+    "cache_row.h",
+    "amx_tiles.h",
+    "parrot_ops.h",
+)  # included by the sources; part of the build key
 # Errors, not warnings: a call without a prototype, a non-static function missing from
 # parrot_ops.h, and pointer or integer mismatches at a call.  A definition that
 # conflicts with its prototype in parrot_ops.h is always an error in C.
