@@ -14,7 +14,7 @@
  * k and v are one layer's cache, [NB, BS, KVH, D] bf16.  Query i attends to the keys
  * at positions <= start[c] + i.  out rows are written like q's (fp32, out_stride).
  *
- First, the keys and values of every chunk and kv head are copied once into the
+ * First, the keys and values of every chunk and kv head are copied once into the
  * layouts of the tile loads (VNNI pairs: kp for the scores' B operand, pairs along the
  * head dimension; vp for the values', pairs along the keys), zero past the last key,
  * 32 keys a work item.  Then each (chunk, head, block of 16 queries) is one work item,
