@@ -69,6 +69,20 @@ def decode_segments(
     return [Segment(b, r.start, r.length, s) for r, b, s in zip(runs, blocks, seqs, strict=True)]
 
 
+def _amx_prefill_plan(
+    chunks: list[_Chunk], chunk_slices: list[SeqSlice], block_size: int, lib: ctypes.CDLL | None
+) -> PrefillPlan | None:
+    """The AMX kernel's plan for a step's prompt chunks (None without ``lib`` or chunks):
+    each chunk's rows, its new tokens, where they start and the blocks of its sequence."""
+    if lib is None or not chunks:
+        return None
+    specs = [
+        ChunkSpec(c.rows.start, c.total - c.start, c.start, s.ctx.block_table[: -(-c.total // block_size)])
+        for c, s in zip(chunks, chunk_slices, strict=True)
+    ]
+    return PrefillPlan(specs, block_size, lib)
+
+
 class PagedStepAttention:
     """The :class:`~parrot.engine.model.AttentionBackend` of one step."""
 
@@ -128,20 +142,7 @@ class PagedStepAttention:
         self._prefill_tables = [(s.ctx.block_table, s.start, s.start + s.n) for s in chunk_slices]
         self._shared_prefill: SharedPrefill | None = None
         self._prefill_planned = not share_prefix or len(self.chunks) < 2
-        self._amx_prefill = (
-            PrefillPlan(
-                [
-                    ChunkSpec(
-                        c.rows.start, c.total - c.start, c.start, s.ctx.block_table[: -(-c.total // bs)]
-                    )
-                    for c, s in zip(self.chunks, chunk_slices, strict=True)
-                ],
-                bs,
-                prefill_lib,
-            )
-            if prefill_lib is not None and self.chunks
-            else None
-        )
+        self._amx_prefill = _amx_prefill_plan(self.chunks, chunk_slices, bs, prefill_lib)
 
     def decode_plan(self, q_probe: torch.Tensor) -> DecodePlan | TritonDecodePlan | None:
         """The decode slices' attention plan every layer of the step uses (made once, from

@@ -26,7 +26,7 @@ A request that fits the KV pool at all is never failed for lack of memory (it
 waits or is preempted); a context longer than the whole pool is rejected
 (``kv_capacity_exceeded``).
 
-Length (about 535 lines): the worker thread's step loop and its request
+Length (about 575 lines): the worker thread's step loop and its request
 handling; planning (step_planner), the forward (step_forward), finishing jobs
 (jobs) and grammar masks (grammar) live apart.
 """
@@ -80,6 +80,50 @@ class StepInfo:
     kv_blocks_used: int
 
 
+COUNTERS = (
+    "fills",
+    "filled_tokens",
+    "generates",
+    "generated_tokens",
+    "steps",
+    "preemptions",
+    "cached_tokens",
+)
+"""The engine's activity counters (``cached_tokens``: pending tokens whose KV came
+from the prefix cache)."""
+
+
+def _kv_cache(
+    loaded: LoadedModel, cfg: EngineConfig, param: torch.Tensor, huge_pages: bool
+) -> tuple[BlockPool, PagedKVCache]:
+    """The block pool and the paged KV cache of ``cfg``'s size, in ``cfg.kv_dtype`` (None:
+    the weights' dtype, that of ``param``) on ``param``'s device; the prefix cache may
+    keep a quarter of the pool in released blocks (see BlockPool)."""
+    mcfg = loaded.config
+    kv_dtype = param.dtype if cfg.kv_dtype is None else cfg.kv_dtype
+    if kv_dtype not in (torch.float32, torch.bfloat16, param.dtype):
+        raise ValueError(f"kv_dtype must be float32, bfloat16 or the weights' dtype, not {kv_dtype}")
+    num_blocks = kv_cache_blocks(
+        mcfg,
+        cfg.block_size,
+        kv_cache_tokens=cfg.kv_cache_tokens,
+        kv_cache_bytes=cfg.kv_cache_bytes,
+        dtype=kv_dtype,
+    )
+    pool = BlockPool(num_blocks, cfg.block_size, max_cached=num_blocks // 4)
+    cache = PagedKVCache(
+        mcfg.num_layers,
+        num_blocks,
+        cfg.block_size,
+        mcfg.num_kv_heads,
+        mcfg.head_dim,
+        kv_dtype,
+        str(param.device),
+        huge_pages=huge_pages,
+    )
+    return pool, cache
+
+
 class EngineRunner:
     """The worker of one engine over ``loaded``, configured by an
     :class:`~parrot.engine.config.EngineConfig` (``config``, with keyword ``options``
@@ -87,7 +131,7 @@ class EngineRunner:
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, **options: Any):
         self.config = cfg = EngineConfig.of(config, options)
-        max_step_tokens, weight_dtype, kv_dtype = cfg.max_step_tokens, cfg.weight_dtype, cfg.kv_dtype
+        max_step_tokens, weight_dtype = cfg.max_step_tokens, cfg.weight_dtype
         block_size = cfg.block_size
         self.loaded = loaded
         # The device (CUDA: a copy of the model there, no C kernels, no packing: device.py)
@@ -109,29 +153,8 @@ class EngineRunner:
         mcfg = loaded.config
         self.grammars = GrammarCache(self.tokenizer, mcfg.vocab_size)  # compiled constraints
         self.grammars.prepare()  # holds the GIL for up to half a second: before serving
-        param = next(self.model.parameters())
-        kv_dtype = param.dtype if kv_dtype is None else kv_dtype
-        if kv_dtype not in (torch.float32, torch.bfloat16, param.dtype):
-            raise ValueError(f"kv_dtype must be float32, bfloat16 or the weights' dtype, not {kv_dtype}")
-        num_blocks = kv_cache_blocks(
-            mcfg,
-            block_size,
-            kv_cache_tokens=cfg.kv_cache_tokens,
-            kv_cache_bytes=cfg.kv_cache_bytes,
-            dtype=kv_dtype,
-        )
-        # the prefix cache may keep a quarter of the pool in released blocks (see BlockPool)
-        self.pool = BlockPool(num_blocks, block_size, max_cached=num_blocks // 4)
-        self.cache = PagedKVCache(
-            mcfg.num_layers,
-            num_blocks,
-            block_size,
-            mcfg.num_kv_heads,
-            mcfg.head_dim,
-            kv_dtype,
-            str(param.device),
-            huge_pages=place.kernels.hugepages,
-        )
+        self.pool, self.cache = _kv_cache(loaded, cfg, next(self.model.parameters()), place.kernels.hugepages)
+        num_blocks = self.pool.num_blocks
         self.contexts = ContextTable(
             mcfg.max_seq_len, on_release=self._on_release, pool=self.pool, prefix_cache=cfg.prefix_cache
         )
@@ -154,15 +177,7 @@ class EngineRunner:
         self._inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._stopped = False
-        self.counters = {
-            "fills": 0,
-            "filled_tokens": 0,
-            "generates": 0,
-            "generated_tokens": 0,
-            "steps": 0,
-            "preemptions": 0,
-            "cached_tokens": 0,  # pending tokens whose KV came from the prefix cache
-        }
+        self.counters = dict.fromkeys(COUNTERS, 0)
         self.step_forward = step_forward.choose(self.model, self.cache, self.kernels, cfg.decode_attention)
         log.info("engine steps: %s", self.step_forward.name)
         # the job queues and each step's admission, plan and KV reservation

@@ -234,12 +234,7 @@ class OpenAIBackend:
         if self.options.send_priority:
             body["priority"] = priority
         client = self._http()
-        assert self._slots is not None
-        self._waiting += 1
-        try:
-            await self._slots.acquire()
-        finally:
-            self._waiting -= 1
+        slots = await self._acquire_slot()
         self._running += 1
         prompt_len = len(ctx.ids)
         self._load += prompt_len
@@ -278,7 +273,18 @@ class OpenAIBackend:
         finally:
             self._running -= 1
             self._load -= prompt_len + len(ids)
-            self._slots.release()
+            slots.release()
+
+    async def _acquire_slot(self) -> asyncio.Semaphore:
+        """Wait for one of the backend's in-flight slots (counted as waiting meanwhile);
+        returns the semaphore to release it to."""
+        assert self._slots is not None
+        self._waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self._waiting -= 1
+        return self._slots
 
     async def _stream(self, client: httpx.AsyncClient, body: dict):
         """The parsed pieces of one streamed request, up to ``[DONE]``; every failure

@@ -63,7 +63,7 @@ from parrot.protocol.errors import (
 )
 from parrot.protocol.sampling import SamplingParams
 from parrot.protocol.schemas import EngineStats, PlaceholderBinding, SubmitCall
-from parrot.protocol.template import parse_template
+from parrot.protocol.template import Template, parse_template
 from parrot.protocol.tokenizer import TextTokenizer
 from parrot.protocol.transforms import parse_transforms
 
@@ -434,24 +434,8 @@ class Manager:
         one in ``StagedCall.new_vars``, outside the session).  ``prompt_ids``: the
         prompt as token ids, filled in place of the template's text; ``samples``: how
         many samples of its last output (:func:`~parrot.manager.graph.add_forks`)."""
-        template = parse_template(req.template)
-        bindings = _index_bindings(req.placeholders)
+        template, bindings = _bound_template(req)
         names = template.names
-        missing = [n for n in names if n not in bindings]
-        if missing:
-            raise BindingError(f"placeholder(s) {missing} have no binding")
-        extra = [n for n in bindings if n not in names]
-        if extra:
-            raise BindingError(f"binding(s) {extra} match no placeholder in the template")
-        directions = {}
-        for name, b in bindings.items():
-            if b.direction is not None:
-                directions[name] = b.direction
-            elif template.direction_of(name) is None:
-                directions[name] = (
-                    "output" if (b.sampling is not None or b.transform is not None) else "input"
-                )
-        template = template.with_directions(directions)
         check_starts_with_text(template)
         if req.chat:
             check_chat_shape(template)
@@ -561,6 +545,27 @@ def value_bytes(value: str | None) -> int:
 def inline_bytes(req: SubmitCall) -> int:
     """Bytes of the constant inputs a call binds inline."""
     return sum(value_bytes(b.value) for b in req.placeholders)
+
+
+def _bound_template(req: SubmitCall) -> tuple[Template, dict[str, PlaceholderBinding]]:
+    """``req``'s template with every placeholder's direction (its binding's, else the
+    template's, else output when the binding samples or transforms) and its bindings by
+    name; BindingError for a placeholder without a binding or a binding without one."""
+    template = parse_template(req.template)
+    bindings = _index_bindings(req.placeholders)
+    missing = [n for n in template.names if n not in bindings]
+    if missing:
+        raise BindingError(f"placeholder(s) {missing} have no binding")
+    extra = [n for n in bindings if n not in template.names]
+    if extra:
+        raise BindingError(f"binding(s) {extra} match no placeholder in the template")
+    directions = {}
+    for name, b in bindings.items():
+        if b.direction is not None:
+            directions[name] = b.direction
+        elif template.direction_of(name) is None:
+            directions[name] = "output" if (b.sampling is not None or b.transform is not None) else "input"
+    return template.with_directions(directions), bindings
 
 
 def _index_bindings(bindings: list[PlaceholderBinding]) -> dict[str, PlaceholderBinding]:

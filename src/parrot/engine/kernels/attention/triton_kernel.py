@@ -306,6 +306,40 @@ def plan_triton_decode(
     )
 
 
+def _plan_for(
+    segments: Sequence[Segment] | TritonDecodePlan,
+    q: Tensor,
+    block_size: int,
+    kv_heads: int,
+    *,
+    share: bool,
+    piece_tokens: int,
+) -> TritonDecodePlan:
+    """``segments`` planned for this call's shapes, or the given plan once checked to
+    fit them (batch, block size, GQA group, q's device)."""
+    batch, heads, _ = q.shape
+    group = heads // kv_heads
+    if not isinstance(segments, TritonDecodePlan):
+        return plan_triton_decode(
+            segments,
+            batch=batch,
+            block_size=block_size,
+            group=group,
+            share=share,
+            device=q.device,
+            piece_tokens=piece_tokens,
+        )
+    made = segments
+    if (made.batch, made.block_size, made.group) != (batch, block_size, group):
+        raise ValueError(
+            f"the Triton decode plan is for batch {made.batch}, block size {made.block_size}, "
+            f"group {made.group}; got {batch}, {block_size}, {group}"
+        )
+    if made.tables and made.tables[0].device != q.device:
+        raise ValueError(f"the Triton decode plan is on {made.tables[0].device}, q on {q.device}")
+    return made
+
+
 def triton_paged_decode_attention(
     q: Tensor,
     k_cache: Tensor,
@@ -328,25 +362,7 @@ def triton_paged_decode_attention(
     kern = _kernels()
     batch, heads, dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    if isinstance(segments, TritonDecodePlan):
-        made = segments
-        if (made.batch, made.block_size, made.group) != (batch, block_size, heads // kv_heads):
-            raise ValueError(
-                f"the Triton decode plan is for batch {made.batch}, block size {made.block_size}, "
-                f"group {made.group}; got {batch}, {block_size}, {heads // kv_heads}"
-            )
-        if made.tables and made.tables[0].device != q.device:
-            raise ValueError(f"the Triton decode plan is on {made.tables[0].device}, q on {q.device}")
-    else:
-        made = plan_triton_decode(
-            segments,
-            batch=batch,
-            block_size=block_size,
-            group=heads // kv_heads,
-            share=share,
-            device=q.device,
-            piece_tokens=piece_tokens,
-        )
+    made = _plan_for(segments, q, block_size, kv_heads, share=share, piece_tokens=piece_tokens)
     plan = made.plan
     (block_table, seqs_cat, bt_off, start, length, q_off, m, slot0, w_piece, w_row0, seq_ptr, seq_slots) = (
         made.tables
