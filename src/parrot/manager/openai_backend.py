@@ -262,18 +262,22 @@ class OpenAIBackend:
                         self._counts["generated_tokens"] += len(piece_ids)
                         yield GenerateChunk(text=piece.text, token_ids=piece_ids)
                     finish = piece.finish_reason or finish
-            if finish not in FINISH_REASONS:
-                raise EngineError(
-                    f"backend {self.url} ended the generation with finish_reason {finish!r}"
-                    if finish
-                    else f"backend {self.url} ended the stream without a finish_reason"
-                )
+            self._check_finish(finish)
             ctx.ids.extend(ids if exact else await self._encode("".join(text)))
             yield GenerateChunk(done=True, finish_reason=finish)  # type: ignore[arg-type]
         finally:
             self._running -= 1
             self._load -= prompt_len + len(ids)
             slots.release()
+
+    def _check_finish(self, finish: str | None) -> None:
+        """EngineError naming the backend unless ``finish`` is a finish reason Parrot knows."""
+        if finish not in FINISH_REASONS:
+            raise EngineError(
+                f"backend {self.url} ended the generation with finish_reason {finish!r}"
+                if finish
+                else f"backend {self.url} ended the stream without a finish_reason"
+            )
 
     async def _acquire_slot(self) -> asyncio.Semaphore:
         """Wait for one of the backend's in-flight slots (counted as waiting meanwhile);

@@ -120,6 +120,14 @@ def plan_decode_attention(
     )
 
 
+def _checked_scale(scale: float | None, dim: int) -> float:
+    """The softmax scale: ``scale`` as a float, 1/sqrt(dim) when None; ValueError unless finite."""
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number, got {scale!r}")
+    return float(scale)
+
+
 def paged_decode_attention(
     q: Tensor,
     k_cache: Tensor,
@@ -159,10 +167,7 @@ def paged_decode_attention(
         raise ValueError("share and validate must be bools")
     batch, _, dim = q.shape
     num_blocks, block_size, _, _ = k_cache.shape
-    scale = 1.0 / math.sqrt(dim) if scale is None else scale
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite number, got {scale!r}")
-    scale = float(scale)
+    scale = _checked_scale(scale, dim)
     which = _resolve_backend(backend, q)
     plan = segments if isinstance(segments, DecodePlan) else None
     if isinstance(segments, TritonDecodePlan):
