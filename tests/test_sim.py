@@ -14,6 +14,7 @@ import pytest
 from parrot.engine.jobs import Job
 from parrot.engine.loader import LoadedModel
 from parrot.engine.runner import EngineRunner
+from parrot.engine.step_planner import ENGINE_COUNTERS
 from parrot.manager.service import Manager, ManagerConfig
 from parrot.protocol import clock
 from parrot.protocol.sampling import SamplingParams
@@ -125,15 +126,7 @@ def test_the_simulated_engine_admits_preempts_and_forks_as_the_real_one(tiny_mod
     sim_plans, sim_counters, elapsed = _sim_plans(_requests(1))
     assert real_counters["preemptions"] > 0 and real_counters["cached_tokens"] > 0  # the test covers them
     assert sim_plans == real_plans
-    for key in (
-        "fills",
-        "filled_tokens",
-        "generates",
-        "generated_tokens",
-        "steps",
-        "preemptions",
-        "cached_tokens",
-    ):
+    for key in ENGINE_COUNTERS:
         assert sim_counters[key] == real_counters[key], key
     assert elapsed > COST.base * len(sim_plans)  # each step took its modelled time
 

@@ -58,7 +58,7 @@ from parrot.engine.loader import LoadedModel
 from parrot.engine.memory import MemoryManager
 from parrot.engine.sampler import logprobs_of, make_generator, sample
 from parrot.engine.step_log import StepLog
-from parrot.engine.step_planner import KVLoad, SeqSlice, StepPlanner
+from parrot.engine.step_planner import ENGINE_COUNTERS, KVLoad, SeqSlice, StepPlanner
 from parrot.engine.step_work import StepWork, step_work
 from parrot.engine.stopping import StopStringFilter
 from parrot.protocol.errors import BadRequest, ParrotError
@@ -78,19 +78,6 @@ class StepInfo:
     num_running: int
     token_load: int
     kv_blocks_used: int
-
-
-COUNTERS = (
-    "fills",
-    "filled_tokens",
-    "generates",
-    "generated_tokens",
-    "steps",
-    "preemptions",
-    "cached_tokens",
-)
-"""The engine's activity counters (``cached_tokens``: pending tokens whose KV came
-from the prefix cache)."""
 
 
 def _kv_cache(
@@ -177,7 +164,7 @@ class EngineRunner:
         self._inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._stopped = False
-        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.counters = dict.fromkeys(ENGINE_COUNTERS, 0)
         self.step_forward = step_forward.choose(self.model, self.cache, self.kernels, cfg.decode_attention)
         log.info("engine steps: %s", self.step_forward.name)
         # the job queues and each step's admission, plan and KV reservation

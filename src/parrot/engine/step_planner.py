@@ -63,6 +63,20 @@ CPU batches 2,048 tokens a step by default too.  A step that carries a long prom
 chunk delays the decodes in it by that chunk's time."""
 
 
+ENGINE_COUNTERS = (
+    "fills",
+    "filled_tokens",
+    "generates",
+    "generated_tokens",
+    "steps",
+    "preemptions",
+    "cached_tokens",
+)
+"""An engine's activity counters, the real one's and the simulator's (the planner counts
+fills, filled tokens, preemptions and ``cached_tokens``: pending tokens whose KV came
+from the prefix cache)."""
+
+
 @dataclass
 class SeqSlice:
     """The new tokens of one sequence in a step: absolute positions [start, start + n)."""

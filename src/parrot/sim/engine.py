@@ -30,7 +30,7 @@ from parrot.engine.block_pool import DEFAULT_BLOCK_SIZE, BlockPool
 from parrot.engine.contexts import ContextTable
 from parrot.engine.jobs import Job, check_token_ids, finish_job, reused_of
 from parrot.engine.memory import MemoryManager
-from parrot.engine.step_planner import DEFAULT_MAX_STEP_TOKENS, StepPlanner
+from parrot.engine.step_planner import DEFAULT_MAX_STEP_TOKENS, ENGINE_COUNTERS, StepPlanner
 from parrot.protocol.errors import BadRequest, ParrotError
 from parrot.protocol.sampling import SamplingParams
 from parrot.protocol.schemas import EngineStats, GenerateChunk
@@ -84,18 +84,7 @@ class SimEngine:
         self._max_seq_len = min(max_seq_len, num_blocks * block_size)
         self.token_capacity = token_capacity or max(max_seq_len, 4 * max_step_tokens, num_blocks * block_size)
         self.share_prefix = share_prefix
-        self.counters = dict.fromkeys(
-            (
-                "fills",
-                "filled_tokens",
-                "generates",
-                "generated_tokens",
-                "steps",
-                "preemptions",
-                "cached_tokens",
-            ),
-            0,
-        )
+        self.counters = dict.fromkeys(ENGINE_COUNTERS, 0)
         self.planner = StepPlanner(
             self.contexts,
             self.memory,
