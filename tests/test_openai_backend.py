@@ -530,3 +530,16 @@ def test_a_backend_of_a_model_no_engine_serves_needs_the_managers_tokenizer(live
     fronts.append(other := start_server(Manager(bad)))
     resp = _register(other.url, {"kind": "openai", "url": live.url, "model": "tiny"})
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "no_tokenizer"
+
+
+def test_the_clis_backend_max_inflight_default_is_the_registrations() -> None:
+    """The CLI keeps the figure import-free; it must stay the protocol's default."""
+    import argparse
+
+    from parrot.cli_backend import add_backend_args
+    from parrot.protocol.schemas import DEFAULT_BACKEND_MAX_INFLIGHT
+
+    parser = argparse.ArgumentParser()
+    add_backend_args(parser)
+    assert parser.parse_args([]).backend_max_inflight == DEFAULT_BACKEND_MAX_INFLIGHT
+    assert BackendOptions().max_inflight == DEFAULT_BACKEND_MAX_INFLIGHT

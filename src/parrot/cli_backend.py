@@ -46,6 +46,7 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
         metavar="VAR",
         help="environment variable holding the backends' API key (sent as a bearer token)",
     )
+    # DEFAULT_BACKEND_MAX_INFLIGHT (parrot.protocol.schemas), kept import-free here
     p.add_argument("--backend-max-inflight", type=int, default=64, help="requests in flight per replica")
     p.add_argument(
         "--backend-timeout",

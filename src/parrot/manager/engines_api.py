@@ -67,9 +67,8 @@ def _tokenizer_of(manager: Manager, model: str) -> TextTokenizer | str:
     """The tokenizer of an engine already serving ``model``, else the manager's backend
     tokenizer spec (loaded off the loop by the caller); BadRequest when there is neither."""
     for h in manager.pool:
-        tokenizer = getattr(h.api, "tokenizer", None)
-        if h.model == model and isinstance(tokenizer, TextTokenizer):
-            return tokenizer
+        if h.model == model:
+            return h.api.tokenizer
     if manager.config.backend_tokenizer is None:
         raise BadRequest(
             f"no tokenizer for model {model!r}: no engine serves it, and the manager was started "

@@ -61,7 +61,7 @@ from parrot.manager.openai_stream import FINISH_REASONS, MalformedAnswer, parse_
 from parrot.protocol.constraint import Constraint
 from parrot.protocol.errors import BadRequest, CallFailed, ContextTooLong, EngineError, NotFound, ParrotError
 from parrot.protocol.sampling import SamplingParams
-from parrot.protocol.schemas import EngineStats, GenerateChunk
+from parrot.protocol.schemas import DEFAULT_BACKEND_MAX_INFLIGHT, EngineStats, GenerateChunk
 from parrot.protocol.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class BackendOptions:
     kind: str = "openai"
     model: str | None = None
     api_key: str | None = None
-    max_inflight: int = 64
+    max_inflight: int = DEFAULT_BACKEND_MAX_INFLIGHT
     timeout_s: float = 60.0
     token_capacity: int = 0
     warm_prefix: bool = False

@@ -276,6 +276,11 @@ class EngineStats(BaseModel):
         return self
 
 
+DEFAULT_BACKEND_MAX_INFLIGHT = 64
+"""Requests an external backend has in flight at once unless told otherwise (its
+registration, ``--backend-max-inflight``)."""
+
+
 class EngineDescription(StrictBody):
     """What an engine tells the manager about itself when it registers, or what an
     operator tells it of an external OpenAI-compatible backend to drive as an engine
@@ -288,7 +293,9 @@ class EngineDescription(StrictBody):
     max_seq_len: int | None = Field(default=None, gt=0)
     name: str | None = Field(default=None, max_length=200)
     kind: Literal["parrot", "vllm", "sglang", "openai"] = "parrot"
-    max_inflight: int = Field(default=64, ge=1, le=4096, description="a backend's requests in flight")
+    max_inflight: int = Field(
+        default=DEFAULT_BACKEND_MAX_INFLIGHT, ge=1, le=4096, description="a backend's requests in flight"
+    )
     priority: bool = Field(default=False, description="vllm: send each call's app-FIFO place as priority")
     warm_prefix: bool = Field(default=False, description="a backend: warm its prefix cache before calls")
 
@@ -296,7 +303,9 @@ class EngineDescription(StrictBody):
     def _kind_fields(self) -> EngineDescription:
         if self.kind == "parrot" and self.max_seq_len is None:
             raise ValueError("a Parrot engine registers with its max_seq_len")
-        if self.kind == "parrot" and (self.priority or self.warm_prefix or self.max_inflight != 64):
+        if self.kind == "parrot" and (
+            self.priority or self.warm_prefix or self.max_inflight != DEFAULT_BACKEND_MAX_INFLIGHT
+        ):
             raise ValueError("max_inflight, priority and warm_prefix describe external backends only")
         return self
 
