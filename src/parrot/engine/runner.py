@@ -26,7 +26,7 @@ A request that fits the KV pool at all is never failed for lack of memory (it
 waits or is preempted); a context longer than the whole pool is rejected
 (``kv_capacity_exceeded``).
 
-Length (about 575 lines): the worker thread's step loop and its request
+Length (about 570 lines): the worker thread's step loop and its request
 handling; planning (step_planner), the forward (step_forward), finishing jobs
 (jobs) and grammar masks (grammar) live apart.
 """
@@ -53,7 +53,7 @@ from parrot.engine.grammar import advance as advance_grammar
 from parrot.engine.jobs import ChunkCallback, FinishCallback, Job, finish_job
 from parrot.engine.kernels import kernel_set
 from parrot.engine.kv_store import PagedKVCache, kv_cache_blocks
-from parrot.engine.latency_probe import StepLatency, probe, step_seconds
+from parrot.engine.latency_probe import PREFILL_MIN_TOKENS, StepLatency, probe, step_seconds
 from parrot.engine.loader import LoadedModel
 from parrot.engine.memory import MemoryManager
 from parrot.engine.sampler import logprobs_of, make_generator, sample
@@ -430,6 +430,18 @@ class EngineRunner:
             raise
         return self._after_forward(plan, hidden, len(ids), started)
 
+    def _record_prefill(self, plan: list[tuple[Job, SeqSlice]], num_tokens: int, started: float) -> None:
+        """Give the latency fit a step's time when it computed enough prompt tokens to tell
+        what one costs (:meth:`StepLatency.record_prefill`), with the KV its decode rows read."""
+        decodes = [s for _, s in plan if s.n == 1]
+        if num_tokens - len(decodes) < PREFILL_MIN_TOKENS:
+            return
+        decoding = KVLoad(self.pool.block_size)
+        for s in decodes:
+            decoding.add(s.ctx.block_table, s.ctx.computed_len, s.ctx.num_pending)
+        seconds = step_seconds(started, self.cache.device)
+        self.latency.record_prefill(num_tokens - len(decodes), decoding.total, len(decodes), seconds)
+
     def _after_forward(
         self, plan: list[tuple[Job, SeqSlice]], hidden: torch.Tensor, num_tokens: int, started: float
     ) -> tuple[list[Job], torch.Tensor | None]:
@@ -451,16 +463,7 @@ class EngineRunner:
                 )
             )
         if num_tokens > len(plan):  # prompt tokens in it: what one costs (latency_probe)
-            decoding = KVLoad(self.pool.block_size)
-            decodes = [s for _, s in plan if s.n == 1]
-            for s in decodes:
-                decoding.add(s.ctx.block_table, s.ctx.computed_len, s.ctx.num_pending)
-            self.latency.record_prefill(
-                num_tokens - len(decodes),
-                decoding.total,
-                len(decodes),
-                step_seconds(started, self.cache.device),
-            )
+            self._record_prefill(plan, num_tokens, started)
         if not finishing:
             return [], None
         with torch.inference_mode():
