@@ -46,9 +46,9 @@ def eng(
     )
 
 
-def q(cid, kind="latency", group=None, tokens=100, rank=0, prefixes=(), model="m", new=0):
+def q(cid, kind="latency", group=None, tokens=100, rank=0, prefixes=(), model="m", new=0, shared=0):
     obj = CallObjective("throughput", group, "test") if group else (LAT if kind == "latency" else THR)
-    return QueuedCall(cid, model, obj, tuple(prefixes), tokens, rank, new)
+    return QueuedCall(cid, model, obj, tuple(prefixes), tokens, rank, new, shared)
 
 
 def run(queue, engines, policy="parrot", **kw):
@@ -340,6 +340,25 @@ def test_running_latency_calls_count_as_competing_and_as_the_batch():
     assert len(run_saturated(decode_heavy(2), [busy])) == math.floor(k_star(12, 174, 64)) - 10 == 1
     # 20 queued + 10 running: k* ~ 18.1, eight more
     assert len(run_saturated(decode_heavy(20), [busy])) == math.floor(k_star(30, 174, 64)) - 10 == 8
+
+
+def test_a_shared_prefix_counts_as_load_but_not_as_prompt_work():
+    """A call under a system prompt no engine runs now (fig. 17's GPTs at a low rate): its
+    prompt holds 1,000 shared tokens, computed once per engine and then read from the
+    prefix cache.  Counted as its own prompt work they made it wait behind one running
+    call; as shared tokens they do not."""
+    assert k_star(2, 1100, 36) < 2 <= saturation.batch_calls(2, 1100, 36, 1800, 24.0, shared_tokens=1000)
+    # the shared part only lowers the prompt cost, never below nothing
+    assert saturation.batch_calls(2, 1100, 36, 1800, 24.0, shared_tokens=5000) == saturation.batch_calls(
+        2, 1100, 36, 1800, 24.0, shared_tokens=1064
+    )
+    # one engine running one call under another system prompt, past its cap with the new one
+    busy = dataclasses.replace(eng("e1", load=1100, mode="latency", lat=1800, cap=20_000), latency_calls=1)
+    whole = q("gpt", tokens=1100, new=36)
+    assert run_saturated([whole], [busy]) == []
+    assert where(run_saturated([q("gpt", tokens=1100, new=36, shared=1000)], [busy])) == {"gpt": "e1"}
+    with pytest.raises(ValueError, match=r"shared_tokens must be in 0\.\.tokens"):
+        q("bad", tokens=100, shared=101)
 
 
 def test_no_call_overtakes_a_waiting_latency_call_past_the_cap():

@@ -331,7 +331,7 @@ def test_fig19_mixes_chat_and_map_reduce() -> None:
 def test_fig17_rates_span_both_saturations_with_enough_requests() -> None:
     workloads = generate("fig17")
     rates = [w.params["x"] for w in workloads]
-    assert rates == [0.25, 0.5, 1.0, 2.0, 4.0, 8.0]
+    assert rates == [0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0]
     for workload in workloads:
         assert workload.params["window_s"] * workload.params["x"] >= 10 - 1e-9
         assert len(workload.apps) == workload.params["requests"] >= 1

@@ -331,9 +331,10 @@ class Executor:
         objective = self.objectives.of(call)
         call.objective, call.task_group = objective.kind, objective.task_group
         rank = self.order.rank(call, ticket.arrival, self._fifo_by_app)
-        shared = ticket.shared_prefix
+        shared, shared_tokens = ticket.shared_prefix, 0
         if shared is not None and not self.loads.prefix_running(shared[0]):
-            tokens += shared[1]  # no engine holds its shared prefix yet: placing it brings it
+            shared_tokens = shared[1]  # no engine holds its shared prefix yet: placing it brings it
+            tokens += shared_tokens
         queued = ticket.queued
         if (
             queued is None
@@ -343,7 +344,14 @@ class Executor:
         ):
             new_tokens = sum(o.sampling.max_tokens for o in call.outputs.values())
             queued = ticket.queued = QueuedCall(
-                call.call_id, call.model, objective, ticket.prefix_keys, tokens, rank, new_tokens
+                call.call_id,
+                call.model,
+                objective,
+                ticket.prefix_keys,
+                tokens,
+                rank,
+                new_tokens,
+                shared_tokens,
             )
         return queued
 

@@ -32,7 +32,13 @@ what the cap admits and nothing changes.
 
 ``k*`` is a number of calls, not of tokens: an engine's load also holds the
 prefixes its calls share (several system prompts, say), which the batch does
-not grow with.
+not grow with.  For the same reason ``P`` leaves out a call's shared prefix (a
+system prompt no engine runs at the moment, so the scheduler counts it in the
+call's tokens): the prefix is computed once per engine and then read from the
+prefix cache, so it is load the call brings, not prompt work of its own.  On two
+one-thread engines serving four GPTs-like system prompts of 600-1,200 tokens
+(the suite's fig. 17) two prompts fill an engine's latency cap, and a call whose
+prompt was counted whole waited for a running call to end even at 1 request/s.
 """
 
 from __future__ import annotations
@@ -46,17 +52,29 @@ CAP_SLOWDOWN = 0.25
 
 
 def batch_calls(
-    competing: float, own_tokens: int, new_tokens: int, latency_cap: int, prefill_tokens_per_step: float
+    competing: float,
+    own_tokens: int,
+    new_tokens: int,
+    latency_cap: int,
+    prefill_tokens_per_step: float,
+    shared_tokens: int = 0,
 ) -> float:
     """``k*``: how many latency calls like this one (``own_tokens`` KV tokens of its own,
     ``new_tokens`` of them generated) an engine should run at once when ``competing`` of
     them compete for it (running there or queued); 0 when nothing argues for a batch
     (one call competing, nothing to generate).  The caller admits a call past the cap
-    while the engine runs fewer than ``k*`` latency calls, within its token capacity."""
+    while the engine runs fewer than ``k*`` latency calls, within its token capacity.
+
+    ``shared_tokens`` of the prompt are a shared prefix (a system prompt that no engine
+    runs at the moment): they count in what the call holds (its steps read them), but
+    not in its prompt cost ``P``, since a shared prefix is computed once per engine and
+    later calls read it from the prefix cache.  Counting it there made a call under an
+    idle cached system prompt look prompt-heavy and wait behind one running call."""
     out = min(max(new_tokens, 0), own_tokens)
     if competing <= 1 or out <= 0 or latency_cap <= 0 or prefill_tokens_per_step <= 0:
         return 0.0
     prompt = own_tokens - out
+    computed = max(prompt - max(shared_tokens, 0), 0)
     mean_held = prompt + out / 2
-    per_call_cost = prompt / prefill_tokens_per_step + out * CAP_SLOWDOWN * mean_held / latency_cap
+    per_call_cost = computed / prefill_tokens_per_step + out * CAP_SLOWDOWN * mean_held / latency_cap
     return math.sqrt(competing * out / per_call_cost)

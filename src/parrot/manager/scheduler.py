@@ -465,8 +465,9 @@ class Scheduler:
             return True
         if self._saturation_open and kind == "latency" and mode != "throughput" and not self.cap_mixed_only:
             # latency calls queue: up to the batch that finishes them soonest, within the capacity
+            per_step = self._prefill_tokens_per_step(e.snap)
             k = saturation.batch_calls(
-                self._competing, tokens, c.new_tokens, lat_cap, self._prefill_tokens_per_step(e.snap)
+                self._competing, tokens, c.new_tokens, lat_cap, per_step, c.shared_tokens
             )
             return e.lat_calls + 1 <= k and load + tokens <= capacity
         return False

@@ -101,7 +101,10 @@ class QueuedCall:
     prefixes at variable boundaries, outermost (shortest) first.  ``tokens``:
     estimated KV tokens (prompt + max new tokens).  ``topo_rank``: an integer
     order in which producers come before consumers (then arrival).  ``new_tokens``:
-    the part of ``tokens`` it generates (the rest is prompt).
+    the part of ``tokens`` it generates (the rest is prompt).  ``shared_tokens``: the part of
+    ``tokens`` that is a shared prefix no engine runs now (placing the call brings it; it
+    is computed once per engine and then read from the engine's prefix cache, so it is
+    load, but not this call's own prompt work).
     """
 
     call_id: str
@@ -111,6 +114,7 @@ class QueuedCall:
     tokens: int = 1
     topo_rank: int = 0
     new_tokens: int = 0
+    shared_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.call_id:
@@ -119,6 +123,11 @@ class QueuedCall:
             raise ValueError(f"call {self.call_id}: tokens must be positive, got {self.tokens}")
         if self.new_tokens < 0:
             raise ValueError(f"call {self.call_id}: new_tokens must be >= 0, got {self.new_tokens}")
+        if not 0 <= self.shared_tokens <= self.tokens:
+            raise ValueError(
+                f"call {self.call_id}: shared_tokens must be in 0..tokens ({self.tokens}), "
+                f"got {self.shared_tokens}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
