@@ -35,10 +35,10 @@ prefixes its calls share (several system prompts, say), which the batch does
 not grow with.  For the same reason ``P`` leaves out a call's shared prefix (a
 system prompt no engine runs at the moment, so the scheduler counts it in the
 call's tokens): the prefix is computed once per engine and then read from the
-prefix cache, so it is load the call brings, not prompt work of its own.  On two
-one-thread engines serving four GPTs-like system prompts of 600-1,200 tokens
-(the suite's fig. 17) two prompts fill an engine's latency cap, and a call whose
-prompt was counted whole waited for a running call to end even at 1 request/s.
+prefix cache, so it is load the call brings, not prompt work of its own.  (Where
+two system prompts fill an engine's latency cap, as on the suite's fig. 17 with
+one-thread engines, a call counted whole would look prompt-heavy and wait for a
+running call to end even at a low rate.)
 """
 
 from __future__ import annotations
@@ -68,8 +68,7 @@ def batch_calls(
     ``shared_tokens`` of the prompt are a shared prefix (a system prompt that no engine
     runs at the moment): they count in what the call holds (its steps read them), but
     not in its prompt cost ``P``, since a shared prefix is computed once per engine and
-    later calls read it from the prefix cache.  Counting it there made a call under an
-    idle cached system prompt look prompt-heavy and wait behind one running call."""
+    later calls read it from the prefix cache."""
     out = min(max(new_tokens, 0), own_tokens)
     if competing <= 1 or out <= 0 or latency_cap <= 0 or prefill_tokens_per_step <= 0:
         return 0.0
