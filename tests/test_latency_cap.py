@@ -364,6 +364,35 @@ def test_the_scheduler_keeps_each_engine_under_its_own_reported_cap():
     asyncio.run(main())
 
 
+def test_a_call_under_an_idle_system_prompt_joins_a_running_call_past_the_cap():
+    """Two GPTs-like calls on one engine whose cap (1,500 tokens) their two ~1,100-token
+    system prompts overflow.  The second call's system prompt runs nowhere, so the
+    scheduler counts it in the call's tokens; saturation batching counts it as load but
+    not as the call's own prompt work, and lets the call join instead of waiting for the
+    first to end."""
+
+    def gpt_call(manager: Manager, session, system: str):
+        binding = PlaceholderBinding(name="y", sampling={"max_tokens": 32}, criteria="LATENCY")
+        return manager.submit_call(
+            session, SubmitCall(template=system + " Q: why? {{output:y}}", placeholders=[binding])
+        )
+
+    async def main() -> None:
+        manager = Manager(ManagerConfig(latency_cap_scope="all"))  # saturation batching on, as by default
+        engine = HeldEngine(TextTokenizer.byte_level_tiny(), 1500)
+        manager.pool.register(engine)
+        await manager.poll_engine_stats()
+        session = manager.create_session()[0]
+        first = gpt_call(manager, session, "You are a careful lighthouse keeper. " * 30)
+        await until_running([engine], 1)
+        second = gpt_call(manager, session, "You are a patient ship's cook. " * 36)
+        await until_running([engine], 2)
+        assert engine.running == 2 and first.engine_id == second.engine_id
+        await release_and_drain(manager, [engine])
+
+    asyncio.run(main())
+
+
 def test_the_operator_cap_overrides_every_engine_and_heartbeats_carry_remote_caps():
     async def main() -> None:
         manager = Manager(ManagerConfig(latency_cap_tokens=6000, saturation_batching=False))

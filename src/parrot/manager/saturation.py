@@ -34,11 +34,12 @@ what the cap admits and nothing changes.
 prefixes its calls share (several system prompts, say), which the batch does
 not grow with.  For the same reason ``P`` leaves out a call's shared prefix (a
 system prompt no engine runs at the moment, so the scheduler counts it in the
-call's tokens): the prefix is computed once per engine and then read from the
-prefix cache, so it is load the call brings, not prompt work of its own.  (Where
-two system prompts fill an engine's latency cap, as on the suite's fig. 17 with
-one-thread engines, a call counted whole would look prompt-heavy and wait for a
-running call to end even at a low rate.)
+call's tokens): the prefix is computed once per engine (by the first call that
+brings it, if the engine's prefix cache does not hold it already) and then read
+from the prefix cache, so over the calls sharing it it is load, not prompt work of
+any one call.  (Where two system prompts fill an engine's latency cap, as on the
+suite's fig. 17 with one-thread engines, a call counted whole would look
+prompt-heavy and wait for a running call to end even at a low rate.)
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ def batch_calls(
 
     ``shared_tokens`` of the prompt are a shared prefix (a system prompt that no engine
     runs at the moment): they count in what the call holds (its steps read them), but
-    not in its prompt cost ``P``, since a shared prefix is computed once per engine and
-    later calls read it from the prefix cache."""
+    not in its prompt cost ``P``: a shared prefix is computed at most once per engine and
+    read from the prefix cache by the calls after, so its cost is not any one call's."""
     out = min(max(new_tokens, 0), own_tokens)
     if competing <= 1 or out <= 0 or latency_cap <= 0 or prefill_tokens_per_step <= 0:
         return 0.0
