@@ -2,7 +2,7 @@
 
     python benchmarks/shared_prompt_steps.py [--model smollm2] [--forks 32] [--prefix-tokens 2000]
         [--question-tokens 20] [--max-tokens 64] [--repeats 3] [--threads 2] [--max-step-tokens 512]
-        [--modes shared prefill-off unshared] [--time-kernels]
+        [--modes shared prefill-shared prefill-off unshared] [--time-kernels] [--dtype bfloat16]
 
 One ``EngineRunner`` is stepped in a loop on this thread (no HTTP, no manager):
 the prefix is filled as one context, then ``--forks`` generates fork it, each
@@ -11,6 +11,9 @@ second, the time of the steps that prefill the questions, and the median decode
 step.  Modes, interleaved within each repeat so that drift hits all alike:
 
 * ``shared``: the engine as it ships (shared-prefix attention in decode and prefill);
+* ``prefill-shared``: the same, but prefill chunks take the shared plan even where the
+  AMX kernel, chunk by chunk, would be faster (``AMX_SHARING_BREAK_EVEN_ROWS`` raised to
+  infinity): the A/B of that choice, which only an engine with the AMX kernel makes;
 * ``prefill-off``: the same, but prefill chunks attend to the prefix one chunk at a
   time (``plan_shared_prefill`` disabled) — the A/B of prefill sharing alone;
 * ``unshared``: ``share_prefix=False`` (per-sequence attention everywhere).
@@ -25,6 +28,7 @@ and are not counted: run with ``PARROT_DECODE_FORWARD=0`` (read as the engine's
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
 import time
@@ -114,7 +118,16 @@ def main() -> None:
     ap.add_argument("--max-step-tokens", type=int, default=512, help="the engine's per-step token budget")
     ap.add_argument("--time-kernels", action="store_true")
     ap.add_argument(
-        "--modes", nargs="+", default=["shared", "prefill-off"], choices=["shared", "prefill-off", "unshared"]
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="the packed weights' and the KV cache's dtype (the suite's runs use bfloat16)",
+    )
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        default=["shared", "prefill-off"],
+        choices=["shared", "prefill-shared", "prefill-off", "unshared"],
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -122,9 +135,11 @@ def main() -> None:
     if args.time_kernels:
         time_kernels()
     loaded = load_model(args.model)
+    dtype = getattr(torch, args.dtype)
+    dtypes = {} if dtype == torch.float32 else {"weight_dtype": dtype, "kv_dtype": dtype}
     runners = {
         "shared": EngineRunner(
-            loaded, max_step_tokens=args.max_step_tokens, kernels=KernelOptions.from_env()
+            loaded, max_step_tokens=args.max_step_tokens, kernels=KernelOptions.from_env(), **dtypes
         ),
         "unshared": (
             EngineRunner(
@@ -132,12 +147,14 @@ def main() -> None:
                 share_prefix=False,
                 max_step_tokens=args.max_step_tokens,
                 kernels=KernelOptions.from_env(),
+                **dtypes,
             )
             if "unshared" in args.modes
             else None
         ),
     }
     planner: Callable = paged.plan_shared_prefill
+    break_even = paged.AMX_SHARING_BREAK_EVEN_ROWS
     rng = random.Random(0)
     results: dict[str, list[dict]] = {m: [] for m in args.modes}
     base = 0
@@ -146,9 +163,11 @@ def main() -> None:
             runner = runners["unshared" if mode == "unshared" else "shared"]
             off = mode == "prefill-off"
             paged.plan_shared_prefill = (lambda *a: None) if off else planner  # type: ignore[assignment]
+            paged.AMX_SHARING_BREAK_EVEN_ROWS = math.inf if mode == "prefill-shared" else break_even
             base += 10_000
             got = run_once(runner, args, rng, base)
             paged.plan_shared_prefill = planner
+            paged.AMX_SHARING_BREAK_EVEN_ROWS = break_even
             if r >= 0:
                 results[mode].append(got)
                 print(

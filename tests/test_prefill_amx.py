@@ -238,3 +238,55 @@ def test_an_engine_on_the_kernel_computes_what_pytorch_flash_attention_does(
         # a different greedy pick only at a near tie of the reference's logits
         picked = reference.gather(1, logits.argmax(-1, keepdim=True)).squeeze(1)
         assert (reference.max(-1).values - picked).max().item() < 0.01 * reference.abs().max().item()
+
+
+def _fork_prefill_paths(question_tokens: int, monkeypatch: pytest.MonkeyPatch) -> tuple[int, int]:
+    """(layers that attended on the kernel, layers that took the shared prefill) while four
+    forks of one 64-token parent prefill ``question_tokens`` each, in one step, on the native
+    build (AMX tiles or its portable C)."""
+    from parrot.engine.prefill_sharing import SharedPrefill
+
+    runner = EngineRunner(
+        _loaded(), kv_dtype=torch.bfloat16, kv_cache_tokens=2048, max_step_tokens=1024, latency_probe=False
+    )
+    runner.step_forward = replace(runner.step_forward, prefill_lib=native.build())
+    rng = random.Random(1)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, TINY_VOCAB_SIZE) for _ in range(n)]
+
+    def drain() -> None:
+        while runner.has_work():
+            runner._step()
+
+    runner._enqueue(Job(1, None, tokens(64)))
+    drain()
+    counts = {"kernel": 0, "shared": 0}
+    kernel, shared = PrefillPlan.attend, SharedPrefill.attend
+
+    def on_kernel(self: PrefillPlan, *args: torch.Tensor) -> None:
+        counts["kernel"] += 1
+        kernel(self, *args)
+
+    def on_shared(self: SharedPrefill, *args: torch.Tensor) -> torch.Tensor:
+        counts["shared"] += 1
+        return shared(self, *args)
+
+    monkeypatch.setattr(PrefillPlan, "attend", on_kernel)
+    monkeypatch.setattr(SharedPrefill, "attend", on_shared)
+    for ctx in range(10, 14):
+        runner._enqueue(Job(ctx, 1, tokens(question_tokens)))
+    drain()
+    monkeypatch.undo()
+    return counts["kernel"], counts["shared"]
+
+
+def test_forks_with_long_prompts_attend_on_the_kernel_and_short_ones_share_their_prefix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from parrot.engine.paged import AMX_SHARING_BREAK_EVEN_ROWS
+
+    long_rows = int(AMX_SHARING_BREAK_EVEN_ROWS) + 8  # 40 rows a chunk: past the break-even
+    short_rows = int(AMX_SHARING_BREAK_EVEN_ROWS) // 4  # 8: under it
+    assert _fork_prefill_paths(long_rows, monkeypatch) == (CONFIG.num_layers, 0)
+    assert _fork_prefill_paths(short_rows, monkeypatch) == (0, CONFIG.num_layers)

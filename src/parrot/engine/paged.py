@@ -24,7 +24,8 @@ computed once in the constructor and reused by all layers:
   ``index_select`` per layer gathers them) and
   :func:`~parrot.engine.prefill_attention.prefill_attention` (causal from the
   chunk's start).  Chunks whose pasts share blocks take the shared prefill
-  (:mod:`parrot.engine.prefill_sharing`) before either.
+  (:mod:`parrot.engine.prefill_sharing`) before PyTorch's per-chunk path, and before
+  the AMX kernel only while they are short (:data:`AMX_SHARING_BREAK_EVEN_ROWS`).
 
 Invariant (the caller's): before the step, every slice's context table covers
 its new positions with blocks it may write (:meth:`ContextTable.reserve`, with
@@ -47,6 +48,20 @@ from parrot.engine.prefill_attention import prefill_attention
 from parrot.engine.prefill_sharing import SharedPrefill, plan_shared_prefill
 from parrot.engine.prefix_tree import decode_runs
 from parrot.engine.step_planner import SeqSlice
+
+AMX_SHARING_BREAK_EVEN_ROWS = 32.0
+"""Where the AMX kernel takes over from the shared prefill: the mean query rows a chunk
+brings to a shared key (:attr:`~parrot.engine.prefill_sharing.SharedPrefill.rows_per_shared_key`)
+at which both cost the same.  The AMX kernel reads a shared key once per chunk (about
+14 us per chunk and key over SmolLM2's 30 layers, with the step's queries in 16-row
+tiles) and then costs about 0.06 us per (row, key) pair; the shared plan reads the key
+once for all chunks but its shared-row kernel costs about 0.5 us per pair, so it wins
+only below ~14 / (0.5 - 0.06) ~ 32 rows per chunk: 32 questions of 20 tokens under a
+2,000-token prompt (0.9 s against 1.15 s for their prefill), not 10 chain steps of 200
+tokens under a 32-token template (1.07 s against 0.65 s), nor 32 of 50 tokens under
+2,000 (2.0 s against 1.6 s).  Measured on a 2-core Xeon with AMX, bf16:
+``python benchmarks/shared_prompt_steps.py --dtype bfloat16 --max-step-tokens 2048 ...``
+(docs/engine.md, "Prompt attention under a shared prefix")."""
 
 
 @dataclass
@@ -190,14 +205,18 @@ class PagedStepAttention:
         out = torch.empty_like(q)
         if decoded is not None:
             out[:nd] = decoded
+        amx = self._amx_prefill is not None and q.dtype == torch.float32
         if not self._prefill_planned:
             self._prefill_planned = True
             tables, starts, totals = zip(*self._prefill_tables, strict=True)
-            self._shared_prefill = plan_shared_prefill(tables, starts, totals, cache.block_size, q)
+            shared = plan_shared_prefill(tables, starts, totals, cache.block_size, q)
+            if shared is not None and amx and shared.rows_per_shared_key >= AMX_SHARING_BREAK_EVEN_ROWS:
+                shared = None  # long chunks: the AMX kernel reading the prefix per chunk is faster
+            self._shared_prefill = shared
         if self._shared_prefill is not None:
             out[nd:] = self._shared_prefill.attend(q[nd:], k_layer, v_layer)
             return out
-        if self._amx_prefill is not None and q.dtype == torch.float32:
+        if amx:
             self._amx_prefill.attend(q, k_layer, v_layer, out)
             return out
         kv_heads, dim = k.shape[1], k.shape[2]

@@ -46,6 +46,7 @@ __all__ = ["SharedPrefill", "plan_shared_prefill"]
 class _SharedRun:
     rows: Tensor  # int64 [M]: the query rows (among the chunks' rows) that read the run
     tok: Tensor  # int64 [L]: the run's keys as flat cache rows
+    chunks: int  # how many chunks lie under the run
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,17 @@ class SharedPrefill:
     def shared_rows(self) -> int:
         """Query rows that read some shared run (each once per run above them)."""
         return sum(r.rows.numel() for r in self.runs)
+
+    @property
+    def rows_per_shared_key(self) -> float:
+        """The mean number of query rows one chunk brings to a shared key: the shared
+        (row, key) pairs over the (chunk, key) pairs the runs cover.  What the shared
+        plan saves against attending chunk by chunk grows with the second (each chunk
+        would read the key again), what it costs with the first (where the per-chunk
+        kernel is faster per pair than the shared-row kernel, as on AMX)."""
+        pairs = sum(r.rows.numel() * r.tok.numel() for r in self.runs)
+        covered = sum(r.chunks * r.tok.numel() for r in self.runs)
+        return pairs / covered if covered else 0.0
 
     def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         """q: [rows, H, D], the chunks' queries; k_cache, v_cache: [NB, BS, KVH, D] with
@@ -185,6 +197,7 @@ def plan_shared_prefill(
         _SharedRun(
             torch.cat([torch.arange(offsets[i], offsets[i + 1], device=device) for i in r.seqs]),
             (torch.tensor(r.blocks, dtype=torch.long, device=device)[:, None] * block_size + lane).view(-1),
+            len(r.seqs),
         )
         for r in shared
     ]
