@@ -57,6 +57,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import parrot as P
 from parrot.protocol.clock import TIME_HEADER
+from parrot.protocol.tls import tls_context
 
 from .spec import AppRecord, AppSpec, CallRecord, CallSpec, RunRecord, Workload
 
@@ -205,7 +206,9 @@ async def _graph_records(session: P.AsyncSession, app: AppSpec, t0: float) -> li
         return None
     headers = {"Authorization": f"Bearer {session.token}"}
     try:
-        async with httpx.AsyncClient(base_url=session.url, headers=headers, trust_env=False) as http:
+        async with httpx.AsyncClient(
+            base_url=session.url, headers=headers, trust_env=False, verify=tls_context()
+        ) as http:
             response = await http.get(f"/v1/sessions/{session.session_id}/graph", timeout=30.0)
         answered = _rel(t0)
         response.raise_for_status()

@@ -31,6 +31,7 @@ from parrot.frontend.wire import (
 )
 from parrot.protocol.errors import BadRequest, ParrotError
 from parrot.protocol.schemas import SessionCreated, VariableInfo
+from parrot.protocol.tls import tls_context
 
 if TYPE_CHECKING:
     from parrot.frontend.function import SemanticFunction
@@ -99,6 +100,7 @@ class AsyncSession(SessionBase):
                 timeout=self.timeout,
                 transport=self._transport,
                 headers=self._opening_headers(),
+                verify=tls_context(),
             )
         if not self._defer_open:
             try:

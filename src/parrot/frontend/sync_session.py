@@ -30,6 +30,7 @@ from parrot.frontend.wire import (
 )
 from parrot.protocol.errors import BadRequest, ParrotError
 from parrot.protocol.schemas import SessionCreated, VariableInfo
+from parrot.protocol.tls import tls_context
 
 if TYPE_CHECKING:
     from parrot.frontend.function import SemanticFunction
@@ -70,6 +71,7 @@ class Session(SessionBase):
                 timeout=self.timeout,
                 transport=self._transport,
                 headers=self._opening_headers(),
+                verify=tls_context(),
             )
         try:
             data = self._request("POST", "/v1/sessions")

@@ -27,6 +27,7 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from pydantic import BaseModel, Field
 
 from parrot.protocol.errors import error_from_body
+from parrot.protocol.tls import tls_context
 
 DEFAULT_URL = "http://127.0.0.1:9000"
 _ROLES = {"human": "user", "ai": "assistant", "system": "system"}
@@ -60,7 +61,9 @@ class ParrotParams(BaseModel):
 
     def _client(self) -> httpx.Client:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        return httpx.Client(base_url=self.base_url.rstrip("/"), timeout=self.timeout, headers=headers)
+        return httpx.Client(
+            base_url=self.base_url.rstrip("/"), timeout=self.timeout, headers=headers, verify=tls_context()
+        )
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         with self._client() as http:
