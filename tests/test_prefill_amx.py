@@ -240,16 +240,23 @@ def test_an_engine_on_the_kernel_computes_what_pytorch_flash_attention_does(
         assert (reference.max(-1).values - picked).max().item() < 0.01 * reference.abs().max().item()
 
 
-def _fork_prefill_paths(question_tokens: int, monkeypatch: pytest.MonkeyPatch) -> tuple[int, int]:
+def _fork_prefill_paths(
+    question_tokens: int,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    kernel: bool = True,
+    kv_dtype: torch.dtype = torch.bfloat16,
+) -> tuple[int, int]:
     """(layers that attended on the kernel, layers that took the shared prefill) while four
-    forks of one 64-token parent prefill ``question_tokens`` each, in one step, on the native
-    build (AMX tiles or its portable C)."""
+    forks of one 64-token parent prefill ``question_tokens`` each, in one step: with
+    ``kernel`` on the native build's prompt kernel (AMX tiles or its portable C), else
+    without it (the engine of a CPU without AMX: PyTorch's per-chunk path)."""
     from parrot.engine.prefill_sharing import SharedPrefill
 
     runner = EngineRunner(
-        _loaded(), kv_dtype=torch.bfloat16, kv_cache_tokens=2048, max_step_tokens=1024, latency_probe=False
+        _loaded(), kv_dtype=kv_dtype, kv_cache_tokens=2048, max_step_tokens=1024, latency_probe=False
     )
-    runner.step_forward = replace(runner.step_forward, prefill_lib=native.build())
+    runner.step_forward = replace(runner.step_forward, prefill_lib=native.build() if kernel else None)
     rng = random.Random(1)
 
     def tokens(n: int) -> list[int]:
@@ -290,3 +297,19 @@ def test_forks_with_long_prompts_attend_on_the_kernel_and_short_ones_share_their
     short_rows = int(AMX_SHARING_BREAK_EVEN_ROWS) // 4  # 8: under it
     assert _fork_prefill_paths(long_rows, monkeypatch) == (CONFIG.num_layers, 0)
     assert _fork_prefill_paths(short_rows, monkeypatch) == (0, CONFIG.num_layers)
+
+
+def test_without_the_kernel_a_bf16_cache_shares_only_a_prefix_long_against_the_chunks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from parrot.engine.paged import BF16_SHARING_BREAK_EVEN_KEYS_PER_ROW
+
+    # the parent's 64 tokens are four whole shared blocks; a chunk of q rows reads 64 / q per row
+    long_rows = int(64 / BF16_SHARING_BREAK_EVEN_KEYS_PER_ROW) + 8  # 33 rows: 1.9 keys a row
+    short_rows = 8  # 8 keys a row
+    assert 64 / long_rows < BF16_SHARING_BREAK_EVEN_KEYS_PER_ROW <= 64 / short_rows
+    assert _fork_prefill_paths(long_rows, monkeypatch, kernel=False) == (0, 0)
+    assert _fork_prefill_paths(short_rows, monkeypatch, kernel=False) == (0, CONFIG.num_layers)
+    # an fp32 cache keeps the shared plan first: there it costs no more than chunk by chunk
+    fp32 = _fork_prefill_paths(long_rows, monkeypatch, kernel=False, kv_dtype=torch.float32)
+    assert fp32 == (0, CONFIG.num_layers)

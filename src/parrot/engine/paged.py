@@ -24,8 +24,10 @@ computed once in the constructor and reused by all layers:
   ``index_select`` per layer gathers them) and
   :func:`~parrot.engine.prefill_attention.prefill_attention` (causal from the
   chunk's start).  Chunks whose pasts share blocks take the shared prefill
-  (:mod:`parrot.engine.prefill_sharing`) before PyTorch's per-chunk path, and before
-  the AMX kernel only while they are short (:data:`AMX_SHARING_BREAK_EVEN_ROWS`).
+  (:mod:`parrot.engine.prefill_sharing`) where it is faster (:func:`_sharing_pays`):
+  before the AMX kernel only while they are short (:data:`AMX_SHARING_BREAK_EVEN_ROWS`),
+  before PyTorch's per-chunk path on a bf16 cache only while the prefix is long against
+  them (:data:`BF16_SHARING_BREAK_EVEN_KEYS_PER_ROW`), on other caches always.
 
 Invariant (the caller's): before the step, every slice's context table covers
 its new positions with blocks it may write (:meth:`ContextTable.reserve`, with
@@ -62,6 +64,32 @@ tokens under a 32-token template (1.07 s against 0.65 s), nor 32 of 50 tokens un
 2,000 (2.0 s against 1.6 s).  Measured on a 2-core Xeon with AMX, bf16:
 ``python benchmarks/shared_prompt_steps.py --dtype bfloat16 --max-step-tokens 2048 ...``
 (docs/engine.md, "Prompt attention under a shared prefix")."""
+
+BF16_SHARING_BREAK_EVEN_KEYS_PER_ROW = 2.5
+"""Without the AMX kernel, on a bf16 cache on CPU: the shared prefix's length against the
+chunks' (:attr:`~parrot.engine.prefill_sharing.SharedPrefill.shared_keys_per_row`) below
+which attending chunk by chunk is faster than the shared prefill.  There the per-chunk path
+is PyTorch's bf16 flash attention, cheaper per (row, key) pair than the shared-row kernel,
+which pays off only by not gathering and reading the prefix once per chunk: a long prefix
+under short chunks.  Measured on a 2-core AMD EPYC (AVX-512 with BF16, no AMX), bf16, the
+forks' prefill (``python benchmarks/shared_prompt_steps.py --dtype bfloat16 --max-step-tokens
+2048 --max-tokens 8 --repeats 3 --modes shared prefill-off ...``), shared plan against chunk by
+chunk: 10 x 200 tokens under 32 (a chain step's template, 0.16 keys a row) 2,274 against
+2,093 ms; 11 x 320 under 40 (a map's, 0.125) 4,047 against 3,200 ms; 10 x 200 under 200 (1)
+2,283 against 2,053 ms; under 500 (2.5) 2,223 against 2,245 ms; 16 x 100 under 1,000 (10)
+2,495 against 2,983 ms; 32 x 20 under 2,000 (100) 1,270 against 2,125 ms.  On an fp32 cache
+the two cost about the same at 0.16 and 2.5 keys a row (3,442 against 3,617 ms, 3,638
+against 3,708 ms), so the shared plan stays first there (docs/engine.md)."""
+
+
+def _sharing_pays(shared: SharedPrefill, amx: bool, cache_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a step's chunks should take the shared prefill ``shared`` rather than attend one by
+    one (on the AMX kernel where ``amx``, else PyTorch's per-chunk path)."""
+    if amx:
+        return shared.rows_per_shared_key < AMX_SHARING_BREAK_EVEN_ROWS
+    if device.type == "cpu" and cache_dtype == torch.bfloat16:
+        return shared.shared_keys_per_row >= BF16_SHARING_BREAK_EVEN_KEYS_PER_ROW
+    return True
 
 
 @dataclass
@@ -210,8 +238,8 @@ class PagedStepAttention:
             self._prefill_planned = True
             tables, starts, totals = zip(*self._prefill_tables, strict=True)
             shared = plan_shared_prefill(tables, starts, totals, cache.block_size, q)
-            if shared is not None and amx and shared.rows_per_shared_key >= AMX_SHARING_BREAK_EVEN_ROWS:
-                shared = None  # long chunks: the AMX kernel reading the prefix per chunk is faster
+            if shared is not None and not _sharing_pays(shared, amx, k_layer.dtype, q.device):
+                shared = None  # the chunks attend one by one, reading the prefix each
             self._shared_prefill = shared
         if self._shared_prefill is not None:
             out[nd:] = self._shared_prefill.attend(q[nd:], k_layer, v_layer)

@@ -89,6 +89,16 @@ class SharedPrefill:
         covered = sum(r.chunks * r.tok.numel() for r in self.runs)
         return pairs / covered if covered else 0.0
 
+    @property
+    def shared_keys_per_row(self) -> float:
+        """The shared keys the chunks read per query row they bring: the (chunk, shared key)
+        pairs the runs cover over the chunks' rows, i.e. the shared prefix's length against
+        the chunks' (0.16 for 200-token chunks under a 32-token prefix, 100 for 20-token
+        questions under a 2,000-token one).  What the shared plan saves against attending
+        chunk by chunk (reading the prefix once per chunk) grows with it."""
+        covered = sum(r.chunks * r.tok.numel() for r in self.runs)
+        return covered / self.rows if self.rows else 0.0
+
     def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         """q: [rows, H, D], the chunks' queries; k_cache, v_cache: [NB, BS, KVH, D] with
         every chunk's keys written.  Returns [rows, H, D] in q's dtype: causal
