@@ -8,6 +8,7 @@ clients, a web handler per user request) paid that CPU on every request.
 
 import asyncio
 import ssl
+from collections.abc import Iterator
 
 import pytest
 
@@ -19,7 +20,7 @@ WAIT = 60.0
 
 
 @pytest.fixture
-def ca_loads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def ca_loads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """How many times a CA bundle is loaded from now on (a fresh process's view)."""
     loads: list[int] = []
     load = ssl.SSLContext.load_verify_locations

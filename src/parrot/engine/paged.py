@@ -71,15 +71,10 @@ chunks' (:attr:`~parrot.engine.prefill_sharing.SharedPrefill.shared_keys_per_row
 which attending chunk by chunk is faster than the shared prefill.  There the per-chunk path
 is PyTorch's bf16 flash attention, cheaper per (row, key) pair than the shared-row kernel,
 which pays off only by not gathering and reading the prefix once per chunk: a long prefix
-under short chunks.  Measured on a 2-core AMD EPYC (AVX-512 with BF16, no AMX), bf16, the
-forks' prefill (``python benchmarks/shared_prompt_steps.py --dtype bfloat16 --max-step-tokens
-2048 --max-tokens 8 --repeats 3 --modes shared prefill-off ...``), shared plan against chunk by
-chunk: 10 x 200 tokens under 32 (a chain step's template, 0.16 keys a row) 2,274 against
-2,093 ms; 11 x 320 under 40 (a map's, 0.125) 4,047 against 3,200 ms; 10 x 200 under 200 (1)
-2,283 against 2,053 ms; under 500 (2.5) 2,223 against 2,245 ms; 16 x 100 under 1,000 (10)
-2,495 against 2,983 ms; 32 x 20 under 2,000 (100) 1,270 against 2,125 ms.  On an fp32 cache
-the two cost about the same at 0.16 and 2.5 keys a row (3,442 against 3,617 ms, 3,638
-against 3,708 ms), so the shared plan stays first there (docs/engine.md)."""
+under short chunks (a system prompt over questions), not a template of a few dozen tokens
+over a chain step's or a map's chunk.  On an fp32 cache the two cost about the same and the
+shared plan stays first.  Placed by runs of ``benchmarks/shared_prompt_steps.py`` on a 2-core
+AMD EPYC (docs/engine.md, "Prompt attention under a shared prefix")."""
 
 
 def _sharing_pays(shared: SharedPrefill, amx: bool, cache_dtype: torch.dtype, device: torch.device) -> bool:

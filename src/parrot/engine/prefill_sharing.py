@@ -86,7 +86,7 @@ class SharedPrefill:
         would read the key again), what it costs with the first (where the per-chunk
         kernel is faster per pair than the shared-row kernel, as on AMX)."""
         pairs = sum(r.rows.numel() * r.tok.numel() for r in self.runs)
-        covered = sum(r.chunks * r.tok.numel() for r in self.runs)
+        covered = self._covered_pairs
         return pairs / covered if covered else 0.0
 
     @property
@@ -96,8 +96,12 @@ class SharedPrefill:
         the chunks' (0.16 for 200-token chunks under a 32-token prefix, 100 for 20-token
         questions under a 2,000-token one).  What the shared plan saves against attending
         chunk by chunk (reading the prefix once per chunk) grows with it."""
-        covered = sum(r.chunks * r.tok.numel() for r in self.runs)
-        return covered / self.rows if self.rows else 0.0
+        return self._covered_pairs / self.rows if self.rows else 0.0
+
+    @property
+    def _covered_pairs(self) -> int:
+        """The (chunk, shared key) pairs the runs cover."""
+        return sum(r.chunks * r.tok.numel() for r in self.runs)
 
     def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         """q: [rows, H, D], the chunks' queries; k_cache, v_cache: [NB, BS, KVH, D] with

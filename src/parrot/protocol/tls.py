@@ -16,8 +16,8 @@ def tls_context() -> ssl.SSLContext:
     use, built once per process with httpx's defaults (certifi's CA bundle, or
     ``SSL_CERT_FILE`` / ``SSL_CERT_DIR``).
 
-    httpx builds one per client otherwise, loading the whole CA bundle each time (about
-    17 ms of CPU on a 2-core Xeon), even for plain-HTTP URLs, and the SDK opens a client
-    per session: an application opening a session per request paid it on every request.
+    httpx builds one per client otherwise, loading the whole CA bundle each time, even for
+    plain-HTTP URLs, and the SDK opens a client per session: an application opening a
+    session per request paid that CPU on every request (``benchmarks/sdk_tls_ab.py``).
     An ``SSLContext`` may be shared by any number of clients and threads."""
     return httpx.create_ssl_context()
