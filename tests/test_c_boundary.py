@@ -71,8 +71,8 @@ def test_the_header_declares_every_op_and_struct() -> None:
     fns = {f.name: f for f in b.functions}
     p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     assert c_boundary.signature(fns["parrot_rope"], {}) == ([p, i64, i64, i64, i64, p, p, i], None)
-    assert c_boundary.signature(fns["parrot_amx_packed_size"], {}) == ([i64, i64], i64)
-    assert c_boundary.signature(fns["parrot_amx_ready"], {}) == ([], i)
+    assert c_boundary.signature(fns["parrot_bf16_packed_size"], {}) == ([i64, i64], i64)
+    assert c_boundary.signature(fns["parrot_bf16_linear_best"], {}) == ([], i)
     norm = c_boundary.signature(fns["parrot_add_rms_norm"], {})[0]
     assert norm[4] is ctypes.c_float and norm[2] is i
 
@@ -221,7 +221,7 @@ def test_a_definition_that_differs_from_the_header_fails_to_compile(
     [
         ("int parrot_new_op(int x) { return x; }\n", "no previous prototype"),  # not in the header
         ("static int f(void) { return parrot_undeclared(1); }\n", "implicit declaration"),
-        ("static int f(void) { return parrot_amx_ready(1); }\n", "too many arguments"),
+        ("static int f(void) { return parrot_bf16_linear_best(1); }\n", "too many arguments"),
         ("static void f(int64_t *w) { parrot_f32_pack(w, 1, 1, 0); }\n", "incompatible pointer type"),
         ("static void f(void) { parrot_f32_pack(0, 1, 1, 5); }\n", "makes pointer from integer"),
     ],
@@ -255,7 +255,7 @@ def test_ctypes_lays_out_the_structs_as_the_compiler_does(cc: str, tmp_path: Pat
         from_ctypes[name, "sizeof"] = ctypes.sizeof(cls)
         from_ctypes[name, "alignof"] = ctypes.alignment(cls)
         from_ctypes.update({(name, f): getattr(cls, f).offset for f, _ in cls._fields_})
-    assert from_c == from_ctypes and len(from_c) == 3 * 2 + 9 + 11 + 13
+    assert from_c == from_ctypes and len(from_c) == 3 * 2 + 9 + 12 + 13
 
 
 def test_the_build_rejects_a_ctypes_layout_the_compiler_does_not_have(cc: str, tmp_path: Path) -> None:

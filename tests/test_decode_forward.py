@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from parrot.engine import step_forward
-from parrot.engine.kernels import amx_linear, decode_forward, f32_linear, native
+from parrot.engine.kernels import bf16_linear, decode_forward, f32_linear, native
 from parrot.engine.kernels.attention import cpu_kernel
 from parrot.engine.kernels.kernel_set import for_options
 from parrot.engine.kernels.options import KernelOptions
@@ -149,10 +149,10 @@ def test_it_declines_steps_it_does_not_cover(monkeypatch: pytest.MonkeyPatch) ->
         assert decode_forward.run(loaded.model, every, every, chunk, runner.cache) is None
         with pytest.raises(ValueError, match="token id out of range"):
             decode_forward.run(loaded.model, torch.tensor([TINY_VOCAB_SIZE]), pos, step(), runner.cache)
-        # re-packed as bf16: the AMX kernel's copies where it runs, else none
+        # re-packed as bf16: the bf16 kernel's copies where it runs (AMX or AVX-512 BF16), else none
         assert loaded.model.prepack(torch.bfloat16)
         bf16 = decode_forward.run(loaded.model, ids, pos, step(), runner.cache)
-        assert (bf16 is not None) == amx_linear.available()
+        assert (bf16 is not None) == (bf16_linear.best() != "portable")
         assert loaded.model.prepack(torch.float32)  # back: a new layer table is built
         assert decode_forward.run(loaded.model, ids, pos, step(), runner.cache) is not None
 
@@ -164,15 +164,19 @@ def test_it_declines_steps_it_does_not_cover(monkeypatch: pytest.MonkeyPatch) ->
 def test_bf16_weights_and_caches_give_the_python_paths_bits(
     monkeypatch: pytest.MonkeyPatch, weight_dtype: torch.dtype | None, kv_dtype: torch.dtype | None
 ) -> None:
-    """bf16 weights run on the AMX kernel (the MLP in bf16 from its norm to the residual
-    add), a bf16 cache gets its new rows rounded to nearest even: as in Python."""
+    """bf16 weights run on the bf16 kernel's best backend here (the MLP in bf16 from its
+    norm to the residual add), a bf16 cache gets its new rows rounded to nearest even:
+    as in Python."""
     loaded = _loaded(4)
     options = {"weight_dtype": weight_dtype, "kv_dtype": kv_dtype}
     on, took, path = _logits_per_step(monkeypatch, loaded, True, 5, **options)
     off, _, _ = _logits_per_step(monkeypatch, loaded, False, 5, **options)
     assert len(on) == len(off) > 20
     assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
-    kernels = amx_linear.available() if weight_dtype == torch.bfloat16 else f32_linear.available()
+    best = bf16_linear.best()
+    kernels = best != "portable" if weight_dtype == torch.bfloat16 else f32_linear.available()
     assert any(took) == (kernels and cpu_kernel.shared_built(CONFIG.head_dim))
-    expected = "c-forward/amx-bf16" if weight_dtype == torch.bfloat16 else "c-forward/f32"
+    expected = {"amx": "c-forward/amx-bf16", "avx512-bf16": "c-forward/avx512-bf16"}.get(best)
+    if weight_dtype != torch.bfloat16:
+        expected = "c-forward/f32"
     assert (path == expected) == (kernels and native.library() is not None)

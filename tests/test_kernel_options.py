@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from parrot.engine.config import EngineConfig
-from parrot.engine.kernels import native
+from parrot.engine.kernels import bf16_linear, native
 from parrot.engine.kernels.kernel_set import for_options
 from parrot.engine.kernels.options import ENVIRONMENT, KernelOptions, add_kernel_arguments
 from parrot.engine.loader import LoadedModel, load_model
@@ -32,13 +32,14 @@ def _parse(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], argv: list[str]
 
 def test_without_variables_or_flags_every_kernel_is_on(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _parse(monkeypatch, {}, []) == KernelOptions() == EngineConfig().kernels
-    assert KernelOptions() == KernelOptions("native", True, True, True, True, None, True)
+    assert KernelOptions() == KernelOptions("native", True, True, True, True, None, True, True)
 
 
 def test_each_variable_reaches_its_option(monkeypatch: pytest.MonkeyPatch) -> None:
     env = {
         "PARROT_CPU_KERNEL": "portable",
         "PARROT_AMX": "0",
+        "PARROT_BF16_LINEAR": "0",
         "PARROT_F32_LINEAR": "0",
         "PARROT_DECODE_FORWARD": "0",
         "PARROT_HUGEPAGES": "0",
@@ -46,7 +47,7 @@ def test_each_variable_reaches_its_option(monkeypatch: pytest.MonkeyPatch) -> No
         "PARROT_AMX_PREFILL": "0",
     }
     assert _parse(monkeypatch, env, []) == KernelOptions(
-        "portable", False, False, False, False, "/tmp/parrot-kernels", False
+        "portable", False, False, False, False, "/tmp/parrot-kernels", False, False
     )
     # the old switch values: 0 is off, 1 the native build; any other value leaves a kernel on
     assert KernelOptions.from_env({"PARROT_CPU_KERNEL": "0"}).cpu_kernel == "off"
@@ -102,19 +103,22 @@ def test_an_engine_runs_the_kernels_its_options_name(tiny_model: LoadedModel) ->
 
 def test_the_kernel_set_names_only_kernels_its_options_allow_and_its_build_has() -> None:
     off = for_options(KernelOptions(cpu_kernel="off"))
-    assert off.lib is None and not (off.f32_linear or off.amx_linear or off.c_attention or off.c_forward)
+    assert off.lib is None and not (off.f32_linear or off.bf16_linear or off.c_attention or off.c_forward)
     assert off.describe() == "C ops build none (switched off (cpu_kernel='off')); kernels: PyTorch only"
     on = for_options()
     lib = native.library("native")
     assert on.lib is lib and on.c_attention == on.c_forward == (lib is not None)
     assert on.f32_linear == (lib is not None and bool(lib.parrot_f32_linear_supported()))
-    assert on.amx_linear == on.amx_prefill == (lib is not None and bool(lib.parrot_amx_ready()))
+    best = bf16_linear.best(lib)
+    assert on.bf16_linear == (None if best == "portable" else best)
+    assert on.amx_prefill == (best == "amx")
     assert not for_options(KernelOptions(amx_prefill=False)).amx_prefill
-    narrowed = for_options(KernelOptions(amx=False, f32_linear=False, c_forward=False))
-    assert not (narrowed.amx_linear or narrowed.amx_prefill or narrowed.f32_linear or narrowed.c_forward)
+    narrowed = for_options(KernelOptions(bf16_linear=False, amx=False, f32_linear=False, c_forward=False))
+    assert not (narrowed.bf16_linear or narrowed.amx_prefill or narrowed.f32_linear or narrowed.c_forward)
     assert narrowed.c_attention == on.c_attention
+    assert for_options(KernelOptions(amx=False)).bf16_linear in (None, "avx512-bf16")
     portable = for_options(KernelOptions(cpu_kernel="portable"))  # no AVX-512 / AMX code in it
-    assert not (portable.f32_linear or portable.amx_linear or portable.amx_prefill)
+    assert not (portable.f32_linear or portable.bf16_linear or portable.amx_prefill)
     assert portable.describe().startswith("C ops build portable") or portable.lib is None
 
 

@@ -6,12 +6,13 @@ projections have), the KV cache and the engine's kernels
 :class:`StepForward` with a name that the start-up log and the engine's stats
 (``decode_path``) show:
 
-* ``c-forward/f32``, ``c-forward/amx-bf16`` — a pure decode step within the
-  kernels' row limit whose attention runs on the C kernels alone goes through
-  one C call for all its layers (:mod:`parrot.engine.kernels.decode_forward`, with the
-  fp32 or the AMX projection kernel); every other step (prefill chunks, larger
-  batches, attention the C side does not cover) takes the model's forward.
-  Both give the same bits;
+* ``c-forward/f32``, ``c-forward/amx-bf16``, ``c-forward/avx512-bf16`` — a pure
+  decode step within the kernels' row limit whose attention runs on the C kernels
+  alone goes through one C call for all its layers
+  (:mod:`parrot.engine.kernels.decode_forward`, with the fp32 projection kernel or the
+  bf16 one on AMX tiles or AVX-512 BF16); every other step (prefill chunks, larger
+  batches, attention the C side does not cover) takes the model's forward.  Both
+  give the same bits;
 * ``pytorch/fused`` — the model's forward with its elementwise steps in C
   (:mod:`parrot.engine.kernels.fused`) and oneDNN-packed projections;
 * ``pytorch/packed`` — the model's forward with oneDNN-packed projections;

@@ -15,7 +15,7 @@ Modules: ``options`` (the choices, torch-free; the ``PARROT_*`` defaults of the 
 holds the sources and ``csrc/parrot_ops.h``, the one declaration of the C
 boundary, from which ``c_boundary`` derives the ctypes side; ``openmp_runtime``
 finds the OpenMP runtime to link), ``packed_linear`` (oneDNN-packed projections
-that hold the C linear kernels' copies: ``f32_linear``, ``amx_linear``, with
+that hold the C linear kernels' copies: ``f32_linear``, ``bf16_linear``, with
 ``linear_args``' shared checks), ``fused`` (a layer's elementwise steps in C),
 ``decode_forward`` (a decode step's layers in one C call) and ``attention/`` (paged
 decode attention: PyTorch, C, Triton).

@@ -14,8 +14,8 @@ model runs as before): every new token is a decode token (no prefill chunk); the
 KV cache is fp32 or bf16 on CPU; every projection of the model has the C kernel
 copy the Python path would use for this many rows: Parrot's fp32 kernel
 (:mod:`parrot.engine.kernels.f32_linear`, at most its ``MAX_ROWS`` tokens) or, for bf16
-weights, the AMX kernel (:mod:`parrot.engine.kernels.amx_linear`, at most its
-``MAX_ROWS``), with fp32 norms; the attention plan runs on the C kernels only
+weights, the bf16 kernel on one backend for all (:mod:`parrot.engine.kernels.bf16_linear`,
+at most its ``MAX_ROWS``), with fp32 norms; the attention plan runs on the C kernels only
 (:class:`~parrot.engine.kernels.attention.torch_impl.TorchDecodePlan` with ``kernel``, and
 ``shared_kernel`` if it has shared rows).  Whether the engine tries it at all is its
 ``c_forward`` option (:mod:`parrot.engine.step_forward`).
@@ -30,7 +30,7 @@ import math
 import torch
 from torch import Tensor
 
-from parrot.engine.kernels import amx_linear, c_boundary, f32_linear, native
+from parrot.engine.kernels import bf16_linear, c_boundary, f32_linear, native
 from parrot.engine.kernels.attention.torch_impl import TorchDecodePlan
 from parrot.engine.kernels.packed_linear import PackedLinear
 from parrot.engine.kv_store import PagedKVCache
@@ -48,13 +48,13 @@ _Attention = c_boundary.struct("ParrotDecodeAttention")
 class _Weights:
     """A model's layer table for the C side, valid while the model keeps these packed
     layers (``packed``: every PackedLinear it points into, held so the pointers stay
-    valid and compared by identity to notice a re-pack).  ``bf16``: the layers run on
-    the AMX kernel (bf16 weights), else on the fp32 kernel."""
+    valid and compared by identity to notice a re-pack).  ``bf16``: the backend the
+    layers run on in the bf16 kernel (bf16 weights), or None: the fp32 kernel."""
 
-    def __init__(self, model: LlamaModel, packed: list[PackedLinear], bf16: bool):
+    def __init__(self, model: LlamaModel, packed: list[PackedLinear], bf16: str | None):
         self.packed = packed
         self.bf16 = bf16
-        self.max_rows = amx_linear.MAX_ROWS if bf16 else f32_linear.MAX_ROWS
+        self.max_rows = f32_linear.MAX_ROWS if bf16 is None else bf16_linear.MAX_ROWS
         self.keep: list[Tensor] = []
         layers = model.model.layers
         self.table = (_Layer * len(layers))()
@@ -66,9 +66,9 @@ class _Weights:
             entry.in_norm, entry.post_norm = in_w, post_w
             entry.in_eps, entry.post_eps = norms[0].eps, norms[1].eps
             entry.qkv, entry.o, entry.gate_up, entry.down = (
-                _kernel_copy(p, bf16).data_ptr() for p in (qkv, o, gate_up, down)
+                _kernel_copy(p, bf16 is not None).data_ptr() for p in (qkv, o, gate_up, down)
             )
-            bias = qkv.amx_bias if bf16 else qkv.bias  # what each kernel gets from Python
+            bias = qkv.bias if bf16 is None else qkv.bf16_bias  # what each kernel gets from Python
             entry.qkv_bias = None if bias is None else self._hold(bias.contiguous())
         final = model.model.norm
         self.final_norm, self.final_eps = self._hold(final.weight.detach().contiguous()), final.eps
@@ -80,17 +80,17 @@ class _Weights:
 
 def _kernel_copy(p: PackedLinear, bf16: bool) -> Tensor:
     """The packed weight the C kernel of this mode reads (checked present)."""
-    copy = p.amx if bf16 else p.f32
+    copy = p.bf16 if bf16 else p.f32
     assert copy is not None  # _packed_layers chose the mode every layer has
     return copy.data
 
 
-def _packed_layers(model: LlamaModel) -> tuple[list[PackedLinear], bool] | None:
-    """The model's projections in layer order (q/k/v, o, gate/up, down) and whether
-    they are bf16, if every one has the C kernel copy of one mode (fp32 kernel, or
-    AMX for bf16 weights) and the norms are fp32; else None."""
+def _packed_layers(model: LlamaModel) -> tuple[list[PackedLinear], str | None] | None:
+    """The model's projections in layer order (q/k/v, o, gate/up, down) and their bf16
+    kernel backend (None: fp32), if every one has the C kernel copy of one mode (the
+    fp32 kernel, or the bf16 kernel on one backend) and the norms are fp32; else None."""
     out: list[PackedLinear] = []
-    modes: set[bool] = set()
+    modes: set[str | None] = set()
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         parts = (
@@ -100,9 +100,9 @@ def _packed_layers(model: LlamaModel) -> tuple[list[PackedLinear], bool] | None:
             mlp.down_proj.packed,
         )
         for p in parts:
-            if not isinstance(p, PackedLinear) or (p.f32 is None) == (p.amx is None):
+            if not isinstance(p, PackedLinear) or (p.f32 is None) == (p.bf16 is None):
                 return None
-            modes.add(p.amx is not None)
+            modes.add(p.bf16_backend if p.bf16 is not None else None)
         if layer.input_layernorm.weight.dtype != torch.float32:
             return None
         out.extend(parts)  # type: ignore[arg-type]
@@ -167,9 +167,9 @@ def _attention(plan: TorchDecodePlan, batch: int) -> tuple[_Attention, list[Tens
 
 def c_forward_mode(model: LlamaModel, cache: PagedKVCache, lib: ctypes.CDLL | None) -> str | None:
     """The kernels the C forward would run this model's decode steps on over ``cache``
-    with library ``lib`` (``"f32"``: Parrot's fp32 kernel; ``"amx-bf16"``: the AMX
-    kernel), or None when it cannot run them at all (no library, weights or cache it
-    does not take)."""
+    with library ``lib`` (``"f32"``: Parrot's fp32 kernel; ``"amx-bf16"`` /
+    ``"avx512-bf16"``: the bf16 kernel on AMX tiles / AVX-512 BF16), or None when it
+    cannot run them at all (no library, weights or cache it does not take)."""
     if lib is None:
         return None
     if cache.k.dtype not in (torch.float32, torch.bfloat16) or cache.k.device.type != "cpu":
@@ -177,7 +177,9 @@ def c_forward_mode(model: LlamaModel, cache: PagedKVCache, lib: ctypes.CDLL | No
     weights = _weights(model)
     if weights is None:
         return None
-    return "amx-bf16" if weights.bf16 else "f32"
+    if weights.bf16 is None:
+        return "f32"
+    return "amx-bf16" if weights.bf16 == "amx" else weights.bf16
 
 
 def run(
@@ -225,7 +227,8 @@ def run(
         scale=1.0 / math.sqrt(c.head_dim),
         final_eps=weights.final_eps,
         final_norm=weights.final_norm,
-        weights_bf16=int(weights.bf16),
+        weights_bf16=int(weights.bf16 is not None),
+        bf16_backend=0 if weights.bf16 is None else bf16_linear.BACKENDS.index(weights.bf16),
         kv_bf16=int(k.dtype == torch.bfloat16),
     )
     layer_stride = k[0].numel()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass, field
 
-from parrot.engine.kernels import amx_linear, f32_linear, native, prefill_amx
+from parrot.engine.kernels import bf16_linear, f32_linear, native, prefill_amx
 from parrot.engine.kernels.options import KernelOptions
 
 __all__ = ["KernelSet", "for_options"]
@@ -16,7 +16,9 @@ class KernelSet:
     """``options`` — what the engine allowed; ``lib`` — the loaded build of the C ops
     (None: ``cpu_kernel='off'`` or the build failed); ``f32_linear`` — fp32
     projections of decode size run on Parrot's fp32 kernel (AVX-512 build);
-    ``amx_linear`` — bf16 ones on the AMX kernel (AMX build, tiles granted);
+    ``bf16_linear`` — the backend bf16 ones run on in Parrot's bf16 kernel (``amx``:
+    AMX build, tiles granted, ``amx`` allowed; else ``avx512-bf16``: a build with
+    AVX512-BF16), or None (oneDNN);
     ``amx_prefill`` — prompt chunks over a bf16 KV cache attend on the AMX kernel
     (:mod:`parrot.engine.kernels.prefill_amx`; the same build and grant, ``amx`` on);
     ``c_attention`` — decode attention may run on the C kernels (else PyTorch);
@@ -26,12 +28,12 @@ class KernelSet:
     options: KernelOptions
     lib: ctypes.CDLL | None = field(compare=False, repr=False)
     f32_linear: bool
-    amx_linear: bool
+    bf16_linear: str | None
     amx_prefill: bool
     c_attention: bool
     c_forward: bool
 
-    def linear_key(self) -> tuple[str, bool, bool, bool]:
+    def linear_key(self) -> tuple[str, bool, bool, bool, bool]:
         """What decides how a projection is packed (see ``KernelOptions.linear_key``)."""
         return self.options.linear_key()
 
@@ -47,7 +49,7 @@ class KernelSet:
             name
             for name, on in (
                 ("f32-linear", self.f32_linear),
-                ("amx-linear", self.amx_linear),
+                (f"bf16-linear/{self.bf16_linear}", self.bf16_linear is not None),
                 ("amx-prefill", self.amx_prefill),
                 ("c-attention", self.c_attention),
                 ("c-forward", self.c_forward),
@@ -71,7 +73,7 @@ def for_options(options: KernelOptions | None = None) -> KernelSet:
         options=options,
         lib=lib,
         f32_linear=options.f32_linear and lib is not None and f32_linear.available(lib),
-        amx_linear=options.amx and lib is not None and amx_linear.available(lib),
+        bf16_linear=_bf16_backend(options, lib),
         amx_prefill=options.amx
         and options.amx_prefill
         and lib is not None
@@ -79,3 +81,15 @@ def for_options(options: KernelOptions | None = None) -> KernelSet:
         c_attention=lib is not None,
         c_forward=options.c_forward and lib is not None,
     )
+
+
+def _bf16_backend(options: KernelOptions, lib: ctypes.CDLL | None) -> str | None:
+    """The bf16 kernel's backend ``options`` allow with ``lib``: the fastest that runs,
+    not AMX unless ``options.amx``; None for none, or for portable C only (oneDNN is
+    faster than it)."""
+    if not options.bf16_linear or lib is None:
+        return None
+    backend = bf16_linear.best(lib)
+    if backend == "amx" and not options.amx:
+        backend = "avx512-bf16" if bf16_linear.runs("avx512-bf16", lib) else "portable"
+    return None if backend == "portable" else backend

@@ -1,5 +1,5 @@
 """The argument checks and output allocation the C linear kernels share
-(:mod:`~parrot.engine.kernels.f32_linear`, :mod:`~parrot.engine.kernels.amx_linear`): the C
+(:mod:`~parrot.engine.kernels.f32_linear`, :mod:`~parrot.engine.kernels.bf16_linear`): the C
 side trusts shapes, dtypes and layouts, so they are checked in Python before every call."""
 
 from __future__ import annotations

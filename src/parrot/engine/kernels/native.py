@@ -6,9 +6,10 @@ C sources hold the few ops where fusing pays: paged decode attention reading the
 cache in place (``decode_rows.c``; ``shared_rows.c`` for a prefix shared by many
 queries; see :mod:`parrot.engine.kernels.attention.cpu_kernel`), a decoder layer's
 elementwise steps (``layer_ops.c``, see :mod:`parrot.engine.kernels.fused`), bf16
-linear layers at decode sizes on AMX tiles (``amx_linear.c``, see
-:mod:`parrot.engine.kernels.amx_linear`) and fp32 linear layers that stream their weights
-while computing (``f32_linear.c``, see :mod:`parrot.engine.kernels.f32_linear`).
+linear layers at decode sizes on AMX tiles or AVX-512 BF16 dot products
+(``bf16_linear.c``, see :mod:`parrot.engine.kernels.bf16_linear`) and fp32 linear
+layers that stream their weights while computing (``f32_linear.c``, see
+:mod:`parrot.engine.kernels.f32_linear`).
 
 Build: ``$CC`` (default ``cc``) with ``-O3 -march=native -fopenmp``, all sources
 into one shared library, once per source / compiler / flags / CPU, cached in the
@@ -79,7 +80,7 @@ SOURCES = (
     "decode_rows.c",
     "layer_ops.c",
     "shared_rows.c",
-    "amx_linear.c",
+    "bf16_linear.c",
     "prefill_amx.c",
     "f32_linear.c",
     "decode_forward.c",

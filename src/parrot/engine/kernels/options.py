@@ -14,7 +14,11 @@ variable                   flag                       field
                                                       default: built with ``-march=native``),
                                                       ``portable`` (no AVX-512/AMX code) or
                                                       ``off`` (``0``: PyTorch paths only)
-``PARROT_AMX``             ``--[no-]amx``             ``amx``: bf16 projections on AMX tiles
+``PARROT_BF16_LINEAR``     ``--[no-]bf16-linear``     ``bf16_linear``: bf16 projections of
+                                                      decode size on Parrot's C kernel (AMX
+                                                      tiles, else AVX-512 BF16)
+``PARROT_AMX``             ``--[no-]amx``             ``amx``: AMX tiles for that kernel and for
+                                                      prompt attention
 ``PARROT_AMX_PREFILL``     ``--[no-]amx-prefill``     ``amx_prefill``: prompt attention on AMX
                                                       tiles (with ``amx`` on, a bf16 KV cache)
 ``PARROT_F32_LINEAR``      ``--[no-]f32-linear``      ``f32_linear``: the fp32 AVX-512 kernel
@@ -43,6 +47,7 @@ CPU_KERNEL_MODES = ("native", "portable", "off")
 # variable -> field (the table in the module docstring)
 ENVIRONMENT = {
     "PARROT_CPU_KERNEL": "cpu_kernel",
+    "PARROT_BF16_LINEAR": "bf16_linear",
     "PARROT_AMX": "amx",
     "PARROT_AMX_PREFILL": "amx_prefill",
     "PARROT_F32_LINEAR": "f32_linear",
@@ -56,10 +61,11 @@ _MODE_ALIASES = {"1": "native", "0": "off"}
 @dataclass(frozen=True)
 class KernelOptions:
     """``cpu_kernel`` — which build of Parrot's C ops the engine loads (one of
-    :data:`CPU_KERNEL_MODES`); ``amx`` / ``f32_linear`` — whether packed projections
-    keep the AMX (bf16) / fp32 C kernel's copy for decode-sized calls; ``amx_prefill``
-    — whether prompt chunks over a bf16 KV cache attend on the AMX kernel (needs
-    ``amx`` too); ``c_forward`` —
+    :data:`CPU_KERNEL_MODES`); ``bf16_linear`` / ``f32_linear`` — whether packed
+    projections keep the bf16 / fp32 C kernel's copy for decode-sized calls; ``amx`` —
+    whether the bf16 kernel may run on AMX tiles (else AVX-512 BF16 where the CPU has
+    it) and prompt attention may; ``amx_prefill`` — whether prompt chunks over a bf16 KV
+    cache attend on the AMX kernel (needs ``amx`` too); ``c_forward`` —
     whether decode steps may run all layers in one C call; ``hugepages`` — whether the
     fp32 kernel's weights and the KV cache ask for 2 MiB pages; ``kernel_cache`` — the
     folder for built libraries (None: ``~/.cache/parrot/kernels``)."""
@@ -71,17 +77,18 @@ class KernelOptions:
     hugepages: bool = True
     kernel_cache: str | None = None
     amx_prefill: bool = True
+    bf16_linear: bool = True
 
     def __post_init__(self) -> None:
         if self.cpu_kernel not in CPU_KERNEL_MODES:
             modes = ", ".join(CPU_KERNEL_MODES)
             raise ValueError(f"cpu_kernel must be one of {modes}, not {self.cpu_kernel!r}")
 
-    def linear_key(self) -> tuple[str, bool, bool, bool]:
+    def linear_key(self) -> tuple[str, bool, bool, bool, bool]:
         """The fields that decide how a projection is packed (its C kernel copies); two
         options with the same key pack alike, so a model packed under one need not be
         repacked for the other."""
-        return (self.cpu_kernel, self.amx, self.f32_linear, self.hugepages)
+        return (self.cpu_kernel, self.bf16_linear, self.amx, self.f32_linear, self.hugepages)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> KernelOptions:
@@ -92,6 +99,7 @@ class KernelOptions:
         mode = env.get("PARROT_CPU_KERNEL", "native")
         return cls(
             cpu_kernel=_MODE_ALIASES.get(mode, mode),
+            bf16_linear=env.get("PARROT_BF16_LINEAR", "1") != "0",
             amx=env.get("PARROT_AMX", "1") != "0",
             amx_prefill=env.get("PARROT_AMX_PREFILL", "1") != "0",
             f32_linear=env.get("PARROT_F32_LINEAR", "1") != "0",
@@ -108,7 +116,9 @@ class KernelOptions:
 
 # flag -> what it switches (each a --flag / --no-flag pair; the field is the flag with _)
 _SWITCHES = {
-    "amx": "bf16 projections (and, with --amx-prefill, prompt attention) on AMX tiles ($PARROT_AMX)",
+    "bf16-linear": "bf16 projections of decode size on Parrot's C kernel ($PARROT_BF16_LINEAR)",
+    "amx": "AMX tiles for bf16 projections (else AVX-512 BF16) and, with --amx-prefill, prompt "
+    "attention ($PARROT_AMX)",
     "amx-prefill": "prompt attention over a bf16 KV cache on AMX tiles ($PARROT_AMX_PREFILL)",
     "f32-linear": "fp32 projections on the AVX-512 kernel ($PARROT_F32_LINEAR)",
     "c-forward": "decode steps in one C call ($PARROT_DECODE_FORWARD)",

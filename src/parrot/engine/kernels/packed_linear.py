@@ -18,9 +18,9 @@ half the bytes and use the CPU's bf16 dot products, with inputs rounded to bf16
 and fp32 accumulation; the residual stream, norms, attention and KV cache stay fp32.
 That is a precision choice (greedy outputs can differ from fp32's), so it is opt-in:
 ``parrot serve --weight-dtype bfloat16``.
-Where Parrot's AMX kernel runs (:mod:`parrot.engine.kernels.amx_linear`), a bf16 layer
-also keeps the kernel's packed copy and sends calls of at most
-``amx_linear.MAX_ROWS`` rows (decode steps) there; likewise an fp32 layer where
+Where Parrot's bf16 kernel runs (:mod:`parrot.engine.kernels.bf16_linear`: AMX tiles or
+AVX-512 BF16), a bf16 layer also keeps the kernel's packed copy and sends calls of at
+most ``bf16_linear.MAX_ROWS`` rows (decode steps) there; likewise an fp32 layer where
 Parrot's fp32 kernel runs (:mod:`parrot.engine.kernels.f32_linear`, AVX-512), for calls of
 at most ``f32_linear.MAX_ROWS`` rows.  Which of them a layer may use, and from which
 build of the C ops, is the engine's
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from parrot.engine.kernels import amx_linear, f32_linear
+from parrot.engine.kernels import bf16_linear, f32_linear
 from parrot.engine.kernels.kernel_set import KernelSet, for_options
 
 __all__ = ["PackedLinear", "Projection", "packed_linear_available", "prepack_linears"]
@@ -64,7 +64,7 @@ class PackedLinear:
     an fp32 weight, inputs are rounded to bf16, the GEMM accumulates in fp32 and the
     output comes back in the input's dtype: bf16 weights and products, an fp32
     residual stream.  ``kernels``: which C kernel copies it keeps (its ``f32_linear``
-    / ``amx_linear``, from its library, on huge pages as its options say; default:
+    / ``bf16_linear``, from its library, on huge pages as its options say; default:
     :func:`~parrot.engine.kernels.kernel_set.for_options` of the defaults).
     """
 
@@ -87,18 +87,19 @@ class PackedLinear:
         self.bias = None if bias is None else bias.detach().to(self.dtype)
         self.out_features, self.in_features = weight.shape
         # The C kernels' own copies, for calls of few rows (chosen here, once: this
-        # layer keeps its choice): fp32 weights on AVX-512, bf16 on AMX.
+        # layer keeps its choice): fp32 weights on AVX-512, bf16 on AMX or AVX-512 BF16.
         lib = kernels.lib
         self.f32: f32_linear.F32Weight | None = None
         self._f32_lib = lib if kernels.f32_linear and self.dtype == torch.float32 else None
         if self._f32_lib is not None:
             self.f32 = f32_linear.pack(weight, lib=self._f32_lib, huge_pages=kernels.options.hugepages)
-        self.amx: amx_linear.AmxWeight | None = None  # the AMX kernel's copy (bf16 only)
-        self.amx_bias: Tensor | None = None  # the bias as the AMX kernel takes it (fp32)
-        self._amx_lib = lib if kernels.amx_linear and self.dtype == torch.bfloat16 else None
-        if self._amx_lib is not None:
-            self.amx = amx_linear.pack(weight, lib=self._amx_lib)
-            self.amx_bias = None if bias is None else bias.detach().float()
+        self.bf16: bf16_linear.Bf16Weight | None = None  # the bf16 kernel's copy (bf16 only)
+        self.bf16_bias: Tensor | None = None  # the bias as the bf16 kernel takes it (fp32)
+        self.bf16_backend = kernels.bf16_linear if self.dtype == torch.bfloat16 else None
+        self._bf16_lib = lib if self.bf16_backend is not None else None
+        if self._bf16_lib is not None:
+            self.bf16 = bf16_linear.pack(weight, lib=self._bf16_lib)
+            self.bf16_bias = None if bias is None else bias.detach().float()
 
     def __call__(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.in_features:
@@ -107,12 +108,14 @@ class PackedLinear:
         if self.f32 is not None and few and x.shape[0] <= f32_linear.MAX_ROWS and x.dtype == torch.float32:
             return f32_linear.linear(x, self.f32, self.bias, lib=self._f32_lib)
         if (
-            self.amx is not None
+            self.bf16 is not None
             and few
-            and x.shape[0] <= amx_linear.MAX_ROWS
+            and x.shape[0] <= bf16_linear.MAX_ROWS
             and x.dtype in (torch.float32, torch.bfloat16)
         ):
-            return amx_linear.linear(x, self.amx, self.amx_bias, lib=self._amx_lib)
+            return bf16_linear.linear(
+                x, self.bf16, self.bf16_bias, backend=self.bf16_backend, lib=self._bf16_lib
+            )
         if x.dtype == self.dtype:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         y = torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.packed, self.bias, "none", [], "")

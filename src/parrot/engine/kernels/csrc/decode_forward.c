@@ -14,9 +14,9 @@
  *
  * Each op is the library's own function, called with the same arguments and in the
  * same order as from Python, so the result is the same bits as the Python path.
- * Weights are fp32 panels (parrot_f32_linear) or, with `weights_bf16`, AMX blocks
- * (parrot_amx_linear), and then the MLP runs in bf16 from its norm to the residual
- * add, as in Python; the KV cache is fp32 or, with `kv_bf16`, bf16 (new rows rounded
+ * Weights are fp32 panels (parrot_f32_linear) or, with `weights_bf16`, bf16 blocks
+ * (parrot_bf16_linear on the shape's backend), and then the MLP runs in bf16 from its
+ * norm to the residual add, as in Python; the KV cache is fp32 or, with `kv_bf16`, bf16 (new rows rounded
  * to nearest even, like PyTorch's conversion).
  * Inputs: h [T, D] the embedded tokens (the residual stream, updated in place);
  * out [T, D] the final hidden states; the caches as [layers][N, KVH, Dh] rows,
@@ -43,7 +43,8 @@ static inline uint16_t to_bf16(float f) {
 /* y = x W (+ bias) through the weights' kernel; x and y are bf16 where the flags say. */
 static int linear(const ParrotDecodeShape *s, const void *x, int x_bf16, int64_t m, int64_t k, const void *w,
                   int64_t n, const float *bias, void *y, int threads) {
-    if (s->weights_bf16) return parrot_amx_linear(x, x_bf16, m, k, (const uint16_t *)w, n, bias, y, threads);
+    if (s->weights_bf16)
+        return parrot_bf16_linear(x, x_bf16, m, k, (const uint16_t *)w, n, bias, y, s->bf16_backend, threads);
     return parrot_f32_linear((const float *)x, m, k, (const float *)w, n, bias, (float *)y, threads);
 }
 
@@ -71,7 +72,9 @@ int parrot_decode_forward(const ParrotDecodeLayer *layers, int64_t n_layers, con
     const int64_t dh = shape->head_dim, inter = shape->inter, qkv_n = (heads + 2 * kvh) * dh;
     const int64_t group = heads / kvh, hd = heads * dh;
     const int wb = shape->weights_bf16, kb = shape->kv_bf16, esize = kb ? 2 : 4;
-    if (wb ? !parrot_amx_ready() : !parrot_f32_linear_supported()) return 1;
+    if (wb ? shape->bf16_backend < 1 || shape->bf16_backend > parrot_bf16_linear_best()
+           : !parrot_f32_linear_supported())
+        return 1;
     if (plan->shared && !parrot_shared_rows_supported(dh)) return 1;
     const size_t floats = (size_t)(t * d + t * d + t * qkv_n + t * hd + plan->slots * hd + plan->slots * heads +
                                    t * hd + t * 2 * inter + t * inter + t * d);

@@ -73,23 +73,24 @@ void parrot_rope(float *x, int64_t rows, int64_t heads, int64_t dim, int64_t row
 void parrot_silu_mul(const void *gu, int gu_bf16, int64_t rows, int64_t inter, void *out, int out_bf16,
                      int threads);
 
-/* ------------------------------------------- bf16 linear on AMX tiles (amx_linear.c) */
+/* ------------------------------- bf16 linear at decode sizes (bf16_linear.c) */
 
-/* 1 when this build has the AMX kernel and Linux granted the tile state (the engine
- * uses parrot_amx_linear only then); 0 when parrot_amx_linear runs the portable C. */
-int parrot_amx_ready(void);
+/* The fastest backend of parrot_bf16_linear that may run here: 2 AMX tiles (built, and
+ * Linux granted the tile state), 1 AVX-512 BF16 dot products (built), 0 portable C. */
+int parrot_bf16_linear_best(void);
 
 /* Elements (uint16) of the packed copy of an [n, k] weight. */
-int64_t parrot_amx_packed_size(int64_t n, int64_t k);
+int64_t parrot_bf16_packed_size(int64_t n, int64_t k);
 
-/* w [n, k] bf16 row-major into packed (parrot_amx_packed_size(n, k) elements). */
-void parrot_amx_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed);
+/* w [n, k] bf16 row-major into packed (parrot_bf16_packed_size(n, k) elements). */
+void parrot_bf16_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed);
 
 /* y [m, n] = x [m, k] W^T (+ bias [n] fp32, or NULL); x and y bf16 when x_bf16, else
- * fp32; packed from parrot_amx_pack.  Returns 0 (portable C where AMX is not available);
- * 2 when scratch memory could not be allocated (nothing written). */
-int parrot_amx_linear(const void *x, int x_bf16, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
-                      const float *bias, void *y, int threads);
+ * fp32; packed from parrot_bf16_pack; computed by `backend` (numbered as
+ * parrot_bf16_linear_best's).  Returns 0; 1 when that backend cannot run here (nothing
+ * written); 2 when scratch memory could not be allocated (nothing written). */
+int parrot_bf16_linear(const void *x, int x_bf16, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
+                       const float *bias, void *y, int backend, int threads);
 
 /* ------------------------------ prefill attention on AMX tiles (prefill_amx.c) */
 
@@ -130,7 +131,7 @@ int parrot_f32_linear(const float *x, int64_t m, int64_t k, const float *packed,
 /* ------------------------------------------- a whole decode step (decode_forward.c) */
 
 /* One layer's weights: norms [D] fp32; projections packed by parrot_f32_pack (fp32
- * weights) or parrot_amx_pack (bf16 weights); the q/k/v bias [qkv columns] fp32 or NULL. */
+ * weights) or parrot_bf16_pack (bf16 weights); the q/k/v bias [qkv columns] fp32 or NULL. */
 typedef struct {
     const float *in_norm, *post_norm;
     float in_eps, post_eps;
@@ -141,12 +142,12 @@ typedef struct {
 
 /* The step's sizes: T tokens, hidden D, heads, kv heads, head dim, MLP width; the
  * attention scale (1 / sqrt(head dim)); the final norm [D] fp32 and its eps; flags:
- * bf16 weights (AMX kernel), bf16 KV cache. */
+ * bf16 weights (parrot_bf16_linear, on backend bf16_backend), bf16 KV cache. */
 typedef struct {
     int64_t tokens, hidden, heads, kv_heads, head_dim, inter;
     float scale, final_eps;
     const float *final_norm;
-    int weights_bf16, kv_bf16;
+    int weights_bf16, bf16_backend, kv_bf16;
 } ParrotDecodeShape;
 
 /* The step's attention plan as int64 index arrays.  Single-query rows r < rows: the
