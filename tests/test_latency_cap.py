@@ -393,6 +393,51 @@ def test_a_call_under_an_idle_system_prompt_joins_a_running_call_past_the_cap():
     asyncio.run(main())
 
 
+@pytest.mark.parametrize(
+    ("policy", "same_code", "running"),
+    [("parrot", True, 4), ("parrot", False, 1), ("baseline-latency", True, 1)],
+)
+def test_calls_sharing_a_start_through_a_value_count_it_once_against_the_cap(
+    policy: str, same_code: bool, running: int
+):
+    """Four reviewers of one piece of code (a fan-out's common context: the same ~1,000
+    characters in an input value, then a line of their own), under a latency cap of 1,500
+    tokens (byte tokenizer: a token a character).  Counted once, the shared start and the
+    four reviewers' own ~50 tokens fit at once; counted per call (~1,070 each) only one
+    would run at a time, as it still does when the code differs between calls, and under
+    the request-level baseline (engines without prefix sharing)."""
+    code = "def keep_the_light(lamp):\n    return lamp.trim() and lamp.lit()\n" * 15  # 990 characters
+
+    def review(manager: Manager, session, i: int):
+        value = code if same_code else f"# variant {i}\n" + code
+        bindings = [
+            PlaceholderBinding(name="code", value=value),
+            PlaceholderBinding(name="y", sampling={"max_tokens": 16}, criteria="LATENCY"),
+        ]
+        template = f"Review this code.\n\n{{{{input:code}}}}\n\nReviewer {i}: a review.\n{{{{output:y}}}}"
+        return manager.submit_call(session, SubmitCall(template=template, placeholders=bindings))
+
+    async def main() -> None:
+        manager = Manager(ManagerConfig(policy=policy, latency_cap_scope="all", saturation_batching=False))
+        engine = HeldEngine(TextTokenizer.byte_level_tiny(), 1500)
+        manager.pool.register(engine)
+        await manager.poll_engine_stats()
+        session = manager.create_session()[0]
+        calls = [review(manager, session, i) for i in range(4)]
+        await until_running([engine], running)
+        await asyncio.sleep(0.05)  # no more start later
+        assert engine.running == running
+        engine.gate.set()
+        for _ in range(200):  # the rest run once the first end: every call completes
+            if all(c.state == "done" for c in calls):
+                break
+            await asyncio.sleep(0.005)
+        assert [c.state for c in calls] == ["done"] * 4 and engine.running == 4
+        await manager.executor.drain()
+
+    asyncio.run(main())
+
+
 def test_the_operator_cap_overrides_every_engine_and_heartbeats_carry_remote_caps():
     async def main() -> None:
         manager = Manager(ManagerConfig(latency_cap_tokens=6000, saturation_batching=False))

@@ -19,7 +19,7 @@ from parrot.manager.prefix import (
     CHUNK_IDS,
     MAX_CHUNK_KEYS,
     PrefixIndex,
-    leading_chunks,
+    key_shares,
     prefix_keys,
 )
 from parrot.manager.service import Manager, ManagerConfig
@@ -54,11 +54,11 @@ def test_prompts_sharing_a_long_start_share_the_keys_of_every_chunk_inside_it():
     assert not set(prefix_keys(other)) & set(ka)
     salted = request(SYSTEM + "Why?", salt="tenant-b")  # another tenant's cache: other keys
     assert not set(prefix_keys(salted)) & set(ka)
-    chunks, total = leading_chunks(a)
-    assert total is None and [k for k, _ in chunks] == ka[: len(chunks)]
-    assert [round(s, 4) for _, s in chunks] == [
-        round(n * CHUNK_CHARS / len(SYSTEM + "Why?"), 4) for n in range(1, len(chunks) + 1)
-    ]
+    shares = key_shares(a)
+    assert [k for k, _ in shares] == ka  # every key, the whole prompt's last
+    assert [round(s, 4) for _, s in shares] == [
+        round(n * CHUNK_CHARS / len(SYSTEM + "Why?"), 4) for n in range(1, inner + 1)
+    ] + [1.0]
 
 
 def test_short_values_keep_one_key_and_token_id_prompts_get_inner_keys():
@@ -67,12 +67,9 @@ def test_short_values_keep_one_key_and_token_id_prompts_get_inner_keys():
     a, b = ids_request(ids), ids_request(ids[: 2 * CHUNK_IDS] + [9] * 40)
     ka, kb = prefix_keys(a), prefix_keys(b)
     assert len(ka) == 4 and ka[:2] == kb[:2] and ka[2] != kb[2]
-    chunks, total = leading_chunks(a)
-    assert total == len(ids) and [round(s * total) for _, s in chunks] == [
-        CHUNK_IDS,
-        2 * CHUNK_IDS,
-        3 * CHUNK_IDS,
-    ]
+    shares = key_shares(a)
+    assert [k for k, _ in shares] == ka
+    assert [round(s * len(ids)) for _, s in shares] == [CHUNK_IDS, 2 * CHUNK_IDS, 3 * CHUNK_IDS, len(ids)]
 
 
 def test_a_huge_value_gets_a_bounded_number_of_inner_keys():
@@ -100,9 +97,9 @@ def test_the_shared_start_is_the_longest_boundary_another_call_or_an_engine_has(
     starts = SharedStarts(PrefixIndex(), min_tokens=32)
     q1 = request(SYSTEM + "Why?" + "z" * 600)  # its last inner key is past the system prompt
     c1 = starts.chunks(q1)
-    assert len(c1) == 3
+    assert len(c1) == 4  # three inner keys, then the whole prompt's
     alone = starts.prefix(c1, prompt_tokens=1720)
-    assert alone == (c1[-1][0], round(1720 * c1[-1][1]))  # alone: its own last boundary
+    assert alone == (c1[-2][0], round(1720 * c1[-2][1]))  # alone: all but its last chunk
     c2 = starts.chunks(request(SYSTEM + "How come?"))
     shared = starts.prefix(c2, prompt_tokens=1125)
     assert shared is not None and shared[0] == c1[1][0] == c2[1][0]  # 1,024 characters in

@@ -74,7 +74,8 @@ class _Ticket:
     arrival: int  # when it was first queued, in the executor's order of queueing
     queued_at: float = field(default_factory=clock.monotonic)
     tokens: int | None = None  # estimated KV tokens of its own: prompt + max new tokens, less shared_prefix's
-    # (key, tokens) of a leading constant text long enough to share (a system prompt): counted once per engine
+    # (key, tokens) of the start of its prompt that it shares with other calls (a system prompt, a
+    # fan-out's common context: parrot.manager.shared_start), counted once per engine
     shared_prefix: tuple[str, int] | None = None
     rendered: dict[str, Rendered] = field(default_factory=dict)  # by model
     attempts: int = 0
@@ -83,9 +84,8 @@ class _Ticket:
     engine: EngineHandle | None = None
     share: PlacedShare | None = None  # its share of the engine's load while placed
     prefix_keys: tuple[str, ...] = ()
-    # inner keys of the value its prompt starts with, and the share of it before each
-    # (a request-level prompt; parrot.manager.shared_start)
-    leading_chunks: list[tuple[str, float]] = field(default_factory=list)
+    # those keys with the share of the prompt before each (parrot.manager.prefix.key_shares)
+    key_shares: list[tuple[str, float]] = field(default_factory=list)
     started: bool = False  # its task began running (a task cancelled before that never runs at all)
     priority: int = 0  # its generations' priority, for an engine that orders by it (set when placed)
     queued: QueuedCall | None = None  # what the last round saw (reused while nothing changes)
@@ -160,8 +160,8 @@ class Executor:
         keys = prefix_keys(call)  # final: every input is known
         arrival = next(self._arrivals)
         self.order.enter(call, arrival)
-        chunks = self.shared_starts.chunks(call)
-        self._queue[call.call_id] = _Ticket(call, arrival, prefix_keys=tuple(keys), leading_chunks=chunks)
+        shares = self.shared_starts.chunks(call)
+        self._queue[call.call_id] = _Ticket(call, arrival, prefix_keys=tuple(keys), key_shares=shares)
         self.kick()
 
     def forget_session(self, session_id: str) -> None:
@@ -384,13 +384,15 @@ class Executor:
                     return 1  # no engine yet: unservable() says so
                 rendered, max_len = self._rendered(ticket, longest), longest.max_seq_len
             constant = rendered.constant_prefix
-            if constant is not None and constant[1] >= self.min_prefix_tokens:
-                ticket.shared_prefix = constant
-            elif constant is None and self.scheduler.policy not in _REQUEST_LEVEL_POLICIES:
-                # a prompt that starts with a value: its shared start, if any (the request-level
-                # baselines model servers without prefix sharing: each request holds its own)
-                starts = self.shared_starts
-                ticket.shared_prefix = starts.prefix(ticket.leading_chunks, rendered.prompt_tokens)
+            if self.scheduler.policy in _REQUEST_LEVEL_POLICIES:
+                # the request-level baselines model servers without prefix sharing: each
+                # request holds its own copy of everything but a system prompt
+                if constant is not None and constant[1] >= self.min_prefix_tokens:
+                    ticket.shared_prefix = constant
+            else:
+                ticket.shared_prefix = self.shared_starts.prefix(
+                    ticket.key_shares, rendered.first_fill_tokens, constant
+                )
             shared = ticket.shared_prefix[1] if ticket.shared_prefix else 0
             # engines stop generating at their context: a call never holds more than that
             # forks (n samples) share the prompt and add their own tokens; the scheduler

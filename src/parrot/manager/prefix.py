@@ -19,7 +19,7 @@ from its start (a token-id prompt every ``CHUNK_IDS`` ids), for at most
 system prompt, then different questions, sent as plain completions by a
 request-level client) share the keys of every chunk inside that start, so they
 are placed together, and the executor counts that start once per engine
-(:func:`leading_chunks`).
+(:func:`key_shares`, :mod:`parrot.manager.shared_start`).
 
 The scheduler uses keys to *place* calls that share a prefix on the same
 engine; the engine's own prefix cache (:mod:`parrot.engine.prefix_cache`)
@@ -132,39 +132,48 @@ def _parts(length: int, chunk: int) -> int:
     return min(-(-length // chunk), MAX_CHUNK_KEYS) + (length > chunk * MAX_CHUNK_KEYS)
 
 
-def leading_chunks(call: Call) -> tuple[list[tuple[str, float]], int | None]:
-    """The inner keys of the value a prompt starts with, with the share of that value
-    before each (0..1), outermost first; and for a token-id prompt its number of ids
-    (the shares are then exact token counts over it).  Empty when the prompt starts
-    with constant text (its prefix is :func:`leading_text_key`'s) or with a value not
-    yet known.  The keys are the first of :func:`prefix_keys` (kept on the call), so
-    nothing is hashed again."""
+def key_shares(call: Call) -> list[tuple[str, float]]:
+    """Every key of :func:`prefix_keys` (the boundaries and the values' inner keys) with
+    the share of the prompt before the call's first output that lies before it (0..1],
+    outermost first: characters of the template's text and values, or ids of a token-id
+    prompt (exact then).  Empty while an input is not known, or for an empty prompt.
+    The keys are those kept on the call, so nothing is hashed again."""
+    keys = prefix_keys(call)
+    offsets: list[int] = []
     if call.prompt_ids is not None:
-        total, chunk = len(call.prompt_ids), CHUNK_IDS
+        total = len(call.prompt_ids)
+        inner = _parts(total, CHUNK_IDS) - 1
+        offsets = [min(total, (i + 1) * CHUNK_IDS) for i in range(inner)] + [total]
     else:
         pieces = user_pieces(call)
-        first = pieces[0] if pieces else None
-        if first is None or isinstance(first, Text) or first.direction == "output":
-            return [], None
-        value = call.inputs[first.name]
-        if isinstance(value, Variable):
-            value = value.value
-        if not value:
-            return [], None
-        total, chunk = len(value), CHUNK_CHARS
-    inner = _parts(total, chunk) - 1
-    keys = prefix_keys(call)
-    if len(keys) < inner:
-        return [], None  # not final yet
-    shares = [(keys[i], min(total, (i + 1) * chunk) / total) for i in range(inner)]
-    return shares, (total if call.prompt_ids is not None else None)
+        total = 0
+        for i, piece in enumerate(pieces):
+            if isinstance(piece, Text):
+                total += len(piece.text)
+            elif piece.direction == "output":
+                break
+            else:
+                value = call.inputs[piece.name]
+                if isinstance(value, Variable):
+                    if value.value is None:
+                        return []
+                    value = value.value
+                inner = _parts(len(value), CHUNK_CHARS) - 1
+                offsets.extend(total + min(len(value), (j + 1) * CHUNK_CHARS) for j in range(inner))
+                total += len(value)
+            if i + 1 < len(pieces):
+                offsets.append(total)
+    if total == 0 or len(offsets) != len(keys):
+        return []
+    return [(key, at / total) for key, at in zip(keys, offsets, strict=True)]
 
 
 def leading_text_key(call: Call) -> str | None:
     """The key of the call's leading constant text (its first boundary), when its
     prompt starts with text followed by another piece; None otherwise.  This text
     is the same for every call of the template, whatever its inputs, so it is the
-    prefix the executor counts once per engine."""
+    start the executor counts once per engine unless a longer one is shared
+    (:mod:`parrot.manager.shared_start`)."""
     pieces = user_pieces(call)
     if len(pieces) < 2 or not isinstance(pieces[0], Text):
         return None

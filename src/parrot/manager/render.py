@@ -93,6 +93,12 @@ class Rendered:
     def prompt_tokens(self) -> int:
         return sum(len(s.tokens) for s in self.steps if isinstance(s, FillStep))
 
+    @property
+    def first_fill_tokens(self) -> int:
+        """Tokens of the prompt before the first output."""
+        first = self.steps[0] if self.steps else None
+        return len(first.tokens) if isinstance(first, FillStep) else 0
+
 
 _CONSTANT_TOKENS: OrderedDict[tuple[TextTokenizer, bytes], int] = OrderedDict()
 _CONSTANT_TOKENS_ENTRIES = 256

@@ -1,22 +1,25 @@
-"""Which start of a request-level prompt to count once per engine.
+"""Which start of a call's prompt to count once per engine.
 
-A call of a semantic function declares what it shares: the constant text its
-template starts with (a system prompt) is counted once per engine
-(:attr:`parrot.manager.render.Rendered.constant_prefix`).  A plain completion
-declares nothing: its whole prompt is one input value.  Yet 32 requests that
-start with one 2,000-token system prompt and end in different questions hold
-that system prompt once in an engine whose prefix cache shares it, and counting
-it 32 times makes the scheduler's latency cap and capacity refuse work the
-engine has room for.
+Calls that start alike hold that start once in an engine whose prefix cache shares
+it: 32 requests under one 2,000-token system prompt, or the sixteen reviewers of a
+multi-agent round whose prompts repeat the plan and every file's code and differ
+only in the file they review.  Counting that start once per call makes the
+scheduler's latency cap and capacity refuse work the engine has room for (the
+reviewers ran one at a time).
 
-:class:`SharedStarts` finds the shared start from the prompt's inner chunk keys
-(:func:`parrot.manager.prefix.leading_chunks`): the longest chunk boundary that
-an engine was recently given (:class:`~parrot.manager.prefix.PrefixIndex`) or
-that another recent call's prompt also has; when none, the last boundary (the
-call counts its own start once, which is exact for a call alone).  The tokens
-before that boundary are the prompt's tokens times the share of the value
-before it (exact for token-id prompts).  The counts of recent calls' keys are
-bounded (least recently seen dropped first).
+:class:`SharedStarts` finds the start to count once from the prompt's keys
+(:func:`parrot.manager.prefix.key_shares`: every boundary between constant text and
+values, and the values' inner chunk keys): the longest one that an engine was
+recently given (:class:`~parrot.manager.prefix.PrefixIndex`) or that another recent
+call's prompt also has.  When none is, the likeliest start to be shared by calls to
+come: the call's leading constant text if it has one (a system prompt: the part
+every call of the template shares, whoever comes next), else its next-to-last key
+(all but the prompt's last piece or chunk, where prompts of one kind tend to differ:
+the question after a system prompt sent as one value).  A call alone holds the whole
+of its prompt whichever start is chosen.  The tokens before a key are the prompt's
+tokens times the share of the prompt before it (exact for token-id prompts, and for
+the constant text, whose tokens the renderer counts).  The counts of recent calls'
+keys are bounded (least recently seen dropped first).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from parrot.manager.graph import Call
-from parrot.manager.prefix import PrefixIndex, leading_chunks
+from parrot.manager.prefix import PrefixIndex, key_shares
 
 __all__ = ["SharedStarts"]
 
@@ -34,30 +37,43 @@ class SharedStarts:
         self.prefixes = prefixes
         self.min_tokens = min_tokens
         self.max_keys = max_keys
-        self._seen: OrderedDict[str, int] = OrderedDict()  # inner key -> recent calls with it
+        self._seen: OrderedDict[str, int] = OrderedDict()  # key -> recent calls with it
 
     def chunks(self, call: Call) -> list[tuple[str, float]]:
-        """The call's leading inner keys (with the share of the value before each),
-        counted among the recent calls'."""
-        inner, _ = leading_chunks(call)
+        """The call's keys (with the share of the prompt before each), counted among the
+        recent calls'."""
+        shares = key_shares(call)
         seen = self._seen
-        for key, _share in inner:
+        for key, _share in shares:
             seen[key] = seen.get(key, 0) + 1
             seen.move_to_end(key)
         while len(seen) > self.max_keys:
             seen.popitem(last=False)
-        return inner
+        return shares
 
-    def prefix(self, chunks: list[tuple[str, float]], prompt_tokens: int) -> tuple[str, int] | None:
-        """(key, tokens) of the start of a prompt of ``prompt_tokens`` tokens with these
-        leading ``chunks`` to count once per engine, or None (no inner key, or fewer
-        than ``min_tokens`` tokens before the chosen one)."""
+    def prefix(
+        self,
+        chunks: list[tuple[str, float]],
+        prompt_tokens: int,
+        constant: tuple[str, int] | None = None,
+    ) -> tuple[str, int] | None:
+        """(key, tokens) of the start of a prompt to count once per engine, or None (no
+        key, or fewer than ``min_tokens`` tokens before the chosen one).  ``chunks``: the
+        prompt's keys from :meth:`chunks`; ``prompt_tokens``: its tokens before its first
+        output; ``constant``: (key, tokens) of its leading constant text, if any."""
         if not chunks:
             return None
-        chosen = chunks[-1]
+        chosen: tuple[str, float] | None = None
         for key, share in reversed(chunks):
             if self._seen.get(key, 0) >= 2 or self.prefixes.held_anywhere(key):
                 chosen = (key, share)
                 break
-        tokens = round(prompt_tokens * chosen[1])
+        if chosen is None and constant is not None:
+            return constant if constant[1] >= self.min_tokens else None
+        if chosen is None:
+            chosen = chunks[-2] if len(chunks) >= 2 else chunks[-1]
+        if constant is not None and chosen[0] == constant[0]:
+            tokens = constant[1]
+        else:
+            tokens = round(prompt_tokens * chosen[1])
         return (chosen[0], tokens) if tokens >= self.min_tokens else None
