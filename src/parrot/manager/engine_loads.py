@@ -14,12 +14,16 @@ if the pure ``schedule(queue, snapshots, config)`` were called.
 
 Invariant: an engine's usage is the sum of the shares of the calls placed there
 and not yet finished (every :meth:`account` ``+1`` is matched by one ``-1``);
-a shared prefix adds its tokens once, while at least one such call is there.
+a shared prefix adds its tokens once, while at least one such call is there: the
+tokens the call that brought it counted (calls sharing a start may estimate its
+tokens differently), taken away when the last such call leaves, so the load
+returns to exactly zero.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass, field
 
 from parrot.manager.engines import EngineHandle, EnginePool
@@ -28,6 +32,8 @@ from parrot.manager.scheduler import DEFAULT_LATENCY_CAP_TOKENS, EngineSnapshot,
 from parrot.protocol.errors import NotFound
 
 __all__ = ["EngineLoads", "EngineUsage", "PlacedShare"]
+
+log = logging.getLogger(__name__)
 
 # Stamps of placements (EngineSnapshot.last_assigned): increasing in placement order, process-wide.
 _assignments = itertools.count(1)
@@ -41,6 +47,7 @@ class EngineUsage:
     kinds: dict[str, int] = field(default_factory=dict)  # objective -> running calls
     groups: dict[str, int] = field(default_factory=dict)  # task group -> running calls
     prefixes: dict[str, int] = field(default_factory=dict)  # shared prefix key -> running calls
+    prefix_tokens: dict[str, int] = field(default_factory=dict)  # shared prefix key -> tokens it added
     group_set: frozenset[str] = frozenset()  # the keys of ``groups``, rebuilt when they change
     last_assigned: int = 0  # stamp of the last call placed there (0: none yet); ties go to the oldest
 
@@ -102,8 +109,12 @@ class EngineLoads:
         if share.shared_prefix is not None:
             key, n = share.shared_prefix
             count = _count(use.prefixes, key, sign)
-            if (sign > 0 and count == 1) or (sign < 0 and count == 0):
-                use.load += sign * n  # the first call of an engine brings the prefix, the last takes it
+            if sign > 0 and count == 1:  # the first call of an engine brings the prefix
+                use.prefix_tokens[key] = n
+                use.load += n
+                _count(self._prefix_engines, key, sign)
+            elif sign < 0 and count == 0:  # and the last takes what it added
+                use.load -= use.prefix_tokens.pop(key, n)
                 _count(self._prefix_engines, key, sign)
         use.kinds[share.objective] = use.kinds.get(share.objective, 0) + sign
         group = share.task_group
@@ -168,6 +179,9 @@ class EngineLoads:
 
     def snapshot(self, h: EngineHandle) -> EngineSnapshot:
         use = self.usage.get(h.engine_id) or EngineUsage()
+        if use.load < 0:  # a bookkeeping bug: say so, and keep scheduling (a snapshot refuses it)
+            log.error("engine %s: the manager's load for it fell to %d; counted as 0", h.engine_id, use.load)
+            use.load = 0
         return EngineSnapshot(
             engine_id=h.engine_id,
             model=h.model,
