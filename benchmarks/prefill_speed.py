@@ -1,13 +1,13 @@
 """Prefill speed of the built-in engine against its step size and prompt attention kernel.
 
     python benchmarks/prefill_speed.py [--model smollm2] [--dtype bfloat16] [--prompts 32]
-        [--prompt-tokens 100] [--max-step-tokens 512 2048] [--amx-prefill on off]
+        [--prompt-tokens 100] [--max-step-tokens 512 2048] [--bf16-prefill on off]
         [--repeats 5] [--threads 2]
 
 In-process: one :class:`~parrot.engine.local.LocalEngine` per ``--max-step-tokens``
-value and ``--amx-prefill`` setting (prompt attention on the AMX kernel or PyTorch's
-flash attention; the other kernel options from the ``PARROT_*`` variables), over one
-loaded model.  In each repeat every engine, in turn (the order
+value and ``--bf16-prefill`` setting (prompt attention on Parrot's C kernel, AMX tiles or
+AVX-512 BF16 as the CPU has, or PyTorch's flash attention; the other kernel options from
+the ``PARROT_*`` variables), over one loaded model.  In each repeat every engine, in turn (the order
 alternating between repeats), fills ``--prompts`` random prompts of about
 ``--prompt-tokens`` tokens (up to a quarter longer, so lengths differ) at once, new
 prompts each time so that the prefix cache never hits; the figure is prompt tokens
@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=100)
     ap.add_argument("--max-step-tokens", type=int, nargs="+", default=[512, 2048])
-    ap.add_argument("--amx-prefill", choices=["on", "off"], nargs="+", default=["on"])
+    ap.add_argument("--bf16-prefill", choices=["on", "off"], nargs="+", default=["on"])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -67,21 +67,21 @@ def main() -> None:
     loaded = load_model(args.model)
     vocab = loaded.tokenizer.vocab_size
     rng = random.Random(0)
-    steps = [(step, amx) for step in args.max_step_tokens for amx in args.amx_prefill]
+    steps = [(step, kernel) for step in args.max_step_tokens for kernel in args.bf16_prefill]
     env = KernelOptions.from_env()
     engines = {
-        (step, amx): LocalEngine(
+        (step, kernel): LocalEngine(
             loaded, max_step_tokens=step, weight_dtype=dtype, kv_dtype=dtype, latency_probe=False,
-            kernels=replace(env, amx_prefill=amx == "on"),
+            kernels=replace(env, bf16_prefill=kernel == "on"),
         )
-        for step, amx in steps
+        for step, kernel in steps
     }  # fmt: skip
     print(
         f"# {args.prompts} prompts of ~{args.prompt_tokens} tokens, {args.model} {args.dtype}, "
         f"{args.threads} threads, {args.repeats} repeats"
     )
-    for (step, amx), engine in engines.items():
-        print(f"#   max_step_tokens {step}, amx-prefill {amx}: {engine.runner.kernels.describe()}")
+    for (step, kernel), engine in engines.items():
+        print(f"#   max_step_tokens {step}, bf16-prefill {kernel}: {engine.runner.kernels.describe()}")
     try:
         for engine in engines.values():  # warm-up: the pool's pages, oneDNN's kernels
             for _ in range(3):
@@ -98,7 +98,7 @@ def main() -> None:
     for step in steps:
         ratios = [a / b for a, b in zip(tps[step], tps[first], strict=True)]
         print(
-            f"max_step_tokens {step[0]:5d} amx-prefill {step[1]:3s}: {statistics.median(tps[step]):7.0f} "
+            f"max_step_tokens {step[0]:5d} bf16-prefill {step[1]:3s}: {statistics.median(tps[step]):7.0f} "
             f"tok/s [{min(tps[step]):.0f}, {max(tps[step]):.0f}], x first: {statistics.median(ratios):.2f}x "
             f"[{min(ratios):.2f}, {max(ratios):.2f}]",
             flush=True,

@@ -12,7 +12,7 @@ step.  Modes, interleaved within each repeat so that drift hits all alike:
 
 * ``shared``: the engine as it ships (shared-prefix attention in decode and prefill);
 * ``prefill-shared``: the same, but prefill chunks take the shared plan even where
-  attending chunk by chunk would be faster (on the AMX kernel: ``AMX_SHARING_BREAK_EVEN_ROWS``
+  attending chunk by chunk would be faster (on the C prompt kernel: ``KERNEL_SHARING_BREAK_EVEN_ROWS``
   raised to infinity; on PyTorch's path over a bf16 cache:
   ``BF16_SHARING_BREAK_EVEN_KEYS_PER_ROW`` lowered to 0): the A/B of that choice;
 * ``prefill-off``: the same, but prefill chunks attend to the prefix one chunk at a
@@ -155,7 +155,7 @@ def main() -> None:
         ),
     }
     planner: Callable = paged.plan_shared_prefill
-    break_even = paged.AMX_SHARING_BREAK_EVEN_ROWS
+    break_even = paged.KERNEL_SHARING_BREAK_EVEN_ROWS
     bf16_break_even = paged.BF16_SHARING_BREAK_EVEN_KEYS_PER_ROW
     rng = random.Random(0)
     results: dict[str, list[dict]] = {m: [] for m in args.modes}
@@ -165,12 +165,12 @@ def main() -> None:
             runner = runners["unshared" if mode == "unshared" else "shared"]
             off = mode == "prefill-off"
             paged.plan_shared_prefill = (lambda *a: None) if off else planner  # type: ignore[assignment]
-            paged.AMX_SHARING_BREAK_EVEN_ROWS = math.inf if mode == "prefill-shared" else break_even
+            paged.KERNEL_SHARING_BREAK_EVEN_ROWS = math.inf if mode == "prefill-shared" else break_even
             paged.BF16_SHARING_BREAK_EVEN_KEYS_PER_ROW = 0.0 if mode == "prefill-shared" else bf16_break_even
             base += 10_000
             got = run_once(runner, args, rng, base)
             paged.plan_shared_prefill = planner
-            paged.AMX_SHARING_BREAK_EVEN_ROWS = break_even
+            paged.KERNEL_SHARING_BREAK_EVEN_ROWS = break_even
             paged.BF16_SHARING_BREAK_EVEN_KEYS_PER_ROW = bf16_break_even
             if r >= 0:
                 results[mode].append(got)

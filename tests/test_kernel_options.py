@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from parrot.engine.config import EngineConfig
-from parrot.engine.kernels import bf16_linear, native
+from parrot.engine.kernels import bf16_linear, native, prefill_bf16
 from parrot.engine.kernels.kernel_set import for_options
 from parrot.engine.kernels.options import ENVIRONMENT, KernelOptions, add_kernel_arguments
 from parrot.engine.loader import LoadedModel, load_model
@@ -44,7 +44,7 @@ def test_each_variable_reaches_its_option(monkeypatch: pytest.MonkeyPatch) -> No
         "PARROT_DECODE_FORWARD": "0",
         "PARROT_HUGEPAGES": "0",
         "PARROT_KERNEL_CACHE": "/tmp/parrot-kernels",
-        "PARROT_AMX_PREFILL": "0",
+        "PARROT_BF16_PREFILL": "0",
     }
     assert _parse(monkeypatch, env, []) == KernelOptions(
         "portable", False, False, False, False, "/tmp/parrot-kernels", False, False
@@ -111,14 +111,18 @@ def test_the_kernel_set_names_only_kernels_its_options_allow_and_its_build_has()
     assert on.f32_linear == (lib is not None and bool(lib.parrot_f32_linear_supported()))
     best = bf16_linear.best(lib)
     assert on.bf16_linear == (None if best == "portable" else best)
-    assert on.amx_prefill == (best == "amx")
-    assert not for_options(KernelOptions(amx_prefill=False)).amx_prefill
-    narrowed = for_options(KernelOptions(bf16_linear=False, amx=False, f32_linear=False, c_forward=False))
-    assert not (narrowed.bf16_linear or narrowed.amx_prefill or narrowed.f32_linear or narrowed.c_forward)
+    prefill = prefill_bf16.best(32, lib)
+    assert on.bf16_prefill == (None if prefill == "portable" else prefill)
+    assert not for_options(KernelOptions(bf16_prefill=False)).bf16_prefill
+    narrowed = for_options(
+        KernelOptions(bf16_linear=False, bf16_prefill=False, f32_linear=False, c_forward=False)
+    )
+    assert not (narrowed.bf16_linear or narrowed.bf16_prefill or narrowed.f32_linear or narrowed.c_forward)
     assert narrowed.c_attention == on.c_attention
-    assert for_options(KernelOptions(amx=False)).bf16_linear in (None, "avx512-bf16")
+    no_tiles = for_options(KernelOptions(amx=False))  # the bf16 kernels keep AVX-512 BF16
+    assert no_tiles.bf16_linear in (None, "avx512-bf16") and no_tiles.bf16_prefill in (None, "avx512-bf16")
     portable = for_options(KernelOptions(cpu_kernel="portable"))  # no AVX-512 / AMX code in it
-    assert not (portable.f32_linear or portable.bf16_linear or portable.amx_prefill)
+    assert not (portable.f32_linear or portable.bf16_linear or portable.bf16_prefill)
     assert portable.describe().startswith("C ops build portable") or portable.lib is None
 
 

@@ -18,14 +18,15 @@ computed once in the constructor and reused by all layers:
   is uploaded once per step;
 - for the prefill chunks, with ``prefill_lib`` (the CPU, a bf16 cache: see
   :mod:`parrot.engine.step_forward`), their
-  :class:`~parrot.engine.kernels.prefill_amx.PrefillPlan`: every layer's chunks then
-  attend in one call of the AMX kernel, which reads the cache blocks in place;
+  :class:`~parrot.engine.kernels.prefill_bf16.PrefillPlan`: every layer's chunks then
+  attend in one call of the C kernel (AMX tiles or AVX-512 BF16), which reads the
+  cache blocks in place;
   otherwise, per chunk, the blocks holding its sequence's keys (one
   ``index_select`` per layer gathers them) and
   :func:`~parrot.engine.prefill_attention.prefill_attention` (causal from the
   chunk's start).  Chunks whose pasts share blocks take the shared prefill
   (:mod:`parrot.engine.prefill_sharing`) where it is faster (:func:`_sharing_pays`):
-  before the AMX kernel only while they are short (:data:`AMX_SHARING_BREAK_EVEN_ROWS`),
+  before the C kernel only while they are short (:data:`KERNEL_SHARING_BREAK_EVEN_ROWS`),
   before PyTorch's per-chunk path on a bf16 cache only while the prefix is long against
   them (:data:`BF16_SHARING_BREAK_EVEN_KEYS_PER_ROW`), on other caches always.
 
@@ -44,15 +45,15 @@ import torch
 
 from parrot.engine.kernels.attention import DecodePlan, Segment, paged_decode_attention, plan_decode_attention
 from parrot.engine.kernels.attention.triton_kernel import TritonDecodePlan, plan_triton_decode
-from parrot.engine.kernels.prefill_amx import ChunkSpec, PrefillPlan
+from parrot.engine.kernels.prefill_bf16 import ChunkSpec, PrefillPlan
 from parrot.engine.kv_store import PagedKVCache
 from parrot.engine.prefill_attention import prefill_attention
 from parrot.engine.prefill_sharing import SharedPrefill, plan_shared_prefill
 from parrot.engine.prefix_tree import decode_runs
 from parrot.engine.step_planner import SeqSlice
 
-AMX_SHARING_BREAK_EVEN_ROWS = 32.0
-"""Where the AMX kernel takes over from the shared prefill: the mean query rows a chunk
+KERNEL_SHARING_BREAK_EVEN_ROWS = 32.0
+"""Where the C prompt kernel takes over from the shared prefill: the mean query rows a chunk
 brings to a shared key (:attr:`~parrot.engine.prefill_sharing.SharedPrefill.rows_per_shared_key`)
 at which both cost the same.  The AMX kernel reads a shared key once per chunk (about
 14 us per chunk and key over SmolLM2's 30 layers, with the step's queries in 16-row
@@ -63,10 +64,11 @@ only below ~14 / (0.5 - 0.06) ~ 32 rows per chunk: 32 questions of 20 tokens und
 tokens under a 32-token template (1.07 s against 0.65 s), nor 32 of 50 tokens under
 2,000 (2.0 s against 1.6 s).  Measured on a 2-core Xeon with AMX, bf16:
 ``python benchmarks/shared_prompt_steps.py --dtype bfloat16 --max-step-tokens 2048 ...``
-(docs/engine.md, "Prompt attention under a shared prefix")."""
+(docs/engine.md, "Prompt attention under a shared prefix").  The AVX-512 BF16 backend
+takes the same rule; its break-even has not been measured on its own."""
 
 BF16_SHARING_BREAK_EVEN_KEYS_PER_ROW = 2.5
-"""Without the AMX kernel, on a bf16 cache on CPU: the shared prefix's length against the
+"""Without the C prompt kernel, on a bf16 cache on CPU: the shared prefix's length against the
 chunks' (:attr:`~parrot.engine.prefill_sharing.SharedPrefill.shared_keys_per_row`) below
 which attending chunk by chunk is faster than the shared prefill.  There the per-chunk path
 is PyTorch's bf16 flash attention, cheaper per (row, key) pair than the shared-row kernel,
@@ -77,11 +79,13 @@ shared plan stays first.  Placed by runs of ``benchmarks/shared_prompt_steps.py`
 AMD EPYC (docs/engine.md, "Prompt attention under a shared prefix")."""
 
 
-def _sharing_pays(shared: SharedPrefill, amx: bool, cache_dtype: torch.dtype, device: torch.device) -> bool:
+def _sharing_pays(
+    shared: SharedPrefill, kernel: bool, cache_dtype: torch.dtype, device: torch.device
+) -> bool:
     """Whether a step's chunks should take the shared prefill ``shared`` rather than attend one by
-    one (on the AMX kernel where ``amx``, else PyTorch's per-chunk path)."""
-    if amx:
-        return shared.rows_per_shared_key < AMX_SHARING_BREAK_EVEN_ROWS
+    one (on the C prompt kernel where ``kernel``, else PyTorch's per-chunk path)."""
+    if kernel:
+        return shared.rows_per_shared_key < KERNEL_SHARING_BREAK_EVEN_ROWS
     if device.type == "cpu" and cache_dtype == torch.bfloat16:
         return shared.shared_keys_per_row >= BF16_SHARING_BREAK_EVEN_KEYS_PER_ROW
     return True
@@ -107,18 +111,23 @@ def decode_segments(
     return [Segment(b, r.start, r.length, s) for r, b, s in zip(runs, blocks, seqs, strict=True)]
 
 
-def _amx_prefill_plan(
-    chunks: list[_Chunk], chunk_slices: list[SeqSlice], block_size: int, lib: ctypes.CDLL | None
+def _kernel_prefill_plan(
+    chunks: list[_Chunk],
+    chunk_slices: list[SeqSlice],
+    block_size: int,
+    lib: ctypes.CDLL | None,
+    backend: str | None,
 ) -> PrefillPlan | None:
-    """The AMX kernel's plan for a step's prompt chunks (None without ``lib`` or chunks):
-    each chunk's rows, its new tokens, where they start and the blocks of its sequence."""
+    """The C prompt kernel's plan for a step's prompt chunks on ``backend`` (None without
+    ``lib`` or chunks): each chunk's rows, its new tokens, where they start and the blocks
+    of its sequence."""
     if lib is None or not chunks:
         return None
     specs = [
         ChunkSpec(c.rows.start, c.total - c.start, c.start, s.ctx.block_table[: -(-c.total // block_size)])
         for c, s in zip(chunks, chunk_slices, strict=True)
     ]
-    return PrefillPlan(specs, block_size, lib)
+    return PrefillPlan(specs, block_size, lib, backend)
 
 
 class PagedStepAttention:
@@ -133,11 +142,13 @@ class PagedStepAttention:
         share_prefix: bool = True,
         decode_backend: str = "auto",
         prefill_lib: ctypes.CDLL | None = None,
+        prefill_backend: str | None = None,
     ):
         """``decode_backend``: the ``backend`` of every layer's
         :func:`~parrot.engine.kernels.attention.paged_decode_attention` call;
-        ``prefill_lib``: the C ops build whose AMX kernel runs the prefill chunks'
-        attention (the caller has checked it applies: CPU, bf16 cache)."""
+        ``prefill_lib``: the C ops build whose prompt kernel runs the prefill chunks'
+        attention (the caller has checked it applies: CPU, bf16 cache), on
+        ``prefill_backend`` (None: the fastest the build has)."""
         bs, device = cache.block_size, cache.device
         self.cache = cache
         self.share = share_prefix
@@ -180,7 +191,9 @@ class PagedStepAttention:
         self._prefill_tables = [(s.ctx.block_table, s.start, s.start + s.n) for s in chunk_slices]
         self._shared_prefill: SharedPrefill | None = None
         self._prefill_planned = not share_prefix or len(self.chunks) < 2
-        self._amx_prefill = _amx_prefill_plan(self.chunks, chunk_slices, bs, prefill_lib)
+        self._kernel_prefill = _kernel_prefill_plan(
+            self.chunks, chunk_slices, bs, prefill_lib, prefill_backend
+        )
 
     def decode_plan(self, q_probe: torch.Tensor) -> DecodePlan | TritonDecodePlan | None:
         """The decode slices' attention plan every layer of the step uses (made once, from
@@ -228,19 +241,19 @@ class PagedStepAttention:
         out = torch.empty_like(q)
         if decoded is not None:
             out[:nd] = decoded
-        amx = self._amx_prefill is not None and q.dtype == torch.float32
+        kernel = self._kernel_prefill is not None and q.dtype == torch.float32
         if not self._prefill_planned:
             self._prefill_planned = True
             tables, starts, totals = zip(*self._prefill_tables, strict=True)
             shared = plan_shared_prefill(tables, starts, totals, cache.block_size, q)
-            if shared is not None and not _sharing_pays(shared, amx, k_layer.dtype, q.device):
+            if shared is not None and not _sharing_pays(shared, kernel, k_layer.dtype, q.device):
                 shared = None  # the chunks attend one by one, reading the prefix each
             self._shared_prefill = shared
         if self._shared_prefill is not None:
             out[nd:] = self._shared_prefill.attend(q[nd:], k_layer, v_layer)
             return out
-        if amx:
-            self._amx_prefill.attend(q, k_layer, v_layer, out)
+        if kernel:
+            self._kernel_prefill.attend(q, k_layer, v_layer, out)
             return out
         kv_heads, dim = k.shape[1], k.shape[2]
         # A bf16 cache on CPU: prefill attention runs in bf16 (the keys and values are

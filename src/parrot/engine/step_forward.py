@@ -31,10 +31,10 @@ backend: ``auto`` (Triton on CUDA when installed, the CPU's own paths otherwise)
 ``torch`` or ``triton``.
 
 Prompt chunks' attention is chosen with the strategy too: on the CPU with a bf16 KV
-cache, a head dimension that is a multiple of 32 and the kernel set's ``amx_prefill``,
-every step's chunks attend on the AMX kernel (:mod:`parrot.engine.kernels.prefill_amx`,
-``prefill_lib``); otherwise through PyTorch's flash attention
-(:mod:`parrot.engine.prefill_attention`).
+cache, a head dimension that is a multiple of 32 and the kernel set's ``bf16_prefill``
+backend, every step's chunks attend on Parrot's C kernel
+(:mod:`parrot.engine.kernels.prefill_bf16`: ``prefill_lib``, ``prefill_backend``);
+otherwise through PyTorch's flash attention (:mod:`parrot.engine.prefill_attention`).
 """
 
 from __future__ import annotations
@@ -62,13 +62,15 @@ class StepForward:
     """``name``: what the stats show; ``c_forward``: try the C forward first, with
     ``lib`` (the engine's build of the C ops); ``decode_backend``: the backend of the
     step's decode attention (``auto``, ``torch`` or ``triton``); ``prefill_lib``: the
-    build whose AMX kernel computes prompt chunks' attention (None: PyTorch's)."""
+    build whose C kernel computes prompt chunks' attention (None: PyTorch's), on
+    ``prefill_backend`` (None: the fastest it has)."""
 
     name: str
     c_forward: bool
     lib: ctypes.CDLL | None = field(default=None, compare=False, repr=False)
     decode_backend: str = "auto"
     prefill_lib: ctypes.CDLL | None = field(default=None, compare=False, repr=False)
+    prefill_backend: str | None = None
 
     def attention(
         self, cache: PagedKVCache, slices: list[SeqSlice], slots: list[int], *, share_prefix: bool
@@ -81,6 +83,7 @@ class StepForward:
             share_prefix=share_prefix,
             decode_backend=self.decode_backend,
             prefill_lib=self.prefill_lib,
+            prefill_backend=self.prefill_backend,
         )
 
     def __call__(
@@ -122,12 +125,15 @@ def choose(
         )
     kernels = for_options() if kernels is None else kernels
     lib = kernels.lib
-    amx_prefill = kernels.amx_prefill and cache.k.dtype == torch.bfloat16 and model.config.head_dim % 32 == 0
-    prefill_lib = lib if amx_prefill else None
+    kernel_prefill = cache.k.dtype == torch.bfloat16 and model.config.head_dim % 32 == 0
+    prefill = kernels.bf16_prefill if kernel_prefill else None
+    prefill_lib = lib if prefill is not None else None
     c_forward = kernels.c_forward and decode_attention == "auto"  # its attention is the C kernels'
     mode = decode_forward.c_forward_mode(model, cache, lib) if c_forward else None
     if mode is not None:
-        return StepForward(f"c-forward/{mode}", c_forward=True, lib=lib, prefill_lib=prefill_lib)
+        return StepForward(
+            f"c-forward/{mode}", c_forward=True, lib=lib, prefill_lib=prefill_lib, prefill_backend=prefill
+        )
     packed = len(model.model.layers) > 0 and model.model.layers[0].self_attn.qkv is not None
     residual = model.model.embed_tokens.weight  # the residual stream has its dtype and device
     if packed and fused.applies(
@@ -136,4 +142,10 @@ def choose(
         name = "pytorch/fused"
     else:
         name = "pytorch/packed" if packed else "pytorch"
-    return StepForward(name, c_forward=False, decode_backend=decode_attention, prefill_lib=prefill_lib)
+    return StepForward(
+        name,
+        c_forward=False,
+        decode_backend=decode_attention,
+        prefill_lib=prefill_lib,
+        prefill_backend=prefill,
+    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass, field
 
-from parrot.engine.kernels import bf16_linear, f32_linear, native, prefill_amx
+from parrot.engine.kernels import bf16_linear, f32_linear, native, prefill_bf16
 from parrot.engine.kernels.options import KernelOptions
 
 __all__ = ["KernelSet", "for_options"]
@@ -19,8 +19,9 @@ class KernelSet:
     ``bf16_linear`` — the backend bf16 ones run on in Parrot's bf16 kernel (``amx``:
     AMX build, tiles granted, ``amx`` allowed; else ``avx512-bf16``: a build with
     AVX512-BF16), or None (oneDNN);
-    ``amx_prefill`` — prompt chunks over a bf16 KV cache attend on the AMX kernel
-    (:mod:`parrot.engine.kernels.prefill_amx`; the same build and grant, ``amx`` on);
+    ``bf16_prefill`` — the backend prompt chunks over a bf16 KV cache attend on
+    (:mod:`parrot.engine.kernels.prefill_bf16`: ``amx`` or ``avx512-bf16`` as for the
+    projections), or None (PyTorch's flash attention);
     ``c_attention`` — decode attention may run on the C kernels (else PyTorch);
     ``c_forward`` — decode steps may run all layers in one C call.  Invariant: every
     kernel it names is allowed by ``options`` and present in ``lib``."""
@@ -29,7 +30,7 @@ class KernelSet:
     lib: ctypes.CDLL | None = field(compare=False, repr=False)
     f32_linear: bool
     bf16_linear: str | None
-    amx_prefill: bool
+    bf16_prefill: str | None
     c_attention: bool
     c_forward: bool
 
@@ -50,7 +51,7 @@ class KernelSet:
             for name, on in (
                 ("f32-linear", self.f32_linear),
                 (f"bf16-linear/{self.bf16_linear}", self.bf16_linear is not None),
-                ("amx-prefill", self.amx_prefill),
+                (f"bf16-prefill/{self.bf16_prefill}", self.bf16_prefill is not None),
                 ("c-attention", self.c_attention),
                 ("c-forward", self.c_forward),
             )
@@ -74,22 +75,31 @@ def for_options(options: KernelOptions | None = None) -> KernelSet:
         lib=lib,
         f32_linear=options.f32_linear and lib is not None and f32_linear.available(lib),
         bf16_linear=_bf16_backend(options, lib),
-        amx_prefill=options.amx
-        and options.amx_prefill
-        and lib is not None
-        and prefill_amx.available(32, lib),
+        bf16_prefill=_prefill_backend(options, lib),
         c_attention=lib is not None,
         c_forward=options.c_forward and lib is not None,
     )
 
 
+def _narrowed(best: str, amx: bool) -> str | None:
+    """A bf16 kernel's backend from the fastest that runs (``best``, of ``portable``,
+    ``avx512-bf16``, ``amx``): not AMX unless ``amx`` (every CPU with AMX has AVX-512
+    BF16); None for portable C only, which oneDNN and PyTorch beat."""
+    if best == "amx" and not amx:
+        best = "avx512-bf16"
+    return None if best == "portable" else best
+
+
 def _bf16_backend(options: KernelOptions, lib: ctypes.CDLL | None) -> str | None:
-    """The bf16 kernel's backend ``options`` allow with ``lib``: the fastest that runs,
-    not AMX unless ``options.amx``; None for none, or for portable C only (oneDNN is
-    faster than it)."""
+    """The backend of the bf16 projections' kernel that ``options`` allow with ``lib``."""
     if not options.bf16_linear or lib is None:
         return None
-    backend = bf16_linear.best(lib)
-    if backend == "amx" and not options.amx:
-        backend = "avx512-bf16" if bf16_linear.runs("avx512-bf16", lib) else "portable"
-    return None if backend == "portable" else backend
+    return _narrowed(bf16_linear.best(lib), options.amx)
+
+
+def _prefill_backend(options: KernelOptions, lib: ctypes.CDLL | None) -> str | None:
+    """The backend of the prompt attention kernel that ``options`` allow with ``lib`` (for
+    head dims that are multiples of 32, which the step strategy checks)."""
+    if not options.bf16_prefill or lib is None:
+        return None
+    return _narrowed(prefill_bf16.best(32, lib), options.amx)

@@ -81,7 +81,7 @@ SOURCES = (
     "layer_ops.c",
     "shared_rows.c",
     "bf16_linear.c",
-    "prefill_amx.c",
+    "prefill_bf16.c",
     "f32_linear.c",
     "decode_forward.c",
 )

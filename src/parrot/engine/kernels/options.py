@@ -17,10 +17,11 @@ variable                   flag                       field
 ``PARROT_BF16_LINEAR``     ``--[no-]bf16-linear``     ``bf16_linear``: bf16 projections of
                                                       decode size on Parrot's C kernel (AMX
                                                       tiles, else AVX-512 BF16)
-``PARROT_AMX``             ``--[no-]amx``             ``amx``: AMX tiles for that kernel and for
-                                                      prompt attention
-``PARROT_AMX_PREFILL``     ``--[no-]amx-prefill``     ``amx_prefill``: prompt attention on AMX
-                                                      tiles (with ``amx`` on, a bf16 KV cache)
+``PARROT_BF16_PREFILL``    ``--[no-]bf16-prefill``    ``bf16_prefill``: prompt attention over a
+                                                      bf16 KV cache on Parrot's C kernel (AMX
+                                                      tiles, else AVX-512 BF16)
+``PARROT_AMX``             ``--[no-]amx``             ``amx``: AMX tiles for those two kernels
+                                                      (else they run in AVX-512 BF16)
 ``PARROT_F32_LINEAR``      ``--[no-]f32-linear``      ``f32_linear``: the fp32 AVX-512 kernel
 ``PARROT_DECODE_FORWARD``  ``--[no-]c-forward``       ``c_forward``: decode steps in one C call
 ``PARROT_HUGEPAGES``       ``--[no-]hugepages``       ``hugepages``: weights and KV on 2 MiB pages
@@ -49,7 +50,7 @@ ENVIRONMENT = {
     "PARROT_CPU_KERNEL": "cpu_kernel",
     "PARROT_BF16_LINEAR": "bf16_linear",
     "PARROT_AMX": "amx",
-    "PARROT_AMX_PREFILL": "amx_prefill",
+    "PARROT_BF16_PREFILL": "bf16_prefill",
     "PARROT_F32_LINEAR": "f32_linear",
     "PARROT_DECODE_FORWARD": "c_forward",
     "PARROT_HUGEPAGES": "hugepages",
@@ -62,10 +63,10 @@ _MODE_ALIASES = {"1": "native", "0": "off"}
 class KernelOptions:
     """``cpu_kernel`` — which build of Parrot's C ops the engine loads (one of
     :data:`CPU_KERNEL_MODES`); ``bf16_linear`` / ``f32_linear`` — whether packed
-    projections keep the bf16 / fp32 C kernel's copy for decode-sized calls; ``amx`` —
-    whether the bf16 kernel may run on AMX tiles (else AVX-512 BF16 where the CPU has
-    it) and prompt attention may; ``amx_prefill`` — whether prompt chunks over a bf16 KV
-    cache attend on the AMX kernel (needs ``amx`` too); ``c_forward`` —
+    projections keep the bf16 / fp32 C kernel's copy for decode-sized calls;
+    ``bf16_prefill`` — whether prompt chunks over a bf16 KV cache attend on Parrot's C
+    kernel; ``amx`` — whether those two bf16 kernels may run on AMX tiles (else in
+    AVX-512 BF16 where the CPU has it); ``c_forward`` —
     whether decode steps may run all layers in one C call; ``hugepages`` — whether the
     fp32 kernel's weights and the KV cache ask for 2 MiB pages; ``kernel_cache`` — the
     folder for built libraries (None: ``~/.cache/parrot/kernels``)."""
@@ -76,7 +77,7 @@ class KernelOptions:
     c_forward: bool = True
     hugepages: bool = True
     kernel_cache: str | None = None
-    amx_prefill: bool = True
+    bf16_prefill: bool = True
     bf16_linear: bool = True
 
     def __post_init__(self) -> None:
@@ -101,7 +102,7 @@ class KernelOptions:
             cpu_kernel=_MODE_ALIASES.get(mode, mode),
             bf16_linear=env.get("PARROT_BF16_LINEAR", "1") != "0",
             amx=env.get("PARROT_AMX", "1") != "0",
-            amx_prefill=env.get("PARROT_AMX_PREFILL", "1") != "0",
+            bf16_prefill=env.get("PARROT_BF16_PREFILL", "1") != "0",
             f32_linear=env.get("PARROT_F32_LINEAR", "1") != "0",
             c_forward=env.get("PARROT_DECODE_FORWARD", "1") != "0",
             hugepages=env.get("PARROT_HUGEPAGES", "1") != "0",
@@ -117,9 +118,9 @@ class KernelOptions:
 # flag -> what it switches (each a --flag / --no-flag pair; the field is the flag with _)
 _SWITCHES = {
     "bf16-linear": "bf16 projections of decode size on Parrot's C kernel ($PARROT_BF16_LINEAR)",
-    "amx": "AMX tiles for bf16 projections (else AVX-512 BF16) and, with --amx-prefill, prompt "
-    "attention ($PARROT_AMX)",
-    "amx-prefill": "prompt attention over a bf16 KV cache on AMX tiles ($PARROT_AMX_PREFILL)",
+    "bf16-prefill": "prompt attention over a bf16 KV cache on Parrot's C kernel ($PARROT_BF16_PREFILL)",
+    "amx": "AMX tiles for the bf16 projections' and prompt attention's kernels (else AVX-512 BF16) "
+    "($PARROT_AMX)",
     "f32-linear": "fp32 projections on the AVX-512 kernel ($PARROT_F32_LINEAR)",
     "c-forward": "decode steps in one C call ($PARROT_DECODE_FORWARD)",
     "hugepages": "weights and KV cache on 2 MiB pages ($PARROT_HUGEPAGES)",

@@ -1,5 +1,5 @@
 /* The AMX tile configuration shared by the kernels that use the tiles (bf16_linear.c,
- * prefill_amx.c): every one of the eight tiles 16 rows of 64 bytes (a 16 x 16 fp32
+ * prefill_bf16.c): every one of the eight tiles 16 rows of 64 bytes (a 16 x 16 fp32
  * accumulator, or 16 rows of 32 bf16).  Included only where the compiler targets
  * AMX-BF16 and PARROT_PORTABLE is not defined. */
 #ifndef PARROT_AMX_TILES_H

@@ -92,23 +92,25 @@ void parrot_bf16_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed)
 int parrot_bf16_linear(const void *x, int x_bf16, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
                        const float *bias, void *y, int backend, int threads);
 
-/* ------------------------------ prefill attention on AMX tiles (prefill_amx.c) */
+/* ------------------- prefill attention in bf16 dot products (prefill_bf16.c) */
 
-/* 1 when this build has the AMX kernel, Linux granted the tile state and dim % 32 == 0
- * (the engine uses parrot_prefill_attention only then); 0 when it runs portable C. */
-int parrot_prefill_amx_ready(int64_t dim);
+/* The fastest backend of parrot_prefill_attention for heads of `dim` here: 2 AMX tiles
+ * (built, tiles granted), 1 AVX-512 BF16 (built), both for dim % 32 == 0; else 0
+ * portable C. */
+int parrot_prefill_bf16_best(int64_t dim);
 
 /* Causal attention of `chunks` prefill chunks over one layer's paged cache k, v
  * ([NB, BS, KVH, D] bf16): chunk c's queries are rows q_row[c] .. + n[c] of q ([T, KVH *
  * G, D] fp32, rows q_stride floats apart, unscaled) at positions start[c] ..; its keys
  * positions [0, start[c] + n[c]) in blocks blocks[blk_off[c] ..]; query i sees keys
- * <= start[c] + i.  Writes those rows of out (fp32, out_stride), softmax with `scale`.
- * Returns 0 (portable C where the AMX kernel cannot run); 2 when scratch memory could
- * not be allocated. */
+ * <= start[c] + i.  Writes those rows of out (fp32, out_stride), softmax with `scale`,
+ * computed by `backend` (numbered as parrot_prefill_bf16_best's).  Returns 0; 1 when
+ * that backend cannot run here (nothing written); 2 when scratch memory could not be
+ * allocated. */
 int parrot_prefill_attention(const float *q, int64_t q_stride, const int64_t *q_row, const int64_t *n,
                              const int64_t *start, int64_t chunks, const uint16_t *k, const uint16_t *v,
                              const int64_t *blocks, const int64_t *blk_off, int64_t block_size, int64_t kv_heads,
-                             int64_t group, int64_t dim, float scale, float *out, int64_t out_stride,
+                             int64_t group, int64_t dim, float scale, float *out, int64_t out_stride, int backend,
                              int threads);
 
 /* ---------------------------------------------- fp32 linear, streamed (f32_linear.c) */

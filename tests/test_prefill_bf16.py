@@ -1,14 +1,16 @@
-"""Prefill attention on AMX tiles over the paged bf16 cache (parrot.engine.kernels.prefill_amx).
+"""Prefill attention in bf16 dot products over the paged bf16 cache
+(parrot.engine.kernels.prefill_bf16).
 
 The oracle is float64 causal attention of the bf16-rounded queries over the chunk's
-keys, gathered from its blocks.  Both builds are checked on every CPU: the native one
-(AMX tiles where the CPU has them and Linux grants them, else the portable C) and the
-portable one.  Chunk layouts cross the kernel's 16-query blocks, 16- and 32-key steps
-and 64-column output groups, with pasts, blocks out of order, block sizes that are not
-16 and queries that are a strided view (as the q/k/v GEMM's output is).  Then the
-engine: its step strategy picks the kernel only where it applies, and an engine whose
-prompt attention runs on it (either build) computes what PyTorch's flash attention
-computes, up to bf16 rounding.
+keys, gathered from its blocks.  Every backend that runs here is checked, in both
+builds: the native one (AMX tiles where the CPU has them and Linux grants them,
+AVX-512 BF16 where the CPU has it, and the portable C) and the portable one.  Chunk
+layouts cross the kernel's 16-query blocks, 16- and 32-key steps and 64-column output
+groups, with pasts, blocks out of order, block sizes that are not 16 and queries that
+are a strided view (as the q/k/v GEMM's output is).  Then the engine: its step
+strategy picks the kernel only where it applies, and an engine whose prompt attention
+runs on it (either build) computes what PyTorch's flash attention computes, up to
+bf16 rounding.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from parrot.engine.kernels import native, prefill_amx
+from parrot.engine.kernels import native, prefill_bf16
 from parrot.engine.kernels.kernel_set import for_options
 from parrot.engine.kernels.options import KernelOptions
-from parrot.engine.kernels.prefill_amx import ChunkSpec, PrefillPlan
+from parrot.engine.kernels.prefill_bf16 import BACKENDS, ChunkSpec, PrefillPlan
 from parrot.engine.loader import LoadedModel
 from parrot.engine.model import LlamaModel, ModelConfig
 from parrot.engine.runner import EngineRunner, Job
@@ -35,6 +37,12 @@ from parrot.protocol.tokenizer import TINY_VOCAB_SIZE, TextTokenizer
 @pytest.fixture(scope="module", params=["native", "portable"])
 def lib(request: pytest.FixtureRequest) -> ctypes.CDLL:
     return native.build(portable=request.param == "portable")
+
+
+def _backends(lib: ctypes.CDLL, dim: int) -> list[str]:
+    """Every backend that runs heads of ``dim`` with ``lib``."""
+    best = BACKENDS.index(prefill_bf16.best(dim, lib))
+    return list(BACKENDS[: best + 1])
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: ChunkSpec) -> torch.Tensor:
@@ -87,22 +95,50 @@ def test_every_chunk_row_is_causal_attention_over_its_blocks(
     lib: ctypes.CDLL, heads: int, kv_heads: int, dim: int, bs: int, shapes: list[tuple[int, int]]
 ) -> None:
     k, v, chunks, q = _case(len(shapes), heads, kv_heads, dim, bs, shapes)
-    out = torch.full(q.shape, 7.0)
-    PrefillPlan(chunks, bs, lib).attend(q, k, v, out)
-    for c in chunks:
-        got = out[c.row : c.row + c.n].double()
-        # bf16 probabilities weight the values: about 3 significant digits
-        assert (got - _reference(q, k, v, c)).abs().max().item() < 2e-2, c
-    first, end = chunks[0].row, chunks[-1].row + chunks[-1].n
-    assert (out[:first] == 7).all() and (out[end:] == 7).all()  # rows of no chunk stay as they were
+    for backend in _backends(lib, dim):
+        out = torch.full(q.shape, 7.0)
+        PrefillPlan(chunks, bs, lib, backend).attend(q, k, v, out)
+        for c in chunks:
+            got = out[c.row : c.row + c.n].double()
+            # bf16 probabilities weight the values: about 3 significant digits
+            assert (got - _reference(q, k, v, c)).abs().max().item() < 2e-2, (backend, c)
+        first, end = chunks[0].row, chunks[-1].row + chunks[-1].n
+        assert (out[:first] == 7).all() and (out[end:] == 7).all()  # rows of no chunk stay as they were
 
 
-def test_both_builds_agree(lib: ctypes.CDLL) -> None:
+def test_every_backend_agrees_with_the_portable_build(lib: ctypes.CDLL) -> None:
     k, v, chunks, q = _case(5, 9, 3, 64, 16, [(70, 0), (20, 130)])
-    mine, portable = torch.zeros(q.shape), torch.zeros(q.shape)
-    PrefillPlan(chunks, 16, lib).attend(q, k, v, mine)
+    portable = torch.zeros(q.shape)
     PrefillPlan(chunks, 16, native.build(portable=True)).attend(q, k, v, portable)
-    assert (mine - portable).abs().max().item() < 1e-2
+    for backend in _backends(lib, 64):
+        mine = torch.zeros(q.shape)
+        PrefillPlan(chunks, 16, lib, backend).attend(q, k, v, mine)
+        assert (mine - portable).abs().max().item() < 1e-2, backend
+
+
+def test_a_backend_that_cannot_run_is_refused_and_writes_nothing() -> None:
+    portable = native.build(portable=True)
+    k, v, chunks, q = _case(2, 4, 2, 32, 16, [(20, 0)])
+    out = torch.zeros(q.shape)
+    for backend in ("avx512-bf16", "amx"):
+        with pytest.raises(ValueError, match=f"the {backend} backend cannot run heads of 32 here"):
+            PrefillPlan(chunks, 16, portable, backend).attend(q, k, v, out)
+    k48, v48, chunks48, q48 = _case(2, 4, 2, 48, 16, [(20, 0)])  # the fast backends take multiples of 32
+    assert prefill_bf16.best(48, native.build()) == "portable"
+    with pytest.raises(ValueError, match="cannot run heads of 48"):
+        PrefillPlan(chunks48, 16, native.build(), "avx512-bf16").attend(q48, k48, v48, torch.zeros(q48.shape))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        PrefillPlan(chunks, 16, portable, "avx2")
+    assert (out == 0).all()
+
+
+def test_the_best_backend_follows_the_cpu() -> None:
+    with open("/proc/cpuinfo") as f:
+        flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    best = prefill_bf16.best(64, native.build())
+    assert (best != "portable") == ("avx512_bf16" in flags)
+    assert best != "amx" or "amx_tile" in flags
+    assert prefill_bf16.best(64, native.build(portable=True)) == "portable"
 
 
 def test_bad_plans_and_operands_are_refused_before_the_kernel_runs(lib: ctypes.CDLL) -> None:
@@ -151,9 +187,11 @@ def _loaded() -> LoadedModel:
 
 
 def test_the_strategy_takes_the_kernel_only_for_a_bf16_cache_with_it_allowed() -> None:
-    amx_here = for_options().amx_prefill
+    here = for_options().bf16_prefill
+    assert here == {"portable": None}.get(prefill_bf16.best(64), prefill_bf16.best(64))
     bf16 = EngineRunner(_loaded(), kv_dtype=torch.bfloat16, kv_cache_tokens=512, latency_probe=False)
-    assert (bf16.step_forward.prefill_lib is not None) == amx_here
+    assert (bf16.step_forward.prefill_lib is not None) == (here is not None)
+    assert bf16.step_forward.prefill_backend == here
     fp32 = EngineRunner(_loaded(), kv_cache_tokens=512, latency_probe=False)
     assert fp32.step_forward.prefill_lib is None
     off = EngineRunner(
@@ -161,14 +199,21 @@ def test_the_strategy_takes_the_kernel_only_for_a_bf16_cache_with_it_allowed() -
         kv_dtype=torch.bfloat16,
         kv_cache_tokens=512,
         latency_probe=False,
-        kernels=KernelOptions(amx_prefill=False),
+        kernels=KernelOptions(bf16_prefill=False),
     )
     assert off.step_forward.prefill_lib is None
+    no_tiles = EngineRunner(
+        _loaded(),
+        kv_dtype=torch.bfloat16,
+        kv_cache_tokens=512,
+        latency_probe=False,
+        kernels=KernelOptions(amx=False),
+    )
+    assert no_tiles.step_forward.prefill_backend == (None if here is None else "avx512-bf16")
     tiny = replace(CONFIG, head_dim=48, hidden_size=96)  # not a multiple of 32
     model = LoadedModel("t48", tiny, LlamaModel.random_init(tiny, 0), TextTokenizer.byte_level_tiny())
     r48 = EngineRunner(model, kv_dtype=torch.bfloat16, kv_cache_tokens=512, latency_probe=False)
     assert r48.step_forward.prefill_lib is None
-    assert prefill_amx.available(64) == amx_here
 
 
 def _first_logits(prefill_lib: ctypes.CDLL | None) -> tuple[torch.Tensor, list[list[int]]]:
@@ -179,7 +224,7 @@ def _first_logits(prefill_lib: ctypes.CDLL | None) -> tuple[torch.Tensor, list[l
     runner = EngineRunner(
         _loaded(), kv_dtype=torch.bfloat16, kv_cache_tokens=2048, max_step_tokens=32, latency_probe=False
     )
-    runner.step_forward = replace(runner.step_forward, prefill_lib=prefill_lib)
+    runner.step_forward = replace(runner.step_forward, prefill_lib=prefill_lib, prefill_backend=None)
     rng = random.Random(0)
     firsts: list[torch.Tensor] = []
     real = runner._sample
@@ -249,14 +294,16 @@ def _fork_prefill_paths(
 ) -> tuple[int, int]:
     """(layers that attended on the kernel, layers that took the shared prefill) while four
     forks of one 64-token parent prefill ``question_tokens`` each, in one step: with
-    ``kernel`` on the native build's prompt kernel (AMX tiles or its portable C), else
-    without it (the engine of a CPU without AMX: PyTorch's per-chunk path)."""
+    ``kernel`` on the native build's prompt kernel (its fastest backend), else without it
+    (PyTorch's per-chunk path)."""
     from parrot.engine.prefill_sharing import SharedPrefill
 
     runner = EngineRunner(
         _loaded(), kv_dtype=kv_dtype, kv_cache_tokens=2048, max_step_tokens=1024, latency_probe=False
     )
-    runner.step_forward = replace(runner.step_forward, prefill_lib=native.build() if kernel else None)
+    runner.step_forward = replace(
+        runner.step_forward, prefill_lib=native.build() if kernel else None, prefill_backend=None
+    )
     rng = random.Random(1)
 
     def tokens(n: int) -> list[int]:
@@ -291,10 +338,10 @@ def _fork_prefill_paths(
 def test_forks_with_long_prompts_attend_on_the_kernel_and_short_ones_share_their_prefix(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from parrot.engine.paged import AMX_SHARING_BREAK_EVEN_ROWS
+    from parrot.engine.paged import KERNEL_SHARING_BREAK_EVEN_ROWS
 
-    long_rows = int(AMX_SHARING_BREAK_EVEN_ROWS) + 8  # 40 rows a chunk: past the break-even
-    short_rows = int(AMX_SHARING_BREAK_EVEN_ROWS) // 4  # 8: under it
+    long_rows = int(KERNEL_SHARING_BREAK_EVEN_ROWS) + 8  # 40 rows a chunk: past the break-even
+    short_rows = int(KERNEL_SHARING_BREAK_EVEN_ROWS) // 4  # 8: under it
     assert _fork_prefill_paths(long_rows, monkeypatch) == (CONFIG.num_layers, 0)
     assert _fork_prefill_paths(short_rows, monkeypatch) == (0, CONFIG.num_layers)
 

@@ -1,18 +1,21 @@
-"""Prefill attention over the paged bf16 KV cache on Intel AMX tiles (``csrc/prefill_amx.c``).
+"""Prefill attention over the paged bf16 KV cache in bf16 dot products (``csrc/prefill_bf16.c``).
 
 A step's prompt chunks each attend causally to their sequence's keys.  PyTorch's
-CPU flash kernel computes that in AVX-512 and reads a gathered copy of the keys;
-the C kernel computes both products on AMX tiles and reads the cache blocks in
-place, all chunks of a step in one call per layer.  :class:`PrefillPlan` holds the
-step's index arrays (the same for every layer), built once per step.
+CPU flash kernel computes that at a fraction of the CPU's bf16 dot-product rate and
+reads a gathered copy of the keys; the C kernel computes both products in bf16 dot
+products and reads the cache blocks in place, all chunks of a step in one call per
+layer.  :class:`PrefillPlan` holds the step's index arrays (the same for every
+layer), built once per step.  Backends (:data:`BACKENDS`): ``amx`` (Intel AMX tiles,
+where the build targets AMX-BF16 and Linux grants the tiles), ``avx512-bf16``
+(vdpbf16ps: AMD Zen 4 and later, Intel Cooper Lake and later) and ``portable`` (plain
+C, slower than PyTorch: the tests run it on every CPU); the fast two take head dims
+that are multiples of 32.
 
-The engine uses it for bf16 caches where Parrot's C ops are built with AMX-BF16 and
-Linux grants the tiles (:func:`available`), unless its ``amx`` option is off
-(:class:`~parrot.engine.kernels.options.KernelOptions`).  Elsewhere
-:meth:`PrefillPlan.attend` computes the same quantities in portable C (slower than
-PyTorch; the tests run it on every CPU).  Results: queries rounded to bf16, products
-accumulated in fp32, probabilities rounded to bf16 before they weight the values, as
-in PyTorch's bf16 flash attention (which sums in another order).
+The engine uses the fastest backend its options allow for bf16 caches
+(:class:`~parrot.engine.kernels.kernel_set.KernelSet`'s ``bf16_prefill``).  Results:
+queries rounded to bf16, products accumulated in fp32, probabilities rounded to bf16
+before they weight the values, as in PyTorch's bf16 flash attention (each backend sums
+in its own order).
 """
 
 from __future__ import annotations
@@ -27,14 +30,17 @@ from torch import Tensor
 
 from parrot.engine.kernels import native
 
-__all__ = ["ChunkSpec", "PrefillPlan", "available"]
+__all__ = ["BACKENDS", "ChunkSpec", "PrefillPlan", "best"]
+
+# By the number the C side gives each (parrot_prefill_bf16_best): slowest first.
+BACKENDS = ("portable", "avx512-bf16", "amx")
 
 
-def available(head_dim: int, lib: ctypes.CDLL | None = None) -> bool:
-    """Whether the AMX kernel runs heads of ``head_dim`` here (a multiple of 32; ``lib``,
-    default the selected build, has it and Linux grants the tiles)."""
+def best(head_dim: int, lib: ctypes.CDLL | None = None) -> str:
+    """The fastest backend that runs heads of ``head_dim`` here with ``lib`` (default: the
+    selected build); ``portable`` without a library."""
     lib = lib or native.library()
-    return lib is not None and bool(lib.parrot_prefill_amx_ready(head_dim))
+    return "portable" if lib is None else BACKENDS[lib.parrot_prefill_bf16_best(head_dim)]
 
 
 @dataclass(frozen=True)
@@ -50,11 +56,17 @@ class ChunkSpec:
 
 
 class PrefillPlan:
-    """The index arrays of one step's prompt chunks, for every layer's :meth:`attend`."""
+    """The index arrays of one step's prompt chunks, for every layer's :meth:`attend` on
+    ``backend`` (one of :data:`BACKENDS`, default the fastest for the heads it is given)."""
 
-    def __init__(self, chunks: Sequence[ChunkSpec], block_size: int, lib: ctypes.CDLL):
+    def __init__(
+        self, chunks: Sequence[ChunkSpec], block_size: int, lib: ctypes.CDLL, backend: str | None = None
+    ):
         if not chunks:
             raise ValueError("PrefillPlan needs at least one chunk")
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
+        self.backend = backend
         for c in chunks:
             if c.n <= 0 or c.start < 0 or c.row < 0:
                 raise ValueError(f"bad chunk {c}")
@@ -95,6 +107,7 @@ class PrefillPlan:
         if self.last_block >= nb:
             raise ValueError("a chunk's block is outside the cache")
         heads = q.shape[1]
+        backend = best(dim, self.lib) if self.backend is None else self.backend
         for t in (q, out):  # rows may lie apart (q: a view into the q/k/v GEMM's output)
             if t.stride(2) != 1 or t.stride(1) != dim or t.stride(0) < heads * dim:
                 raise ValueError("prefill attention needs [T, H, D] rows of contiguous heads")
@@ -118,7 +131,10 @@ class PrefillPlan:
             1.0 / math.sqrt(dim),
             out.data_ptr(),
             out.stride(0),
+            BACKENDS.index(backend),
             torch.get_num_threads(),
         )
+        if code == 1:
+            raise ValueError(f"the {backend} backend cannot run heads of {dim} here")
         if code != 0:
             raise MemoryError("prefill attention: could not allocate its scratch memory")
