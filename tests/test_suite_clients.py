@@ -43,7 +43,7 @@ from benchmarks.suite.clients import (  # noqa: E402 - after the sys.path line
     run_parrot_app,
     run_workload,
 )
-from benchmarks.suite.spec import AppSpec, CallSpec, Workload, check_app  # noqa: E402
+from benchmarks.suite.spec import AppSpec, CallSpec, RunRecord, Workload, check_app  # noqa: E402
 from benchmarks.suite.systems import SystemHandle  # noqa: E402
 
 from parrot.manager.service import ManagerConfig  # noqa: E402
@@ -626,6 +626,106 @@ def test_an_interrupted_run_stops_every_system(monkeypatch, tmp_path: Path) -> N
     assert turns == ["parrot", "vllm", "vllm"]
     assert sorted(stopped) == ["parrot", "vllm"]  # both were up, both stopped
     assert header["failures"] == []  # an interruption is not a system's failure
+
+
+def test_a_resumed_run_runs_only_what_the_interrupted_one_lacks(monkeypatch, tmp_path: Path) -> None:
+    from benchmarks.suite import run
+
+    started: list[str] = []
+
+    class Started:
+        def __init__(self, name: str):
+            self.name = name
+
+        def __enter__(self) -> SystemHandle:
+            started.append(self.name)
+            return SystemHandle(self.name, "openai", "http://x", "m", 1, pgids=[])
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+    ran: list[tuple[str, str, int]] = []
+
+    async def fake_run(handle, workload, *, repeat, **kw) -> RunRecord:
+        ran.append((handle.name, workload.name, repeat))
+        return RunRecord(handle.name, workload.name, workload.figure, dict(workload.params), repeat, 1.0, [])
+
+    monkeypatch.setattr(run, "start_system", lambda name, **kw: Started(name))
+    monkeypatch.setattr(run, "_warm_up", lambda handle: None)
+    monkeypatch.setattr(run, "run_workload", fake_run)
+    monkeypatch.setattr(run, "_over_bound", lambda record, bound: record.params["x"] >= 2)
+    monkeypatch.setattr(run.load, "idle_cpu_share", lambda pgids, seconds: 0.0)
+    monkeypatch.setattr(run.time, "sleep", lambda s: None)
+    monkeypatch.setattr(run, "mem_available_gib", lambda: float("inf"))
+    fig11 = Workload("fig11", "fig11/a", {}, (chain_app(),), engines=1)
+    rates = [Workload("fig17", f"fig17/rate={x}", {"x": x}, (chain_app(),), engines=1) for x in (1, 2, 4)]
+    workloads = [fig11, *rates]
+    args = run._parser().parse_args(["--systems", "parrot", "vllm", "--repeats", "2", "--no-plots"])
+
+    def record(system: str, workload: Workload, repeat: int, **extra: Any) -> dict[str, Any]:
+        return {
+            "system": system,
+            "workload": workload.name,
+            "figure": workload.figure,
+            "repeat": repeat,
+            "params": dict(workload.params),
+            "wall_s": 1.0,
+            "apps": [],
+            "extra": extra,
+        }
+
+    # the interrupted run: repeat 0 done (vLLM stopped raising its rate at 2), repeat 1 only vLLM's fig11
+    kept = [
+        record("parrot", fig11, 0),
+        record("parrot", rates[0], 0),
+        record("parrot", rates[1], 0),
+        record("vllm", fig11, 0),
+        record("vllm", rates[0], 0),
+        record("vllm", rates[1], 0, fig17_stop="over"),
+        record("vllm", fig11, 1),
+    ]
+    kept[2]["extra"]["fig17_stop"] = "over"
+    header = {"starts": [], "idle_cpu": {}, "failures": []}
+    generator = type("W", (), {"generate": lambda *a: workloads})
+    run.run_suite(args, generator, workloads, header, tmp_path, raw=list(kept))
+
+    assert ran == [
+        ("vllm", "fig17/rate=1", 1),
+        ("vllm", "fig17/rate=2", 1),
+        ("parrot", "fig11/a", 1),
+        ("parrot", "fig17/rate=1", 1),
+        ("parrot", "fig17/rate=2", 1),
+    ]
+    assert started == ["vllm", "parrot"]  # repeat 0 is complete: nobody started for it
+    saved = json.loads((tmp_path / "raw.json").read_text())
+    assert saved[: len(kept)] == kept and len(saved) == len(kept) + len(ran)
+
+
+def test_resume_refuses_a_run_with_other_arguments_and_hands_on_the_kept_records(
+    monkeypatch, tmp_path: Path
+) -> None:
+    from benchmarks.suite import run
+
+    args = run._parser().parse_args(["--systems", "parrot", "--figures", "fig11", "--out", str(tmp_path)])
+    fresh = run.collect_header(args) | {"load_before": {}}
+    (tmp_path / "header.json").write_text(json.dumps(fresh | {"scale": 0.5, "interrupted_at": "t"}))
+    (tmp_path / "raw.json").write_text("[]")
+    with pytest.raises(ValueError, match=re.escape("scale 0.5 there, 1.0 now")):
+        run.resumed(tmp_path, fresh)
+    (tmp_path / "header.json").write_text(json.dumps(fresh | {"interrupted_at": "t"}))
+    header, raw = run.resumed(tmp_path, fresh)
+    assert raw == [] and "interrupted_at" not in header and header["resumed"][0]["records_kept"] == 0
+    handed: list[Any] = []
+    monkeypatch.setattr(run, "run_suite", lambda *a: handed.append(a))
+    (tmp_path / "raw.json").write_text(json.dumps([{"system": "parrot", "workload": "w", "repeat": 0}]))
+    argv = ["--systems", "parrot", "--figures", "fig11", "--out", str(tmp_path), "--resume", "--no-plots"]
+    assert run.main(argv) == 0
+    assert handed[0][-1] == [{"system": "parrot", "workload": "w", "repeat": 0}]  # kept, handed to the run
+    proc = _suite("--resume", "--figures", "fig11", "--systems", "parrot")
+    assert proc.returncode == 2 and "--resume needs --out DIR" in proc.stderr
+    missing = tmp_path / "none"
+    proc = _suite("--resume", "--out", str(missing), "--figures", "fig11", "--systems", "parrot")
+    assert proc.returncode == 2 and "cannot resume" in proc.stderr and not missing.exists()
 
 
 def _suite(*args: str) -> subprocess.CompletedProcess[str]:

@@ -43,6 +43,10 @@ Order of runs, and why (``--dry-run`` prints it with estimated times):
   flags those runs.
 
 On Ctrl-C or SIGTERM every started system is stopped before the suite exits.
+``--resume --out DIR`` continues an interrupted run in ``DIR`` with the same
+arguments: the runs already in its ``raw.json`` are kept and not run again (a
+system none of whose turns is left is not started), and the header records
+each resumption with its commit and the machine's load.
 
 Exit codes: 0 done (individual app failures are recorded, not fatal), 2 bad
 arguments (unknown figure or system, bad numbers).
@@ -111,6 +115,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--delay-ms", type=float, nargs=2, default=[200.0, 300.0], metavar=("LOW", "HIGH"))
     p.add_argument("--out", type=Path, default=None, help="results folder (default results/<timestamp>)")
     p.add_argument("--dry-run", action="store_true", help="print the plan; start nothing")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the interrupted run in --out (same arguments): keep its runs, run what it lacks",
+    )
     p.add_argument("--no-plots", action="store_true", help="report without PNG plots")
     p.add_argument("--app-timeout", type=float, default=3600.0, help="seconds before an app counts as failed")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a system may take to start")
@@ -166,6 +175,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Any, list[Wo
     except ImportError as exc:
         parser.error(f"benchmarks/suite/workloads.py cannot be imported: {exc}")
     args.figures = _select(args.figures, workloads.FIGURES, "figure", parser)
+    if args.resume and args.out is None:
+        parser.error("--resume needs --out DIR, the folder of the run to continue")
     try:
         first = generate_all(workloads, args.figures, args.scale, args.seed)
     except ValueError as exc:
@@ -563,6 +574,15 @@ def _over_bound(record: RunRecord, bound: float) -> bool:
     return value is None or value > bound
 
 
+def pending(turn: Turn, raw: list[dict[str, Any]]) -> list[Workload]:
+    """The workloads of ``turn`` that ``raw`` lacks (a resumed run), less fig17's rates above a
+    recorded stop of this system and repeat."""
+    mine = [r for r in raw if r["system"] == turn.system and r["repeat"] == turn.repeat]
+    done = {r["workload"] for r in mine}
+    fig17_stopped = any("fig17_stop" in r.get("extra", {}) for r in mine)
+    return [w for w in turn.workloads if w.name not in done and not (fig17_stopped and w.figure == "fig17")]
+
+
 def run_turn(
     args: argparse.Namespace,
     fleet: Fleet,
@@ -571,11 +591,15 @@ def run_turn(
     out: Path,
     bar: Any,
 ) -> None:
-    """One system's workloads of one layout and repeat; raw.json rewritten after each run."""
+    """The workloads of one system's turn (one layout, one repeat) that ``raw`` lacks; raw.json
+    rewritten after each run."""
+    todo = pending(turn, raw)
+    if bar is not None:
+        bar.update(sum(len(w.apps) for w in turn.workloads if w not in todo))
     handle = fleet.get(turn.system)
     errors = [0]
     stopped_at: float | None = None
-    for workload in turn.workloads:
+    for workload in todo:
         if stopped_at is not None and workload.figure == "fig17":
             if bar is not None:
                 bar.update(len(workload.apps))
@@ -632,16 +656,22 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 
 def run_suite(
-    args: argparse.Namespace, workloads_mod: Any, first: list[Workload], header: dict[str, Any], out: Path
+    args: argparse.Namespace,
+    workloads_mod: Any,
+    first: list[Workload],
+    header: dict[str, Any],
+    out: Path,
+    raw: list[dict[str, Any]] | None = None,
 ) -> None:
     """Run every turn of :func:`schedule` (see the module docstring), write raw.json and the report.
-    ``first`` are the workloads of repeat 0; repeat r regenerates them with ``seed + r``."""
+    ``first`` are the workloads of repeat 0; repeat r regenerates them with ``seed + r``.  ``raw``:
+    the records of the run being resumed; only the workloads they lack are run."""
     later = [
         generate_all(workloads_mod, args.figures, args.scale, args.seed + r) for r in range(1, args.repeats)
     ]
     turns = schedule(args.systems, [first, *later])
     total = sum(len(w.apps) for t in turns for w in t.workloads)
-    raw: list[dict[str, Any]] = []
+    raw = [] if raw is None else raw
     _write_json(out / "raw.json", raw)
     bar = _progress_bar(total)
     fleet: Fleet | None = None
@@ -653,7 +683,7 @@ def run_suite(
                 if fleet is not None:
                     fleet.close()
                 fleet = Fleet(args, turn.engines, out, header)
-            if (turn.engines, turn.system) in failed:
+            if (turn.engines, turn.system) in failed or not pending(turn, raw):
                 if bar is not None:
                     bar.update(sum(len(w.apps) for w in turn.workloads))
                 continue
@@ -686,6 +716,49 @@ def run_suite(
             _make_report(raw, header, out, plots=not args.no_plots)
 
 
+#: Header fields that define a run: a resumption must have the same.
+RUN_DEFINING = (
+    "model",
+    "dtype",
+    "figures",
+    "systems",
+    "scale",
+    "repeats",
+    "seed",
+    "delay_ms",
+    "fig17_bound_s",
+)
+
+
+def resumed(out: Path, fresh: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The header and records of the run in ``out``, the header noting this resumption (from
+    ``fresh``, this invocation's header); ValueError if there is no such run or its arguments
+    differ from this invocation's."""
+    try:
+        header = json.loads((out / "header.json").read_text())
+        raw = json.loads((out / "raw.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"no readable header.json and raw.json there ({exc})") from None
+    if not isinstance(header, dict) or not isinstance(raw, list):
+        raise ValueError("header.json or raw.json is not what the suite writes")
+    differ = [k for k in RUN_DEFINING if header.get(k) != fresh[k]]
+    if differ:
+        got = ", ".join(f"{k} {header.get(k)!r} there, {fresh[k]!r} now" for k in differ)
+        raise ValueError(f"its arguments differ: {got}")
+    header.setdefault("resumed", []).append(
+        {
+            "at": fresh["started_at"],
+            "git_commit": fresh["git_commit"],
+            "argv": fresh["argv"],
+            "load_before": fresh["load_before"],
+            "records_kept": len(raw),
+        }
+    )
+    for key in ("finished_at", "interrupted_at"):
+        header.pop(key, None)
+    return header, raw
+
+
 def main(argv: list[str] | None = None) -> int:
     """The suite's command line; returns the exit code (2 for bad arguments, via argparse)."""
     args, workloads_mod, workloads = parse_args(argv)
@@ -698,6 +771,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         return 0
     out = args.out or ROOT / "results" / dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    raw: list[dict[str, Any]] | None = None
+    if args.resume:
+        try:
+            header, raw = resumed(out, header)
+        except ValueError as exc:
+            print(f"error: cannot resume {out}: {exc}", file=sys.stderr)
+            return 2
+        print(f"resuming: {len(raw)} workload runs already in {out / 'raw.json'}", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     header["out"] = str(out)
     _write_json(out / "header.json", header)
@@ -707,7 +788,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        run_suite(args, workloads_mod, workloads, header, out)
+        run_suite(args, workloads_mod, workloads, header, out, raw)
     except (KeyboardInterrupt, _Terminated):  # the systems were stopped on the way out
         print(f"\ninterrupted; what finished is in {out / 'raw.json'}", file=sys.stderr)
         return 130
