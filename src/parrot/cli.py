@@ -270,7 +270,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="let a task group, and the calls sharing a prefix, spread to a less loaded engine "
         "instead of staying on the engines already running them (off by default: measured "
-        "slower with the paper's latency cap, docs/evaluation.md)",
+        "slower with the paper's latency cap, docs/evaluation-archive.md)",
     )
     serve.add_argument(
         "--saturation-batching",
