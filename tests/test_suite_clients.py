@@ -713,6 +713,10 @@ def test_resume_refuses_a_run_with_other_arguments_and_hands_on_the_kept_records
     with pytest.raises(ValueError, match=re.escape("scale 0.5 there, 1.0 now")):
         run.resumed(tmp_path, fresh)
     (tmp_path / "header.json").write_text(json.dumps(fresh | {"interrupted_at": "t"}))
+    (tmp_path / "raw.json").write_text('[{"system": "parrot"}]')
+    with pytest.raises(ValueError, match="not what the suite writes"):
+        run.resumed(tmp_path, fresh)
+    (tmp_path / "raw.json").write_text("[]")
     header, raw = run.resumed(tmp_path, fresh)
     assert raw == [] and "interrupted_at" not in header and header["resumed"][0]["records_kept"] == 0
     handed: list[Any] = []

@@ -739,7 +739,10 @@ def resumed(out: Path, fresh: dict[str, Any]) -> tuple[dict[str, Any], list[dict
         raw = json.loads((out / "raw.json").read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"no readable header.json and raw.json there ({exc})") from None
-    if not isinstance(header, dict) or not isinstance(raw, list):
+    keys = {"system", "workload", "repeat"}
+    if not (isinstance(header, dict) and isinstance(raw, list)) or not all(
+        isinstance(r, dict) and keys <= r.keys() for r in raw
+    ):
         raise ValueError("header.json or raw.json is not what the suite writes")
     differ = [k for k in RUN_DEFINING if header.get(k) != fresh[k]]
     if differ:
