@@ -3,6 +3,7 @@ a session in use, or with work queued or running, stays."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import httpx
@@ -54,6 +55,43 @@ def test_idle_sessions_expire_and_busy_or_used_ones_stay() -> None:
         busy.close()
     finally:
         server.set_gate(True)
+        live.stop()
+
+
+def _wait_for(server: GatedServer, read, want: object, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while server.state(read) != want:
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_a_call_that_outlasts_the_ttl_leaves_its_client_a_ttl_to_read_the_result() -> None:
+    ttl = 1.0
+    manager = Manager(ManagerConfig(session_ttl_s=ttl))
+    engine = GatedEngine()
+    manager.pool.register(engine, name="gated")
+    live = start_server(manager)
+    server = GatedServer(live, engine)
+    f = P.template_function("x {{input:a}} {{output:b}}", b=P.Output(max_tokens=2))
+    session = P.connect(live.url).open()
+    try:
+        server.set_gate(False)
+        running = session.call(f, a="2")
+        states = lambda m: [c.state for c in m.sessions[session.session_id].calls.values()]  # noqa: E731
+        _wait_for(server, states, ["running"], "the call never started")
+        time.sleep(2 * ttl)  # no request with the token: only the running call keeps the session
+        server.set_gate(True)
+        _wait_for(server, states, ["done"], "the call never finished")
+        # idle for twice the TTL, but its call has just ended: the result must still be readable
+        assert server.state(lambda m: m.expire_idle_sessions()) == []
+        assert running.get(timeout=30) == "A"
+        # a TTL after the last request (the get), with nothing running, it goes
+        time.sleep(1.5 * ttl)
+        assert session.session_id not in server.state(lambda m: set(m.sessions))
+    finally:
+        server.set_gate(True)
+        with contextlib.suppress(P.NotFound):
+            session.close()
         live.stop()
 
 

@@ -222,18 +222,26 @@ class Manager:
 
     def expire_idle_sessions(self, now: float | None = None) -> list[str]:
         """Close every session idle for longer than ``config.session_ttl_s``: no request
-        presented its token for that long and none of its calls is queued or running
-        (calls waiting for an input the client never set do not keep it).  Returns the
-        ids closed.  O(sessions), plus the calls of the sessions past the TTL."""
+        presented its token for that long, none of its calls is queued or running, and
+        none ended within the TTL (so a call that ran longer than the TTL leaves its
+        client a whole TTL to read the result; calls waiting for an input the client
+        never set do not keep it).  Returns the ids closed.  O(sessions), plus the calls
+        of the sessions past the TTL."""
         ttl = self.config.session_ttl_s
         if ttl is None:
             return []
         now = clock.monotonic() if now is None else now
+        now_wall = clock.wall()
+
+        def keeps_alive(c: Call) -> bool:
+            return c.state in ("ready", "running") or (
+                c.finished_at is not None and now_wall - c.finished_at <= ttl
+            )
+
         expired = [
             s
             for s in self.sessions.values()
-            if now - s.last_active > ttl
-            and not any(c.state in ("ready", "running") for c in s.calls.values())
+            if now - s.last_active > ttl and not any(keeps_alive(c) for c in s.calls.values())
         ]
         for session in expired:
             self.close_session(session)
