@@ -186,29 +186,20 @@ def _loaded() -> LoadedModel:
     return LoadedModel("t64", CONFIG, LlamaModel.random_init(CONFIG, 3), TextTokenizer.byte_level_tiny())
 
 
+def _runner(**kwargs: object) -> EngineRunner:
+    return EngineRunner(_loaded(), kv_cache_tokens=512, latency_probe=False, **kwargs)
+
+
 def test_the_strategy_takes_the_kernel_only_for_a_bf16_cache_with_it_allowed() -> None:
     here = for_options().bf16_prefill
     assert here == {"portable": None}.get(prefill_bf16.best(64), prefill_bf16.best(64))
-    bf16 = EngineRunner(_loaded(), kv_dtype=torch.bfloat16, kv_cache_tokens=512, latency_probe=False)
+    bf16 = _runner(kv_dtype=torch.bfloat16)
     assert (bf16.step_forward.prefill_lib is not None) == (here is not None)
     assert bf16.step_forward.prefill_backend == here
-    fp32 = EngineRunner(_loaded(), kv_cache_tokens=512, latency_probe=False)
-    assert fp32.step_forward.prefill_lib is None
-    off = EngineRunner(
-        _loaded(),
-        kv_dtype=torch.bfloat16,
-        kv_cache_tokens=512,
-        latency_probe=False,
-        kernels=KernelOptions(bf16_prefill=False),
-    )
+    assert _runner().step_forward.prefill_lib is None  # an fp32 cache
+    off = _runner(kv_dtype=torch.bfloat16, kernels=KernelOptions(bf16_prefill=False))
     assert off.step_forward.prefill_lib is None
-    no_tiles = EngineRunner(
-        _loaded(),
-        kv_dtype=torch.bfloat16,
-        kv_cache_tokens=512,
-        latency_probe=False,
-        kernels=KernelOptions(amx=False),
-    )
+    no_tiles = _runner(kv_dtype=torch.bfloat16, kernels=KernelOptions(amx=False))
     assert no_tiles.step_forward.prefill_backend == (None if here is None else "avx512-bf16")
     tiny = replace(CONFIG, head_dim=48, hidden_size=96)  # not a multiple of 32
     model = LoadedModel("t48", tiny, LlamaModel.random_init(tiny, 0), TextTokenizer.byte_level_tiny())

@@ -17,13 +17,20 @@ from tests.fake_engine import GatedEngine, GatedServer
 TTL = 0.4
 
 
-def test_idle_sessions_expire_and_busy_or_used_ones_stay() -> None:
-    manager = Manager(ManagerConfig(session_ttl_s=TTL))
+F = P.template_function("x {{input:a}} {{output:b}}", b=P.Output(max_tokens=2))
+
+
+def _gated_server(ttl: float) -> GatedServer:
+    """A live manager with sessions expiring after ``ttl`` s and one gated engine."""
+    manager = Manager(ManagerConfig(session_ttl_s=ttl))
     engine = GatedEngine()
     manager.pool.register(engine, name="gated")
-    live = start_server(manager)
-    server = GatedServer(live, engine)
-    f = P.template_function("x {{input:a}} {{output:b}}", b=P.Output(max_tokens=2))
+    return GatedServer(start_server(manager), engine)
+
+
+def test_idle_sessions_expire_and_busy_or_used_ones_stay() -> None:
+    server = _gated_server(TTL)
+    live, f = server.live, F
     try:
         idle = P.connect(live.url).open()
         done = idle.call(f, a="1")
@@ -67,12 +74,8 @@ def _wait_for(server: GatedServer, read, want: object, what: str) -> None:
 
 def test_a_call_that_outlasts_the_ttl_leaves_its_client_a_ttl_to_read_the_result() -> None:
     ttl = 1.0
-    manager = Manager(ManagerConfig(session_ttl_s=ttl))
-    engine = GatedEngine()
-    manager.pool.register(engine, name="gated")
-    live = start_server(manager)
-    server = GatedServer(live, engine)
-    f = P.template_function("x {{input:a}} {{output:b}}", b=P.Output(max_tokens=2))
+    server = _gated_server(ttl)
+    live, f = server.live, F
     session = P.connect(live.url).open()
     try:
         server.set_gate(False)

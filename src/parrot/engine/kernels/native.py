@@ -89,6 +89,7 @@ HEADERS = (
     "simd.h",
     "cache_row.h",
     "amx_tiles.h",
+    "bf16_scalar.h",
     "parrot_ops.h",
 )  # included by the sources; part of the build key
 # Errors, not warnings: a call without a prototype, a non-static function missing from

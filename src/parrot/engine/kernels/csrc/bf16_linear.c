@@ -37,22 +37,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16_scalar.h"
 #include "parrot_ops.h"
-
-static inline uint16_t bf16_round(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN stays NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
-static inline float bf16_value(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 /* The portable kernel: x rounded to bf16, each output one fp32 sum over k in order of
  * bf16 products (exact in fp32), then the bias; the weight read from the packed

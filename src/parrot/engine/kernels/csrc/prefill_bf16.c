@@ -51,22 +51,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16_scalar.h"
 #include "parrot_ops.h"
-
-static inline uint16_t bf16_of(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
-static inline float float_of(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 /* The cache row (bf16 elements from the layer's start) of kv head `kvh` at key
  * position `pos` of a chunk whose blocks are `blocks`. */
@@ -100,12 +86,12 @@ static int prefill_portable(const float *q, int64_t q_stride, const int64_t *q_r
                 if (!ok) continue;
                 const int64_t h = item / n[c], i = item % n[c], kvh = h / group, seen = start[c] + i + 1;
                 const float *qi = q + (q_row[c] + i) * q_stride + h * dim;
-                for (int64_t d = 0; d < dim; d++) qb[d] = float_of(bf16_of(qi[d]));
+                for (int64_t d = 0; d < dim; d++) qb[d] = bf16_value(bf16_round(qi[d]));
                 float most_score = -INFINITY;
                 for (int64_t j = 0; j < seen; j++) {
                     const uint16_t *kj = k + cache_at(blk, j, bs, kv_heads, kvh, dim);
                     float s = 0.0f;
-                    for (int64_t d = 0; d < dim; d++) s += qb[d] * float_of(kj[d]);
+                    for (int64_t d = 0; d < dim; d++) s += qb[d] * bf16_value(kj[d]);
                     p[j] = s * scale;
                     if (p[j] > most_score) most_score = p[j];
                 }
@@ -114,9 +100,9 @@ static int prefill_portable(const float *q, int64_t q_stride, const int64_t *q_r
                 for (int64_t j = 0; j < seen; j++) {
                     const float e = expf(p[j] - most_score);
                     sum += e;
-                    const float w = float_of(bf16_of(e));
+                    const float w = bf16_value(bf16_round(e));
                     const uint16_t *vj = v + cache_at(blk, j, bs, kv_heads, kvh, dim);
-                    for (int64_t d = 0; d < dim; d++) acc[d] += w * float_of(vj[d]);
+                    for (int64_t d = 0; d < dim; d++) acc[d] += w * bf16_value(vj[d]);
                 }
                 float *o = out + (q_row[c] + i) * out_stride + h * dim;
                 for (int64_t d = 0; d < dim; d++) o[d] = acc[d] / sum;
