@@ -84,6 +84,10 @@ class _Ticket:
     engine: EngineHandle | None = None
     share: PlacedShare | None = None  # its share of the engine's load while placed
     prefix_keys: tuple[str, ...] = ()
+    # the keys the scheduler places it by: those with at least min_prefix_tokens tokens before
+    # them (set with its estimate; a shorter shared start saves less than it costs to pile its
+    # sharers onto one engine)
+    affinity_keys: tuple[str, ...] = ()
     # those keys with the share of the prompt before each (parrot.manager.prefix.key_shares)
     key_shares: list[tuple[str, float]] = field(default_factory=list)
     started: bool = False  # its task began running (a task cancelled before that never runs at all)
@@ -347,7 +351,7 @@ class Executor:
                 call.call_id,
                 call.model,
                 objective,
-                ticket.prefix_keys,
+                ticket.affinity_keys,
                 tokens,
                 rank,
                 new_tokens,
@@ -393,6 +397,7 @@ class Executor:
                 ticket.shared_prefix = self.shared_starts.prefix(
                     ticket.key_shares, rendered.first_fill_tokens, constant
                 )
+            ticket.affinity_keys = self._affinity_keys(ticket, rendered.first_fill_tokens, constant)
             shared = ticket.shared_prefix[1] if ticket.shared_prefix else 0
             # engines stop generating at their context: a call never holds more than that
             # forks (n samples) share the prompt and add their own tokens; the scheduler
@@ -402,6 +407,26 @@ class Executor:
             total = min(rendered.prompt_tokens + new_tokens + forks, max_len)
             ticket.tokens = max(1, total - shared)
         return ticket.tokens
+
+    def _affinity_keys(
+        self, ticket: _Ticket, prompt_tokens: int, constant: tuple[str, int] | None
+    ) -> tuple[str, ...]:
+        """The prefix keys that place ``ticket``'s call: those with at least
+        ``min_prefix_tokens`` tokens of the prompt before them (``prompt_tokens``: its
+        tokens before its first output; ``constant``: (key, exact tokens) of its leading
+        constant text).  Sharing a start shorter than that saves a few tokens of prompt
+        work once per engine; placing every call that shares it (a one-line instruction
+        at the head of each map of every map-reduce app) on the engine that holds it
+        piles them all onto that engine while others idle.  Without shares (a prompt
+        whose keys could not be measured), every key places it, as before."""
+        if not ticket.key_shares:
+            return ticket.prefix_keys
+        exact = dict([constant]) if constant is not None else {}
+        return tuple(
+            key
+            for key, share in ticket.key_shares
+            if exact.get(key, round(prompt_tokens * share)) >= self.min_prefix_tokens
+        )
 
     def _tokenize_ahead(self, ticket: _Ticket) -> None:
         """Tokenize the long text a round found in a call's prompt, off the loop; a

@@ -98,7 +98,9 @@ class QueuedCall:
     """A ready call waiting for an engine.
 
     ``model`` None: any engine.  ``prefix_hashes``: hashes of the prompt's
-    prefixes at variable boundaries, outermost (shortest) first.  ``tokens``:
+    prefixes at variable boundaries that prefix affinity places it by, outermost
+    (shortest) first (the executor passes those with at least ``min_prefix_tokens``
+    tokens before them).  ``tokens``:
     estimated KV tokens (prompt + max new tokens).  ``topo_rank``: an integer
     order in which producers come before consumers (then arrival).  ``new_tokens``:
     the part of ``tokens`` it generates (the rest is prompt).  ``shared_tokens``: the part of
