@@ -1,6 +1,7 @@
 """Manager overhead: graph insertion, objective deduction and scheduling, on one core.
 
 Usage: python benchmarks/manager_overhead.py [--engines 64] [--sessions 100] [--calls 10000] [--repeats 3]
+    [--mix]
 
 The manager runs in-process with fake engines that answer instantly (one
 token), so everything measured is the manager's own work: validating and
@@ -11,6 +12,16 @@ output is fetched with LATENCY), one call per event-loop iteration, as calls
 arriving over HTTP would.  Reported: submit->dispatch latency of calls whose
 inputs were ready at submit (p50/p99), and calls per second from the first
 submit to the last call finished.
+
+With ``--mix`` the sessions take turns over four kinds of application: the
+map-reduce group, a chain of four calls (each reads the previous output), a
+single chat call read with LATENCY, and a call under a 1,500-character system
+prompt shared by every session (prefix affinity).  Also reported: the manager's
+CPU time per call (the process's CPU time over the run, which is the manager's
+alone: the engines do nothing), the resident memory the run added per session
+(every session keeps its calls' graph until it is closed; none is closed here),
+and the rate at which the manager saturates (calls/s, since calls are submitted
+as fast as the loop takes them).
 """
 
 from __future__ import annotations
@@ -19,9 +30,11 @@ import argparse
 import asyncio
 import os
 import platform
+import resource
 import statistics
 import time
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 
 from parrot.manager.service import Manager, ManagerConfig
 from parrot.protocol.sampling import SamplingParams
@@ -93,33 +106,76 @@ def reduce_call(var_ids: list[str]) -> SubmitCall:
     )
 
 
-async def run_once(n_engines: int, n_sessions: int, n_calls: int) -> dict[str, float]:
+SYSTEM = "You are the support desk of a large library; answer from its rules. " * 21  # ~1,500 chars
+KINDS = ("map_reduce", "chain", "chat", "shared_prompt")
+
+
+def single_call(template: str, **inputs: str) -> SubmitCall:
+    bindings = [PlaceholderBinding(name=k, value=v) for k, v in inputs.items()]
+    out = PlaceholderBinding(name="y", sampling={"max_tokens": 32}, criteria="LATENCY")
+    return SubmitCall(template=template + " {{output:y}}", placeholders=[*bindings, out], name="single")
+
+
+def chain_call(step: int, previous: str | None) -> SubmitCall:
+    if previous is None:
+        return single_call("Step 1: outline the {{input:topic}}.", topic="report")
+    return SubmitCall(
+        template=f"Step {step + 1}: improve this: {{{{input:prev}}}} Result: {{{{output:y}}}}",
+        placeholders=[
+            PlaceholderBinding(name="prev", var_id=previous),
+            PlaceholderBinding(name="y", sampling={"max_tokens": 32}, criteria="LATENCY"),
+        ],
+        name="chain",
+    )
+
+
+def _group(kind: str, group: int, room: int) -> list:
+    """The calls of one application of ``kind`` (at most ``room``), as functions of the
+    output variable ids submitted so far in the group."""
+    if kind == "map_reduce":
+        maps = [lambda outs, i=i: map_call(i) for i in range(min(GROUP, room))]
+        return maps + ([lambda outs: reduce_call(outs)] if room > GROUP else [])
+    if kind == "chain":
+        return [lambda outs, k=k: chain_call(k, outs[-1] if outs else None) for k in range(min(4, room))]
+    if kind == "chat":
+        return [lambda outs: single_call("User: {{input:q}} Assistant:", q=f"question {group}")]
+    return [lambda outs: single_call(SYSTEM + " Query: {{input:q}}", q=f"query {group}")]
+
+
+def _rss_bytes() -> int:
+    """The process's resident memory now (Linux), else its peak (ru_maxrss)."""
+    statm = Path("/proc/self/statm")
+    if statm.exists():
+        return int(statm.read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+async def run_once(n_engines: int, n_sessions: int, n_calls: int, mix: bool = False) -> dict[str, float]:
     manager = Manager(ManagerConfig())
     tokenizer = TextTokenizer.byte_level_tiny()
     for _ in range(n_engines):
         manager.pool.register(InstantEngine(tokenizer))
+    rss0 = _rss_bytes()
     sessions = [manager.create_session()[0] for _ in range(n_sessions)]
     calls = []
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     submitted = 0
     group = 0
     while submitted < n_calls:
         session = sessions[group % n_sessions]
-        outs = []
-        for i in range(min(GROUP, n_calls - submitted)):
-            call = manager.submit_call(session, map_call(i))
+        kind = KINDS[group % len(KINDS)] if mix else "map_reduce"
+        outs: list[str] = []
+        for make in _group(kind, group, n_calls - submitted):
+            call = manager.submit_call(session, make(outs))
             calls.append(call)
-            outs.append(call.outputs["s"].var.var_id)
+            outs.append(next(iter(call.outputs.values())).var.var_id)
             submitted += 1
             await asyncio.sleep(0)  # one call per loop iteration, as over HTTP
-        if submitted < n_calls:
-            calls.append(manager.submit_call(session, reduce_call(outs)))
-            submitted += 1
-            await asyncio.sleep(0)
         group += 1
     while any(c.state not in ("done", "failed") for c in calls):
         await asyncio.sleep(0.001)
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    rss = _rss_bytes() - rss0
     failed = [c for c in calls if c.state == "failed"]
     if failed:
         raise RuntimeError(f"{len(failed)} calls failed, e.g. {failed[0].error!r}")
@@ -130,6 +186,9 @@ async def run_once(n_engines: int, n_sessions: int, n_calls: int) -> dict[str, f
         "p50_ms": delays[len(delays) // 2],
         "p99_ms": delays[int(len(delays) * 0.99)],
         "rounds": manager.executor.rounds,
+        "cpu_us_per_call": cpu / len(calls) * 1e6,
+        "kib_per_session": rss / n_sessions / 1024,
+        "calls": len(calls),
     }
 
 
@@ -139,22 +198,33 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=100)
     ap.add_argument("--calls", type=int, default=10_000)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--mix", action="store_true", help="map-reduce, chains, chats and a shared system prompt")
     args = ap.parse_args()
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} cores (the manager uses one), "
         f"Python {platform.python_version()}"
     )
+    apps = "a mix of map-reduce, chain, chat and shared-prompt apps" if args.mix else "map-reduce groups"
+    print(f"{args.calls} calls in {args.sessions} sessions over {args.engines} fake engines, {apps}")
+    results = [
+        asyncio.run(run_once(args.engines, args.sessions, args.calls, args.mix)) for _ in range(args.repeats)
+    ]
+    keys = ("calls_per_s", "p50_ms", "p99_ms", "cpu_us_per_call", "kib_per_session")
     print(
-        f"{args.calls} calls in {args.sessions} sessions over {args.engines} fake engines, "
-        f"map-reduce groups of {GROUP}+1"
+        "| run | calls/s | submit->dispatch p50 (ms) | p99 (ms) | CPU per call (µs) | KiB per session "
+        "| scheduling rounds |"
     )
-    results = [asyncio.run(run_once(args.engines, args.sessions, args.calls)) for _ in range(args.repeats)]
-    print("| run | calls/s | submit->dispatch p50 (ms) | p99 (ms) | scheduling rounds |")
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for i, r in enumerate(results, 1):
-        print(f"| {i} | {r['calls_per_s']:.0f} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {r['rounds']} |")
-    med = {k: statistics.median(r[k] for r in results) for k in ("calls_per_s", "p50_ms", "p99_ms")}
-    print(f"| median | {med['calls_per_s']:.0f} | {med['p50_ms']:.3f} | {med['p99_ms']:.3f} | |")
+        print(
+            f"| {i} | {r['calls_per_s']:.0f} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | "
+            f"{r['cpu_us_per_call']:.0f} | {r['kib_per_session']:.1f} | {r['rounds']} |"
+        )
+    med = {k: statistics.median(r[k] for r in results) for k in keys}
+    print(
+        f"| median | {med['calls_per_s']:.0f} | {med['p50_ms']:.3f} | {med['p99_ms']:.3f} | "
+        f"{med['cpu_us_per_call']:.0f} | {med['kib_per_session']:.1f} | |"
+    )
 
 
 if __name__ == "__main__":

@@ -440,7 +440,9 @@ def test_calls_sharing_a_start_through_a_value_count_it_once_against_the_cap(
 
 def test_the_operator_cap_overrides_every_engine_and_heartbeats_carry_remote_caps():
     async def main() -> None:
-        manager = Manager(ManagerConfig(latency_cap_tokens=6000, saturation_batching=False))
+        # latency calls spread by load (not packed), so both engines' caps show
+        config = ManagerConfig(latency_cap_tokens=6000, saturation_batching=False, pack_latency=False)
+        manager = Manager(config)
         tokenizer = TextTokenizer.byte_level_tiny()
         a, b = HeldEngine(tokenizer, 300), HeldEngine(tokenizer, 5000)
         ha, _ = manager.pool.register(a), manager.pool.register(b)

@@ -55,7 +55,8 @@ def test_only_a_shared_start_of_min_prefix_tokens_keeps_its_sharers_together(
     instruction: str, together: bool, reason: str
 ):
     async def main() -> None:
-        manager = Manager(ManagerConfig(min_prefix_tokens=32))
+        # latency calls spread over idle engines (not packed): only affinity keeps them together
+        manager = Manager(ManagerConfig(min_prefix_tokens=32, pack_latency=False))
         tokenizer = TextTokenizer.byte_level_tiny()
         engines = [HeldEngine(tokenizer), HeldEngine(tokenizer)]
         for e in engines:

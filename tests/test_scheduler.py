@@ -97,6 +97,35 @@ def test_full_group_engine_spills_to_find_engine_then_that_engine_hosts_the_grou
     assert why(out)["m3"] == "find-engine" and why(out)["m4"] == "task-group"
 
 
+# ------------------------------------------------------------------ latency packing
+def test_packed_latency_calls_fill_a_latency_engine_under_its_cap_before_an_idle_one():
+    engines = [eng("e1", load=1000, mode="latency", lat=2000), eng("e2"), eng("e3", lat=2000)]
+    queue = [q(f"c{i}", tokens=400, rank=i) for i in range(4)]
+    packed = run(queue, engines, pack_latency=True)
+    # e1 takes two more (1,800 <= 2,000); the third opens an idle engine, which the fourth joins
+    assert where(packed) == {"c0": "e1", "c1": "e1", "c2": "e2", "c3": "e2"}
+    assert set(why(packed).values()) == {"find-engine"}
+    spread = run(queue, engines)  # the paper's rule: idle engines are the least loaded
+    assert where(spread) == {"c0": "e2", "c1": "e3", "c2": "e2", "c3": "e3"}
+
+
+def test_packing_leaves_the_idle_engine_to_the_throughput_work_that_follows():
+    engines = [eng("e1", load=500, mode="latency"), eng("e2")]
+    queue = [q("chat", tokens=300), q("map", kind="throughput", tokens=3000, rank=1)]
+    assert where(run(queue, engines, pack_latency=True)) == {"chat": "e1", "map": "e2"}
+    # spread, the chat takes the idle engine and the map can only join latency work, under its cap
+    spread = run(queue, engines)
+    assert where(spread)["chat"] == "e2" and why(spread)["map"] == "find-engine-mixed"
+
+
+def test_packing_never_places_past_the_cap_and_leaves_the_baselines_alone():
+    engines = [eng("e1", load=5900, mode="latency"), eng("e2")]
+    assert where(run([q("c", tokens=300)], engines, pack_latency=True)) == {"c": "e2"}
+    busy = [eng("e1", load=100, mode="latency"), eng("e2")]
+    out = run([q("c", tokens=300)], busy, "baseline-latency", pack_latency=True)
+    assert out == [Placement("c", "e2", "fifo")]  # request-level: least loaded, no modes
+
+
 # ------------------------------------------------------------------ prefixes
 def test_prefix_shared_with_a_call_placed_this_round():
     engines = [eng("e1"), eng("e2")]

@@ -172,8 +172,11 @@ def test_cost_file_round_trips_and_sizes_the_simulated_engines_kv(tmp_path: Path
     assert loaded == profile
     engine = SimEngine(TextTokenizer.byte_level_tiny(), loaded.cost, kv_cache_tokens=loaded.kv_cache_tokens)
     assert engine.pool.num_blocks == 40_000 // 16 and engine.token_capacity == 40_000 // 16 * 16
-    assert set(PROFILES) == {"smollm2-bf16-xeon2", "llama7b-a6000", "llama13b-a100"}
-    assert load_profile("llama13b-a100") is not None
+    assert set(PROFILES) == {"smollm2-bf16-xeon2", "llama7b-a6000", "llama13b-a100", "llama7b-a100"}
+    assert all(load_profile(name).name == name for name in PROFILES)
+    # the same model streams its weights faster from the A100's memory than the A6000's
+    a100, a6000 = load_profile("llama7b-a100"), load_profile("llama7b-a6000")
+    assert a100.cost.base < a6000.cost.base and a100.kv_cache_tokens > a6000.kv_cache_tokens
 
 
 _REST = '"per_prefill_token": 0, "per_decode_seq": 0, "per_kv_token": 0'

@@ -4,6 +4,9 @@ Prints, per workload, each system's mean app latency (virtual seconds) and the r
 of each system's to the first's, and writes the runs as JSON (``--out``).  Runs are
 deterministic: the same arguments give the same numbers.
 
+``--paper --out FOLDER`` runs the paper's figures at the paper's sizes on GPU profiles
+instead (:mod:`benchmarks.sim.paper_run`).
+
 ``--compare RAW`` (a real run's ``raw.json`` from ``python -m benchmarks.suite``)
 also prints, per workload and system, the real mean app latency (the mean over its
 repeats of the mean over apps, chats left out as the suite's figures do) beside the
@@ -22,6 +25,8 @@ import time
 from pathlib import Path
 
 from benchmarks.sim.driver import SYSTEMS, simulate
+from benchmarks.sim.paper import PAPER_FIGURES
+from benchmarks.sim.paper_run import PAPER_SYSTEMS, run_paper
 from benchmarks.suite.workloads import FIGURES, generate
 
 from parrot.protocol.tokenizer import TextTokenizer
@@ -56,7 +61,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--compare", type=Path, default=None, metavar="RAW", help="a real run's raw.json to compare against"
     )
+    parser.add_argument(
+        "--paper",
+        action="store_true",
+        help="the paper's figures at its sizes on its GPUs (benchmarks/sim/paper.py); --out is then a "
+        "folder for raw.json, report.md, PNGs and paper.md (the paper's results beside the simulated)",
+    )
     args = parser.parse_args(argv)
+    if args.paper:
+        return _paper(parser, args, argv)
     figures = list(FIGURES) if "all" in args.figures else args.figures
     tokenizer = _tokenizer(args.tokenizer)
     try:
@@ -94,6 +107,28 @@ def main(argv: list[str] | None = None) -> int:
             (r.workload, r.system): _app_mean(a.latency_s for a in r.apps if _counted(a)) for r in runs
         }
         print_comparison(_real_means(args.compare), simulated)
+    return 0
+
+
+def _paper(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str] | None) -> int:
+    """``--paper``: every figure of :data:`~benchmarks.sim.paper.PAPER_FIGURES` (or those
+    named), on :data:`~benchmarks.sim.paper_run.PAPER_SYSTEMS` (or those named)."""
+    words = argv if argv is not None else sys.argv[1:]
+    given = {w.split("=", 1)[0] for w in words if w.startswith("--")}
+    if args.out is None:
+        parser.error("--paper needs --out FOLDER")
+    if given & {"--cost", "--compare", "--scale", "--latency-cap"}:
+        parser.error("--paper sets each figure's cost and latency cap; --cost, --compare, --scale "
+                     "and --latency-cap do not apply")  # fmt: skip
+    figures = list(PAPER_FIGURES) if "all" in args.figures or "--figures" not in given else args.figures
+    missing = [f for f in figures if f not in PAPER_FIGURES]
+    if missing:
+        parser.error(
+            f"no paper-size workloads for {', '.join(missing)}; there are {', '.join(PAPER_FIGURES)}"
+        )
+    systems = args.systems if "--systems" in given else list(PAPER_SYSTEMS)
+    run_paper(figures, systems, args.out, _tokenizer(args.tokenizer), seed=args.seed)
+    print(args.out / "paper.md")
     return 0
 
 

@@ -15,7 +15,11 @@ the same emulated network delays:
 
 Systems are configured as the suite starts them (:mod:`benchmarks.suite.systems`):
 ``parrot`` (policy ``parrot``, prefix cache on), ``parrot-baseline-latency`` and
-``parrot-baseline-throughput`` (request-level policies, prefix cache off).  A
+``parrot-baseline-throughput`` (request-level policies, prefix cache off); and two
+the suite cannot run on CPU engines: ``parrot-no-shared-attention`` (Parrot whose
+engines read a shared prefix once per sequence) and ``request-level-apc`` (the
+latency-centric request-level baseline on engines with automatic prefix caching and
+per-sequence attention, like vLLM's).  A
 simulated engine samples a fixed token, so outputs are as long as ``max_tokens``
 (the suite asks for ``ignore_eos``).
 """
@@ -45,17 +49,29 @@ MODEL = "sim"
 
 @dataclass(frozen=True)
 class SimSystem:
+    """``share_prefix``: the engines' attention reads a block that several sequences share
+    once for all of them (Parrot's shared-prefix kernel) or once per sequence (vLLM's
+    paged attention)."""
+
     policy: str
     prefix_cache: bool
     request_level: bool
+    share_prefix: bool = True
 
 
 SYSTEMS = {
     "parrot": SimSystem("parrot", prefix_cache=True, request_level=False),
     "parrot-no-affinity": SimSystem("no-affinity", prefix_cache=True, request_level=False),
     "parrot-no-deduction": SimSystem("no-deduction", prefix_cache=True, request_level=False),
+    "parrot-no-shared-attention": SimSystem(
+        "parrot", prefix_cache=True, request_level=False, share_prefix=False
+    ),
     "parrot-baseline-latency": SimSystem("baseline-latency", prefix_cache=False, request_level=True),
     "parrot-baseline-throughput": SimSystem("baseline-throughput", prefix_cache=False, request_level=True),
+    # vLLM-like: request-level, latency cap, automatic prefix caching, per-sequence attention
+    "request-level-apc": SimSystem(
+        "baseline-latency", prefix_cache=True, request_level=True, share_prefix=False
+    ),
 }
 
 
@@ -179,7 +195,14 @@ async def _run(workload: Workload, system: SimSystem, cost: StepCost, tokenizer:
     manager = Manager(config)
     kv = {} if kv_cache_tokens is None else {"kv_cache_tokens": kv_cache_tokens}
     engines = [
-        SimEngine(tokenizer, cost, model_name=MODEL, prefix_cache=system.prefix_cache, **kv)
+        SimEngine(
+            tokenizer,
+            cost,
+            model_name=MODEL,
+            prefix_cache=system.prefix_cache,
+            share_prefix=system.share_prefix,
+            **kv,
+        )
         for _ in range(workload.engines)
     ]
     # engines named by their place in the run (the pool's ids count on across runs)

@@ -127,12 +127,16 @@ __all__ = [
     "call_prompt_tokens",
     "chain_app",
     "chat_app",
+    "finish_workload",
     "generate",
     "map_reduce_app",
     "poisson_arrivals",
+    "seeded_rng",
     "shared_prompt_app",
     "sharegpt_lengths",
+    "split_chunks",
     "workload_cost",
+    "workload_name",
 ]
 
 #: Upper bound on estimated prompt + output tokens of any call (vLLM is started with max-model-len 4096).
@@ -165,7 +169,7 @@ def _inp(name: str) -> str:
     return "{{input:" + name + "}}"
 
 
-def _rng(seed: int, *parts: object) -> random.Random:
+def seeded_rng(seed: int, *parts: object) -> random.Random:
     """A generator private to ``(seed, *parts)``; string seeds are hashed deterministically."""
     return random.Random("/".join(map(str, (seed, *parts))))
 
@@ -175,7 +179,7 @@ def _count(base: int, scale: float) -> int:
     return max(1, round(base * scale))
 
 
-def _name(figure: str, **params: object) -> str:
+def workload_name(figure: str, **params: object) -> str:
     return f"{figure}/" + ",".join(f"{k}={v}" for k, v in params.items())
 
 
@@ -201,16 +205,22 @@ def _lognormal(rng: random.Random, mean: float, sigma: float, lo: int, hi: int) 
     return min(hi, max(lo, round(rng.lognormvariate(mu, sigma))))
 
 
-def sharegpt_lengths(rng: random.Random) -> tuple[int, int]:
-    """One chat request's ``(prompt_tokens, output_tokens)``, modelled on ShareGPT (see constants)."""
-    prompt = _lognormal(rng, SHAREGPT_MEAN_PROMPT, SHAREGPT_SIGMA_PROMPT, *CHAT_PROMPT_RANGE)
-    output = _lognormal(
-        rng, SHAREGPT_MEAN_OUTPUT / CHAT_OUTPUT_DIVISOR, SHAREGPT_SIGMA_OUTPUT, *CHAT_OUTPUT_RANGE
-    )
+def sharegpt_lengths(
+    rng: random.Random,
+    *,
+    output_divisor: float = CHAT_OUTPUT_DIVISOR,
+    prompt_range: tuple[int, int] = CHAT_PROMPT_RANGE,
+    output_range: tuple[int, int] = CHAT_OUTPUT_RANGE,
+) -> tuple[int, int]:
+    """One chat request's ``(prompt_tokens, output_tokens)``, modelled on ShareGPT (see constants);
+    the defaults shrink and cap them for this machine, ``output_divisor=1`` with wider ranges
+    keeps ShareGPT's own means (the simulator's paper-size workloads)."""
+    prompt = _lognormal(rng, SHAREGPT_MEAN_PROMPT, SHAREGPT_SIGMA_PROMPT, *prompt_range)
+    output = _lognormal(rng, SHAREGPT_MEAN_OUTPUT / output_divisor, SHAREGPT_SIGMA_OUTPUT, *output_range)
     return prompt, output
 
 
-def _chunks(text: str, chunk_tokens: int) -> list[str]:
+def split_chunks(text: str, chunk_tokens: int) -> list[str]:
     """``text`` split into ``round(words / words_for_tokens(chunk_tokens))`` (at least 1) consecutive
     pieces of equal word counts (to within one word), so each is about ``chunk_tokens`` tokens."""
     words = text.split()
@@ -272,12 +282,19 @@ def _output_tokens(apps: Iterable[AppSpec]) -> dict[str, int]:
     return {app.app_id: sum(c.max_tokens for c in app.calls if c.name in app.outputs) for app in apps}
 
 
-def _finish(
-    figure: str, name: str, params: dict[str, Any], apps: Sequence[AppSpec], engines: int = 1
+def finish_workload(
+    figure: str,
+    name: str,
+    params: dict[str, Any],
+    apps: Sequence[AppSpec],
+    engines: int = 1,
+    *,
+    context_tokens: int = CONTEXT_TOKENS,
 ) -> Workload:
-    """Check every app and the context budget, sort by arrival, and wrap into a Workload."""
+    """Check every app and the context budget (``context_tokens`` less a margin), sort by
+    arrival, and wrap into a Workload."""
     ordered = tuple(sorted(apps, key=lambda a: a.arrival_s))
-    limit = int(CONTEXT_TOKENS * _CONTEXT_MARGIN)
+    limit = int(context_tokens * _CONTEXT_MARGIN)
     for app in ordered:
         check_app(app)
         cost = app_cost(app)
@@ -358,9 +375,15 @@ def map_reduce_app(
     return AppSpec(app_id, "map_reduce", (*maps, reduce), ("reduce",), arrival_s=arrival_s, criteria=criteria)
 
 
-def chat_app(app_id: str, rng: random.Random, *, arrival_s: float) -> AppSpec:
-    """One single-call chat request with ShareGPT-like lengths."""
-    prompt_tokens, output_tokens = sharegpt_lengths(rng)
+def chat_app(
+    app_id: str,
+    rng: random.Random,
+    *,
+    arrival_s: float,
+    lengths: Callable[[random.Random], tuple[int, int]] = sharegpt_lengths,
+) -> AppSpec:
+    """One single-call chat request whose ``(prompt, output)`` tokens ``lengths`` draws."""
+    prompt_tokens, output_tokens = lengths(rng)
     call = CallSpec(
         "reply",
         "User: " + _inp("message") + "\nAssistant: " + _out("reply"),
@@ -494,8 +517,8 @@ def _summary_sweep(
     for out, chunk in _SUMMARY_POINTS:
         on_outputs, on_chunks = chunk == _OUTPUTS_AT, out == _CHUNKS_AT
         sweep, x = ("output", out) if on_outputs else ("chunk", chunk)
-        name = _name(figure, out=out, chunk=chunk)
-        chunks = _chunks(textgen.filler(_rng(seed, name, "doc"), doc_tokens), chunk)
+        name = workload_name(figure, out=out, chunk=chunk)
+        chunks = split_chunks(textgen.filler(seeded_rng(seed, name, "doc"), doc_tokens), chunk)
         params: dict[str, Any] = {
             "sweep": sweep,
             "x": x,
@@ -505,7 +528,7 @@ def _summary_sweep(
         }
         if on_outputs and on_chunks:
             params["also"] = {"chunk": chunk}
-        workloads.append(_finish(figure, name, params, [make_app(name, chunks, out)]))
+        workloads.append(finish_workload(figure, name, params, [make_app(name, chunks, out)]))
     return workloads
 
 
@@ -531,15 +554,17 @@ def fig12a(scale: float = 1.0, seed: int = 0) -> list[Workload]:
     window = 40.0 * scale
     workloads = []
     for rate in CHAT_RATES:
-        name = _name("fig12a", chat_rate=rate)
-        rng = _rng(seed, name)
-        chunks = _chunks(textgen.filler(_rng(seed, name, "doc"), doc_tokens), 160)  # a document per point
+        name = workload_name("fig12a", chat_rate=rate)
+        rng = seeded_rng(seed, name)
+        chunks = split_chunks(
+            textgen.filler(seeded_rng(seed, name, "doc"), doc_tokens), 160
+        )  # a document per point
         apps = [chain_app(f"{name}/chain0", chunks, 50, arrival_s=3.0)]
-        for i, t in enumerate(poisson_arrivals(_rng(seed, "fig12a", "arrivals"), rate, window)):
+        for i, t in enumerate(poisson_arrivals(seeded_rng(seed, "fig12a", "arrivals"), rate, window)):
             apps.append(chat_app(f"{name}/chat{i:04d}", rng, arrival_s=t))
         params = {"sweep": "chat_rate", "x": rate, "window_s": window, "chat_apps": len(apps) - 1}
         params["chain_calls"] = len(chunks)
-        workloads.append(_finish("fig12a", name, params, apps))
+        workloads.append(finish_workload("fig12a", name, params, apps))
     return workloads
 
 
@@ -547,14 +572,18 @@ def fig12b(scale: float = 1.0, seed: int = 0) -> list[Workload]:
     """10 and 25 chain apps (each 4 calls of chunk 160, output 25, on its own document) within 0.5 s."""
     workloads = []
     for n_apps in sorted({_count(10, scale), _count(25, scale)}):
-        name = _name("fig12b", apps=n_apps)
-        rng = _rng(seed, name)
+        name = workload_name("fig12b", apps=n_apps)
+        rng = seeded_rng(seed, name)
         arrivals = sorted(round(rng.uniform(0.0, 0.5), 3) for _ in range(n_apps))
         apps = [
-            chain_app(f"{name}/chain{i:03d}", _chunks(textgen.filler(rng, 4 * 160), 160), 25, arrival_s=t)
+            chain_app(
+                f"{name}/chain{i:03d}", split_chunks(textgen.filler(rng, 4 * 160), 160), 25, arrival_s=t
+            )
             for i, t in enumerate(arrivals)
         ]
-        workloads.append(_finish("fig12b", name, {"sweep": "apps", "x": n_apps, "apps": n_apps}, apps))
+        workloads.append(
+            finish_workload("fig12b", name, {"sweep": "apps", "x": n_apps, "apps": n_apps}, apps)
+        )
     return workloads
 
 
@@ -579,16 +608,16 @@ def fig15_16(scale: float = 1.0, seed: int = 0) -> list[Workload]:
     workloads = []
     for batch in sorted({_count(b, scale) for b in (8, 16, 32)}):
         for out in SHARED_OUTPUTS:
-            name = _name("fig15_16", batch=batch, out=out)
-            rng = _rng(seed, name)
+            name = workload_name("fig15_16", batch=batch, out=out)
+            rng = seeded_rng(seed, name)
             system = _system_prompt(
-                _rng(seed, name, "system"), SHARED_SYSTEM_TOKENS, "a helpful search assistant"
+                seeded_rng(seed, name, "system"), SHARED_SYSTEM_TOKENS, "a helpful search assistant"
             )
             queries = [textgen.filler(rng, rng.randint(50, 100)) for _ in range(batch)]
             apps = [shared_prompt_app(f"{name}/req{i:03d}", system, q, out) for i, q in enumerate(queries)]
             params = {"sweep": "batch", "x": batch, "output_tokens": out}
             params["system_tokens"] = SHARED_SYSTEM_TOKENS
-            workloads.append(_finish("fig15_16", name, params, apps))
+            workloads.append(finish_workload("fig15_16", name, params, apps))
     return workloads
 
 
@@ -607,15 +636,15 @@ GPTS_MIN_REQUESTS = 10  # the window is long enough for this many requests at th
 def fig17(scale: float = 1.0, seed: int = 0) -> list[Workload]:
     """Four GPTs-like apps with their own system prompts; Poisson requests at each rate, 2 engines."""
     systems_of = {
-        rate: [_system_prompt(_rng(seed, "fig17", rate, g), n, role) for g, role, n in _GPTS]
+        rate: [_system_prompt(seeded_rng(seed, "fig17", rate, g), n, role) for g, role, n in _GPTS]
         for rate in GPTS_RATES
     }
     workloads = []
     for rate in GPTS_RATES:
         window = max(20.0, GPTS_MIN_REQUESTS / rate) * scale
-        name = _name("fig17", rate=rate)
-        rng = _rng(seed, name)
-        arrivals = poisson_arrivals(_rng(seed, "fig17", "arrivals", rate), rate, window) or [0.0]
+        name = workload_name("fig17", rate=rate)
+        rng = seeded_rng(seed, name)
+        arrivals = poisson_arrivals(seeded_rng(seed, "fig17", "arrivals", rate), rate, window) or [0.0]
         apps = []
         for i, t in enumerate(arrivals):
             g = rng.randrange(len(_GPTS))
@@ -626,7 +655,7 @@ def fig17(scale: float = 1.0, seed: int = 0) -> list[Workload]:
             )
         params = {"sweep": "rate", "x": rate, "window_s": window, "requests": len(apps), "gpts": len(_GPTS)}
         params["app_output_tokens"] = _output_tokens(apps)
-        workloads.append(_finish("fig17", name, params, apps, engines=2))
+        workloads.append(finish_workload("fig17", name, params, apps, engines=2))
     return workloads
 
 
@@ -635,26 +664,26 @@ def fig18(scale: float = 1.0, seed: int = 0) -> list[Workload]:
     (each point with a system prompt and task of its own)."""
     workloads = []
     for files in sorted({_count(f, scale) for f in (4, 8, 16)}):
-        name = _name("fig18", files=files)
-        rng = _rng(seed, name, "system")
+        name = workload_name("fig18", files=files)
+        rng = seeded_rng(seed, name, "system")
         system = _system_prompt(rng, 300, "one member of a software team: architect, coder or reviewer")
         task = textgen.filler(rng, 60)
         app = agents_app(f"{name}/agents0", system, task, files)
         params = {"sweep": "files", "x": files, "files": files, "rounds": 3, "calls": len(app.calls)}
-        workloads.append(_finish("fig18", name, params, [app]))
+        workloads.append(finish_workload("fig18", name, params, [app]))
     return workloads
 
 
 def fig19(scale: float = 1.0, seed: int = 0) -> list[Workload]:
     """9 map-reduce apps (22 maps each, criteria throughput) next to chat at 1 req/s, 2 engines."""
-    name = _name("fig19", chat_rate=1.0)
-    rng = _rng(seed, name)
+    name = workload_name("fig19", chat_rate=1.0)
+    rng = seeded_rng(seed, name)
     window = 40.0 * scale
     n_mr = _count(9, scale)
     apps = [
         map_reduce_app(
             f"{name}/mr{i:03d}",
-            _chunks(textgen.filler(rng, 22 * 80), 80),
+            split_chunks(textgen.filler(rng, 22 * 80), 80),
             25,
             arrival_s=round(i * window / n_mr, 3),
             criteria="throughput",
@@ -667,7 +696,7 @@ def fig19(scale: float = 1.0, seed: int = 0) -> list[Workload]:
     params["chat_apps"] = len(apps) - n_mr
     params["maps"] = sum(len(a.calls) - 1 for a in apps if a.kind == "map_reduce")
     params["app_output_tokens"] = _output_tokens(a for a in apps if a.kind == "chat")
-    return [_finish("fig19", name, params, apps, engines=2)]
+    return [finish_workload("fig19", name, params, apps, engines=2)]
 
 
 FIGURES: dict[str, Callable[..., list[Workload]]] = {

@@ -273,6 +273,14 @@ def _parser() -> argparse.ArgumentParser:
         "slower with the paper's latency cap, docs/evaluation-archive.md)",
     )
     serve.add_argument(
+        "--pack-latency",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a latency-sensitive call takes an idle engine only when no engine running latency "
+        "work has room for it under its latency cap, so idle engines stay free for throughput "
+        "work (on by default); --no-pack-latency spreads latency calls over idle engines",
+    )
+    serve.add_argument(
         "--saturation-batching",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -422,6 +430,7 @@ def manager_config(args: argparse.Namespace) -> ManagerConfig:
         app_fifo=not args.no_app_fifo,
         latency_cap_scope=args.latency_cap_scope,
         affinity_spill=args.affinity_spill,
+        pack_latency=args.pack_latency,
         saturation_batching=args.saturation_batching,
         prefill_tokens_per_step=args.prefill_tokens_per_step,
         backend_tokenizer=args.backend_tokenizer or args.model,

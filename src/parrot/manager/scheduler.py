@@ -73,7 +73,11 @@ producers first, then arrival).  For each call ``c``:
    computes once);
 3. *FindEngine* — latency-sensitive ``c``: the least-loaded fitting engine in
    latency mode or idle (mode None); only if none fits, a fitting engine in
-   throughput mode (``find-engine-mixed``; its cap drops to ``cap_L``).
+   throughput mode (``find-engine-mixed``; its cap drops to ``cap_L``).  With
+   ``config.pack_latency`` an idle engine is taken only when no engine in
+   latency mode fits: latency work fills as few engines as its cap allows, and
+   the idle ones stay free for throughput work, which would otherwise find
+   every engine holding some latency work and its cap.
    Throughput ``c``: the least-loaded fitting engine in throughput mode or
    idle; only if none fits, one in latency mode (under ``cap_L``).
 
@@ -283,6 +287,7 @@ class Scheduler:
         self.fixed_kind = {"baseline-latency": "latency", "baseline-throughput": "throughput"}.get(policy)
         self.cap_mixed_only = config.latency_cap_scope == "mixed"
         self.affinity_spill = config.affinity_spill
+        self.pack_latency = config.pack_latency
         self.saturation = config.saturation_batching and not self.baseline
         self._competing = 0.0  # latency calls per engine this round (running or queued)
         self._saturation_open = False  # no latency call of this round has waited yet
@@ -680,9 +685,14 @@ class Scheduler:
         return other if other.load + c.tokens <= bound else None
 
     def _find_engine(self, c: QueuedCall, kind: str) -> tuple[_Eng | None, Reason]:
-        """Step 3: the least-loaded fitting engine of ``c``'s kind or idle, else of the other kind."""
+        """Step 3: the least-loaded fitting engine of ``c``'s kind or idle, else of the other kind
+        (packing: a latency call takes an idle engine only when none in latency mode fits)."""
         if kind == "latency":
             preferred, other = ("latency", None), ("throughput",)
+            if self.pack_latency:
+                eng = self._least_loaded(c, kind, ("latency",))
+                if eng is not None:
+                    return eng, "find-engine"
         else:
             preferred, other = ("throughput", None), ("latency",)
         eng = self._least_loaded(c, kind, preferred)

@@ -107,6 +107,7 @@ class Manager:
                 latency_cap_tokens=self.config.latency_cap_tokens,
                 latency_cap_scope=self.config.latency_cap_scope,
                 affinity_spill=self.config.affinity_spill,
+                pack_latency=self.config.pack_latency,
                 saturation_batching=self.config.saturation_batching,
                 prefill_tokens_per_step=self.config.prefill_tokens_per_step,
             ),

@@ -160,16 +160,17 @@ that table, not a calibration (``python -m benchmarks.sim.calibrate`` makes one)
 
 def builtin_profiles() -> dict[str, CostProfile]:
     """The built-in profiles by name (the GPU ones from published figures)."""
-    from parrot.sim.gpu_cost import LLAMA7B_A6000, LLAMA13B_A100
+    from parrot.sim.gpu_cost import LLAMA7B_A100, LLAMA7B_A6000, LLAMA13B_A100
 
     return {
         "smollm2-bf16-xeon2": CostProfile("smollm2-bf16-xeon2", SMOLLM2_BF16_XEON2),
         "llama7b-a6000": LLAMA7B_A6000,
         "llama13b-a100": LLAMA13B_A100,
+        "llama7b-a100": LLAMA7B_A100,
     }
 
 
-PROFILES = ("smollm2-bf16-xeon2", "llama7b-a6000", "llama13b-a100")
+PROFILES = ("smollm2-bf16-xeon2", "llama7b-a6000", "llama13b-a100", "llama7b-a100")
 """Names :func:`load_profile` knows without a file."""
 
 

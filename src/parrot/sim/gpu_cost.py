@@ -1,5 +1,6 @@
 """Step costs of GPU engines from published figures: the paper's LLaMA-7B on an A6000
-(figs. 17, 19) and LLaMA-13B on an A100-80GB (figs. 18, 19), served vLLM-style in fp16.
+(figs. 17, 19), LLaMA-13B on an A100-80GB (figs. 11-14, 18) and LLaMA-7B on an A100
+(figs. 15, 16), served vLLM-style in fp16.
 
 A decode step streams the weights once and the KV its sequences read; a prefill
 chunk is compute-bound.  In :class:`~parrot.sim.cost.StepCost`'s terms::
@@ -25,7 +26,15 @@ from dataclasses import dataclass
 
 from parrot.sim.cost import CostProfile, StepCost
 
-__all__ = ["A100_80GB_SXM", "A6000", "LLAMA7B_A6000", "LLAMA13B_A100", "VLLM_ON_AMPERE", "gpu_profile"]
+__all__ = [
+    "A100_80GB_SXM",
+    "A6000",
+    "LLAMA7B_A100",
+    "LLAMA7B_A6000",
+    "LLAMA13B_A100",
+    "VLLM_ON_AMPERE",
+    "gpu_profile",
+]
 
 
 @dataclass(frozen=True)
@@ -116,3 +125,4 @@ def gpu_profile(name: str, model: Model, gpu: Gpu, serving: Serving = VLLM_ON_AM
 
 LLAMA7B_A6000 = gpu_profile("llama7b-a6000", LLAMA_7B, A6000)
 LLAMA13B_A100 = gpu_profile("llama13b-a100", LLAMA_13B, A100_80GB_SXM)
+LLAMA7B_A100 = gpu_profile("llama7b-a100", LLAMA_7B, A100_80GB_SXM)  # fig. 15/16's Bing Copilot
