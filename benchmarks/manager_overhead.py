@@ -13,7 +13,8 @@ arriving over HTTP would.  Reported: submit->dispatch latency of calls whose
 inputs were ready at submit (p50/p99), and calls per second from the first
 submit to the last call finished.
 
-With ``--mix`` the sessions take turns over four kinds of application: the
+Sessions belong to one tenant per :data:`SESSIONS_PER_TENANT`.  With ``--mix`` the
+sessions take turns over four kinds of application: the
 map-reduce group, a chain of four calls (each reads the previous output), a
 single chat call read with LATENCY, and a call under a 1,500-character system
 prompt shared by every session (prefix affinity).  Also reported: the manager's
@@ -142,6 +143,15 @@ def _group(kind: str, group: int, room: int) -> list:
     return [lambda outs: single_call(SYSTEM + " Query: {{input:q}}", q=f"query {group}")]
 
 
+SESSIONS_PER_TENANT = 1000
+"""Sessions per tenant: many sessions are many tenants' (each tenant may hold 4,096 by
+default), so a large run also exercises the fair queuing between tenants."""
+
+
+def tenants_for(n_sessions: int) -> int:
+    return max(1, -(-n_sessions // SESSIONS_PER_TENANT))
+
+
 def _rss_bytes() -> int:
     """The process's resident memory now (Linux), else its peak (ru_maxrss)."""
     statm = Path("/proc/self/statm")
@@ -156,7 +166,8 @@ async def run_once(n_engines: int, n_sessions: int, n_calls: int, mix: bool = Fa
     for _ in range(n_engines):
         manager.pool.register(InstantEngine(tokenizer))
     rss0 = _rss_bytes()
-    sessions = [manager.create_session()[0] for _ in range(n_sessions)]
+    tenants = tenants_for(n_sessions)
+    sessions = [manager.create_session(f"tenant{i % tenants}")[0] for i in range(n_sessions)]
     calls = []
     t0, cpu0 = time.perf_counter(), time.process_time()
     submitted = 0
@@ -205,7 +216,10 @@ def main() -> None:
         f"Python {platform.python_version()}"
     )
     apps = "a mix of map-reduce, chain, chat and shared-prompt apps" if args.mix else "map-reduce groups"
-    print(f"{args.calls} calls in {args.sessions} sessions over {args.engines} fake engines, {apps}")
+    print(
+        f"{args.calls} calls in {args.sessions} sessions of {tenants_for(args.sessions)} tenant(s) "
+        f"over {args.engines} fake engines, {apps}"
+    )
     results = [
         asyncio.run(run_once(args.engines, args.sessions, args.calls, args.mix)) for _ in range(args.repeats)
     ]

@@ -36,10 +36,12 @@ def test_paper_workloads_keep_the_papers_axes_engines_and_lengths() -> None:
     (bing, *_) = paper_workloads("fig15_16")
     system = bing.apps[0].calls[0].template.split("\n\nUser:")[0]
     assert 5700 <= textgen.estimate_tokens(system) <= 6300  # the paper's ~6,000-token prompt
-    (mixed,) = paper_workloads("fig19")
-    chats = [a.calls[0].max_tokens for a in mixed.apps if a.kind == "chat"]
-    assert 100 <= len(chats) <= 140  # 1 req/s for 120 s
-    assert 250 <= statistics.fmean(chats) <= 420  # ShareGPT's own outputs (mean 338), not the CPU's
+    mixed = paper_workloads("fig19")
+    assert [sum(a.kind == "map_reduce" for a in w.apps) for w in mixed] == [12, 24, 36, 48]
+    chats = [[a.calls[0].max_tokens for a in w.apps if a.kind == "chat"] for w in mixed]
+    assert all(c == chats[0] for c in chats)  # the same chats at every point
+    assert 100 <= len(chats[0]) <= 140  # 1 req/s for 120 s
+    assert 250 <= statistics.fmean(chats[0]) <= 420  # ShareGPT's own outputs (mean 338), not the CPU's
     with pytest.raises(ValueError, match="no paper-size workloads for 'fig12a'"):
         paper_workloads("fig12a")
 

@@ -89,6 +89,7 @@ class EngineLoads:
         # capacity, latency cap, as of the last round).
         self.sched: Scheduler | None = None
         self._pool_seen: list[tuple[EngineHandle, bool, int, int]] = []
+        self._pool_version = -1  # the pool's version when _pool_seen was read
         self._seen: dict[str, tuple[EngineHandle, bool, int, int]] = {}
         self._stale: set[str] = set()
         self._prefix_engines: dict[str, int] = {}  # shared prefix key -> engines running a call with it
@@ -135,22 +136,27 @@ class EngineLoads:
         if sched is None or sched.config is not config:  # (re)configured: start over
             sched = self.sched = Scheduler(config)
             self._pool_seen = []
+            self._pool_version = -1
             self._seen.clear()
         stale = self._stale
         stale.update(self.prefixes.take_changed())
         # What the pool says of each engine; an engine joining or leaving, suspected or back,
-        # or reporting another capacity, latency cap or prompt cost changes this list.
+        # or reporting another capacity, latency cap or prompt cost changes this list (and
+        # the pool's version: while that stands, nothing here has changed)
         default = self.default_capacity
-        pool_now = [
-            (
-                h,
-                h.alive,
-                h.stats.token_capacity or default,
-                h.stats.latency_cap_tokens,
-                h.stats.prefill_tokens_per_decode_step,
-            )
-            for h in self.pool
-        ]
+        pool_now = self._pool_seen
+        if self.pool.version != self._pool_version:
+            self._pool_version = self.pool.version
+            pool_now = [
+                (
+                    h,
+                    h.alive,
+                    h.stats.token_capacity or default,
+                    h.stats.latency_cap_tokens,
+                    h.stats.prefill_tokens_per_decode_step,
+                )
+                for h in self.pool
+            ]
         if pool_now != self._pool_seen:
             self._pool_seen = pool_now
             seen = self._seen

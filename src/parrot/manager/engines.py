@@ -56,12 +56,21 @@ class EngineHandle:
         return secrets.randbits(_CONTEXT_ID_BITS)
 
 
+def _scheduling_stats(stats: EngineStats) -> tuple[int, int, float]:
+    """What of an engine's stats the scheduler's snapshots read from the pool."""
+    return stats.token_capacity, stats.latency_cap_tokens, stats.prefill_tokens_per_decode_step
+
+
 class EnginePool:
     def __init__(self, heartbeat_timeout_s: float = 15.0):
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._engines: dict[str, EngineHandle] = {}
         self._drop_listeners: list[Callable[[EngineHandle, str], None]] = []
         self._register_listeners: list[Callable[[EngineHandle], None]] = []
+        # bumped whenever an engine joins, leaves, is suspected or answers again, or reports
+        # other scheduling stats: who reads the pool per call or per round rescans it only then
+        self.version = 0
+        self._longest: dict[str | None, tuple[int, EngineHandle | None]] = {}  # model -> (version, engine)
 
     def __iter__(self):
         return iter(list(self._engines.values()))
@@ -83,6 +92,7 @@ class EnginePool:
         polled = url is None if polled is None else polled
         handle = EngineHandle(f"engine-{next(_engine_ids)}", api, name=name, url=url, polled=polled)
         self._engines[handle.engine_id] = handle
+        self.version += 1
         for listener in self._register_listeners:
             listener(handle)
         return handle
@@ -98,6 +108,8 @@ class EnginePool:
         in-process one); raises NotFound for an engine that is not registered."""
         handle = self.get(engine_id)
         handle.last_heartbeat = clock.monotonic()
+        if not handle.alive or _scheduling_stats(handle.stats) != _scheduling_stats(stats):
+            self.version += 1
         handle.stats = stats
         handle.alive, handle.down_reason = True, ""  # it answers again, if it had been suspected
         return handle
@@ -108,12 +120,15 @@ class EnginePool:
         engines are never suspected."""
         handle = self._engines.get(engine_id)
         if handle is not None and handle.url is not None:
+            if handle.alive:
+                self.version += 1
             handle.alive, handle.down_reason = False, reason
 
     def drop(self, engine_id: str, reason: str) -> None:
         handle = self._engines.pop(engine_id, None)
         if handle is None:
             return
+        self.version += 1
         handle.alive = False
         for listener in self._drop_listeners:
             listener(handle, reason)
@@ -145,5 +160,11 @@ class EnginePool:
 
     def longest_context(self, model: str | None) -> EngineHandle | None:
         """The live engine for ``model`` with the longest context (None if there is none):
-        what a value or prompt must fit to be servable at all."""
-        return max(self.candidates(model), key=lambda h: h.max_seq_len, default=None)
+        what a value or prompt must fit to be servable at all.  Kept until the pool changes
+        (every call asks; a pool of a thousand engines would be scanned per call)."""
+        kept = self._longest.get(model)
+        if kept is not None and kept[0] == self.version:
+            return kept[1]
+        longest = max(self.candidates(model), key=lambda h: h.max_seq_len, default=None)
+        self._longest[model] = (self.version, longest)
+        return longest

@@ -294,6 +294,7 @@ class Scheduler:
 
         self._snaps: dict[str, EngineSnapshot] = {}  # every engine it was told of, live or not
         self._engs: dict[str, _Eng] = {}  # live engines
+        self._latency_running = 0  # latency calls running over the live engines (their snapshots)
         self._by_model: dict[str, dict[str, _Eng]] = {}  # live engines by model
         # model -> {(token_capacity, max_seq_len, latency cap): live engines of that shape}
         self._shapes: dict[str, dict[tuple[int, int, int], int]] = {}
@@ -365,6 +366,7 @@ class Scheduler:
                     self._reindex(self._groups, e, old.task_groups, snap.task_groups)
                 if old.prefixes is not snap.prefixes:
                     self._reindex(self._prefixes, e, old.prefixes, snap.prefixes)
+            self._latency_running += snap.latency_calls - old.latency_calls
             e.snap = snap
             e.reset()
             e.version = next(self._versions)
@@ -376,6 +378,7 @@ class Scheduler:
         e = _Eng(snap)
         e.version = next(self._versions)
         self._engs[eid] = e
+        self._latency_running += snap.latency_calls
         same_model = self._by_model.get(snap.model)
         if same_model is None:
             same_model = self._by_model[snap.model] = {}
@@ -399,6 +402,7 @@ class Scheduler:
     def _drop(self, e: _Eng) -> None:
         snap = e.snap
         del self._engs[e.id]
+        self._latency_running -= snap.latency_calls
         same_model = self._by_model[snap.model]
         del same_model[e.id]
         if not same_model:
@@ -623,8 +627,7 @@ class Scheduler:
         if not self._engs:
             return 0.0
         queued = sum(1 for c in queue if not self.deduction or c.objective.kind == "latency")
-        running = sum(e.snap.latency_calls for e in self._engs.values())
-        return (queued + running) / len(self._engs)
+        return (queued + self._latency_running) / len(self._engs)
 
     def _end_round(self) -> None:
         self._saturation_open = False
