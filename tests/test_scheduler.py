@@ -109,6 +109,13 @@ def test_packed_latency_calls_fill_a_latency_engine_under_its_cap_before_an_idle
     assert where(spread) == {"c0": "e2", "c1": "e3", "c2": "e2", "c3": "e3"}
 
 
+def test_packing_takes_the_most_loaded_latency_engine_with_room_so_the_others_drain():
+    engines = [eng("e1", load=500, mode="latency", lat=2000), eng("e2", load=1500, mode="latency", lat=2000)]
+    queue = [q("small", tokens=300), q("big", tokens=600, rank=1)]
+    # small fills e2 (1,800); big no longer fits there and goes to e1, not to an idle engine
+    assert where(run(queue, [*engines, eng("e3")], pack_latency=True)) == {"small": "e2", "big": "e1"}
+
+
 def test_packing_leaves_the_idle_engine_to_the_throughput_work_that_follows():
     engines = [eng("e1", load=500, mode="latency"), eng("e2")]
     queue = [q("chat", tokens=300), q("map", kind="throughput", tokens=3000, rank=1)]

@@ -276,9 +276,10 @@ def _parser() -> argparse.ArgumentParser:
         "--pack-latency",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="a latency-sensitive call takes an idle engine only when no engine running latency "
-        "work has room for it under its latency cap, so idle engines stay free for throughput "
-        "work (on by default); --no-pack-latency spreads latency calls over idle engines",
+        help="a latency-sensitive call goes to the most loaded engine running latency work that "
+        "has room for it under its latency cap, and takes an idle engine only when none has, so "
+        "idle engines stay free for throughput work (on by default); --no-pack-latency spreads "
+        "latency calls over the least loaded engines",
     )
     serve.add_argument(
         "--saturation-batching",

@@ -39,9 +39,9 @@ class ManagerConfig:
     # a CA bundle that verifies https engines' certificates (None: the system's trust store)
     tls_ca_file: str | None = None
     affinity_spill: bool = False
-    # a latency call takes an idle engine only when no engine running latency work has room
-    # for it under the latency cap, keeping idle engines for throughput work
-    # (scheduler.SchedulerConfig.pack_latency)
+    # a latency call goes to the most loaded engine running latency work that has room for it
+    # under the latency cap, and takes an idle engine only when none has, keeping idle engines
+    # for throughput work (scheduler.SchedulerConfig.pack_latency)
     pack_latency: bool = True
     # the tokenizer (a model folder, or "tiny") of external backends registered at run time
     # (POST /v1/engines with a kind) whose model no registered engine serves

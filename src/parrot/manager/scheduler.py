@@ -74,10 +74,12 @@ producers first, then arrival).  For each call ``c``:
 3. *FindEngine* — latency-sensitive ``c``: the least-loaded fitting engine in
    latency mode or idle (mode None); only if none fits, a fitting engine in
    throughput mode (``find-engine-mixed``; its cap drops to ``cap_L``).  With
-   ``config.pack_latency`` an idle engine is taken only when no engine in
-   latency mode fits: latency work fills as few engines as its cap allows, and
-   the idle ones stay free for throughput work, which would otherwise find
-   every engine holding some latency work and its cap.
+   ``config.pack_latency`` a latency call goes to the *most* loaded engine in
+   latency mode that it fits (best fit), and to an idle engine only when none
+   fits: latency work fills as few engines as its cap allows, a lightly loaded
+   one drains back to idle, and the idle ones stay free for throughput work,
+   which would otherwise find every engine holding some latency work and its
+   cap.
    Throughput ``c``: the least-loaded fitting engine in throughput mode or
    idle; only if none fits, one in latency mode (under ``cap_L``).
 
@@ -295,6 +297,7 @@ class Scheduler:
         self._snaps: dict[str, EngineSnapshot] = {}  # every engine it was told of, live or not
         self._engs: dict[str, _Eng] = {}  # live engines
         self._latency_running = 0  # latency calls running over the live engines (their snapshots)
+        self._latency_engs: dict[str, _Eng] = {}  # live engines in latency mode (working copies)
         self._by_model: dict[str, dict[str, _Eng]] = {}  # live engines by model
         # model -> {(token_capacity, max_seq_len, latency cap): live engines of that shape}
         self._shapes: dict[str, dict[tuple[int, int, int], int]] = {}
@@ -402,6 +405,7 @@ class Scheduler:
     def _drop(self, e: _Eng) -> None:
         snap = e.snap
         del self._engs[e.id]
+        self._latency_engs.pop(e.id, None)
         self._latency_running -= snap.latency_calls
         same_model = self._by_model[snap.model]
         del same_model[e.id]
@@ -509,6 +513,10 @@ class Scheduler:
             self._classes.setdefault(s.model, {}).setdefault(mode, []).append(cls)
         heapq.heappush(heap, (e.load, e.recency, e.id, e.version, e))
         self._pushes += 1
+        if mode == "latency":
+            self._latency_engs[e.id] = e
+        else:
+            self._latency_engs.pop(e.id, None)
 
     def _rebuild_heaps(self) -> None:
         """One current entry per live engine: drops stale entries (and classes no live engine has)."""
@@ -527,6 +535,7 @@ class Scheduler:
         for heap in heaps.values():
             heapq.heapify(heap)
         self._heaps, self._classes, self._pushes = heaps, classes, 0
+        self._latency_engs = {} if baseline else {e.id: e for e in self._engs.values() if e.mode == "latency"}
 
     def _top(self, cls: tuple) -> tuple | None:
         heap = self._heaps[cls]
@@ -689,11 +698,12 @@ class Scheduler:
 
     def _find_engine(self, c: QueuedCall, kind: str) -> tuple[_Eng | None, Reason]:
         """Step 3: the least-loaded fitting engine of ``c``'s kind or idle, else of the other kind
-        (packing: a latency call takes an idle engine only when none in latency mode fits)."""
+        (packing: a latency call takes the most loaded engine in latency mode that it fits, and
+        an idle engine only when none fits; O(engines in latency mode))."""
         if kind == "latency":
             preferred, other = ("latency", None), ("throughput",)
             if self.pack_latency:
-                eng = self._least_loaded(c, kind, ("latency",))
+                eng = self._pick(self._latency_engs, None, c, kind, busiest=True)
                 if eng is not None:
                     return eng, "find-engine"
         else:

@@ -141,12 +141,12 @@ class SchedulerConfig:
     running latency work: the paper's rule, the default) or ``"mixed"`` (only latency and
     throughput work meeting on an engine).  ``affinity_spill``: a task group or the sharers
     of a prefix may spread to a less loaded engine (steps 1 and 2 of the module docstring).
-    ``pack_latency``: a latency-sensitive call goes to an idle engine only when no engine
-    running latency work has room for it under the latency cap, so latency work fills as few
-    engines as its cap allows and the others stay free for throughput work (step 3 of the
-    module docstring).  ``saturation_batching``: while latency calls queue, an engine running
-    latency work takes them up to the batch that finishes them soonest on average
-    (:mod:`parrot.manager.saturation`), which may exceed the latency cap;
+    ``pack_latency``: a latency-sensitive call goes to the most loaded engine running latency
+    work that has room for it under the latency cap, and to an idle engine only when none has,
+    so latency work fills as few engines as its cap allows and the others stay free for
+    throughput work (step 3 of the module docstring).  ``saturation_batching``: while latency
+    calls queue, an engine running latency work takes them up to the batch that finishes them
+    soonest on average (:mod:`parrot.manager.saturation`), which may exceed the latency cap;
     ``prefill_tokens_per_step``: how many prompt tokens cost one unloaded decode step on
     every engine, the figure that batch size rests on (None: each engine's own,
     ``EngineSnapshot.prefill_tokens_per_step``, else :data:`DEFAULT_PREFILL_TOKENS_PER_STEP`)."""
