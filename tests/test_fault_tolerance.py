@@ -57,9 +57,8 @@ def graph(url: str, s: P.Session) -> dict:
 
 def test_killing_an_engine_mid_map_reduce_loses_nothing(procs: Procs):
     mgr = procs.manager(heartbeat_interval=0.3, heartbeat_timeout=3, engine_wait=15)
-    victim, survivor = procs.engine(mgr), procs.engine(mgr)
-    victim_id = engine_by_url(mgr, victim.url)["engine_id"]
-    survivor_id = engine_by_url(mgr, survivor.url)["engine_id"]
+    engines = [procs.engine(mgr), procs.engine(mgr)]
+    by_id = {engine_by_url(mgr, e.url)["engine_id"]: e for e in engines}
 
     with P.connect(mgr.url):
         maps, final = submit_map_reduce()
@@ -68,17 +67,17 @@ def test_killing_an_engine_mid_map_reduce_loses_nothing(procs: Procs):
     with P.connect(mgr.url) as s:
         maps, final = submit_map_reduce()
 
-        def victim_busy() -> list[dict]:
+        def busy() -> list[dict]:
             calls = graph(mgr.url, s)["calls"]
-            return [
-                c
-                for c in calls
-                if c["engine_id"] == victim_id and c["state"] == "running" and c["generated_tokens"] >= 20
-            ]
+            return [c for c in calls if c["state"] == "running" and c["generated_tokens"] >= 20]
 
-        on_victim = wait_until(
-            victim_busy, 60, lambda: f"no call got going on the victim: {graph(mgr.url, s)}"
-        )
+        # the victim is an engine running a map well under way: the manager may pack the
+        # maps onto either engine (latency packing), so which one is known only now
+        running = wait_until(busy, 60, lambda: f"no call got going: {graph(mgr.url, s)}")
+        victim_id = running[0]["engine_id"]
+        (survivor_id,) = (eid for eid in by_id if eid != victim_id)
+        victim = by_id[victim_id]
+        on_victim = [c for c in running if c["engine_id"] == victim_id]
         victim.signal(signal.SIGKILL)
         killed_at = time.monotonic()
         got = [v.get(timeout=120) for v in maps] + [final.get(timeout=120)]
