@@ -21,10 +21,9 @@ import dataclasses
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
-from benchmarks.sim.driver import SYSTEMS, simulate
+from benchmarks.sim.driver import SYSTEMS, simulate_on
 from benchmarks.sim.paper import PAPER_FIGURES
 from benchmarks.sim.paper_run import PAPER_SYSTEMS, run_paper
 from benchmarks.suite.workloads import FIGURES, generate
@@ -83,18 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         for workload in generate(figure, args.scale, args.seed):
             means = []
             for system in args.systems:
-                started = time.perf_counter()
-                run = simulate(
-                    workload,
-                    system,
-                    profile.cost,
-                    tokenizer,
-                    seed=args.seed,
-                    latency_cap=args.latency_cap,
-                    kv_cache_tokens=profile.kv_cache_tokens,
+                run = simulate_on(
+                    workload, system, profile, tokenizer, seed=args.seed, latency_cap=args.latency_cap
                 )
-                run.extra["cost"] = profile.name
-                run.extra["sim_wall_s"] = time.perf_counter() - started
                 runs.append(run)
                 latencies = [a.latency_s for a in run.apps if a.error is None]
                 means.append(statistics.fmean(latencies) if latencies else float("nan"))

@@ -27,6 +27,7 @@ simulated engine samples a fixed token, so outputs are as long as ``max_tokens``
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,10 +40,10 @@ from parrot.protocol.sampling import SamplingParams
 from parrot.protocol.schemas import PlaceholderBinding, SubmitCall
 from parrot.protocol.tokenizer import TextTokenizer
 from parrot.sim import clock as sim_clock
-from parrot.sim.cost import StepCost
+from parrot.sim.cost import CostProfile, StepCost
 from parrot.sim.engine import SimEngine
 
-__all__ = ["SYSTEMS", "SimSystem", "simulate"]
+__all__ = ["SYSTEMS", "SimSystem", "simulate", "simulate_on"]
 
 MODEL = "sim"
 
@@ -245,3 +246,28 @@ def simulate(
     apps = sim_clock.run(_run(workload, spec, cost, tokenizer, seed, delay_ms, latency_cap, kv_cache_tokens))
     wall = max((a.end_s for a in apps), default=0.0)
     return RunRecord(system, workload.name, workload.figure, dict(workload.params), repeat, wall, apps)
+
+
+def simulate_on(
+    workload: Workload,
+    system: str,
+    profile: CostProfile,
+    tokenizer: TextTokenizer,
+    *,
+    seed: int = 0,
+    latency_cap: int | None = None,
+) -> RunRecord:
+    """:func:`simulate` on engines of ``profile`` (its step cost and KV pool); the run's
+    ``extra`` names the profile and the wall time the simulation took."""
+    started = time.perf_counter()
+    run = simulate(
+        workload,
+        system,
+        profile.cost,
+        tokenizer,
+        seed=seed,
+        latency_cap=latency_cap,
+        kv_cache_tokens=profile.kv_cache_tokens,
+    )
+    run.extra.update(cost=profile.name, sim_wall_s=time.perf_counter() - started)
+    return run

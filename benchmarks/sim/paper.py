@@ -50,6 +50,7 @@ from benchmarks.suite import textgen
 from benchmarks.suite.spec import AppSpec, Workload
 from benchmarks.suite.workloads import (
     CHAT_PROMPT_RANGE,
+    GPTS_APPS,
     agents_app,
     chain_app,
     chat_app,
@@ -75,12 +76,11 @@ LATENCY_CAP = 6144
 """The paper's latency-centric engine capacity (section 8.1)."""
 MAP_REDUCE_CAP = 4096
 """The cap the paper names for figs. 14 and 18's latency-centric baseline."""
-GPTS = (
-    ("productivity", "an assistant that plans and organises work", 1500),
-    ("programming", "an expert programming assistant", 2000),
-    ("image", "an assistant that writes prompts for image generation", 2500),
-    ("data", "a data analysis assistant", 3000),
+GPTS = tuple(
+    (name, role, tokens) for (name, role, _), tokens in zip(GPTS_APPS, (1500, 2000, 2500, 3000), strict=True)
 )
+"""fig17's apps: the suite's four GPTs (:data:`~benchmarks.suite.workloads.GPTS_APPS`) with
+system prompts of 1,500-3,000 tokens (*ours*)."""
 GPTS_RATES = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 FIG17_BOUND_S = 0.1
 """fig17's bound on the normalised latency (s per output token) of a sustainable rate:

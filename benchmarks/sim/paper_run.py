@@ -17,18 +17,18 @@ import platform
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.sim.driver import simulate
+from benchmarks.sim.driver import simulate_on
 from benchmarks.sim.paper import FIG17_BOUND_S, PAPER_FIGURES
 from benchmarks.suite.report import (
     PARROT,
     Point,
     build_report,
+    compare,
     fig17_max_rates,
     group_runs,
     metrics_for,
@@ -53,54 +53,27 @@ PAPER_SYSTEMS = (
 latency-centric one on engines with vLLM-like automatic prefix caching)."""
 
 
-def _mean(point: Point, system: str, metric_key: str) -> float | None:
-    cell = point.cells.get(system)
-    if cell is None:
-        return None
-    metric = next(m for m in metrics_for(point.workload.split("/")[0]) if m.key == metric_key)
-    values = [v for v in cell.values(metric).values() if v is not None]
-    return statistics.fmean(values) if values else None
+def _vs(
+    metric_key: str,
+    system: str,
+    how: str = "max",
+    where: Callable[[dict], bool] = lambda p: True,
+    each: str | None = None,
+) -> Callable[[Sequence[Point]], str]:
+    """Parrot against ``system`` on the points ``where`` keeps: the report's ratio of means
+    (:func:`benchmarks.suite.report.compare`), aggregated ``how`` ("max" or "geomean") over
+    those points, or with ``each`` one ratio per point, labelled ``each=x``."""
 
-
-def _ratios(
-    points: Sequence[Point], metric_key: str, slower: str, faster: str, where: Callable[[dict], bool]
-) -> list[float]:
-    """``slower``'s mean over ``faster``'s at every point that ``where`` keeps (> 1: ``faster`` wins)."""
-    out = []
-    for point in points:
-        if not where(dict(point.params)):
-            continue
-        a, b = _mean(point, slower, metric_key), _mean(point, faster, metric_key)
-        if a is not None and b:
-            out.append(a / b)
-    return out
-
-
-def _best(metric_key: str, system: str, where: Callable[[dict], bool] = lambda p: True):
     def measure(points: Sequence[Point]) -> str:
-        values = _ratios(points, metric_key, system, PARROT, where)
-        return f"{max(values):.2f}x" if values else "n/a"
-
-    return measure
-
-
-def _each(metric_key: str, system: str, where: Callable[[dict], bool], label: str = "x"):
-    def measure(points: Sequence[Point]) -> str:
+        kept = [p for p in points if where(dict(p.params))]
+        groups = [[p] for p in kept] if each else [kept] if kept else []
         parts = []
-        for point in points:
-            if where(dict(point.params)):
-                values = _ratios([point], metric_key, system, PARROT, lambda p: True)
-                if values:
-                    parts.append(f"{values[0]:.2f}x ({label}={point.params.get('x')})")
+        for group in groups:
+            figure = group[0].workload.split("/")[0]
+            value = compare(group, figure, system, metric_key, how, FIG17_BOUND_S).value
+            if value is not None:
+                parts.append(f"{value:.2f}x" + (f" ({each}={group[0].params.get('x')})" if each else ""))
         return ", ".join(parts) or "n/a"
-
-    return measure
-
-
-def _geomean(metric_key: str, system: str, where: Callable[[dict], bool] = lambda p: True):
-    def measure(points: Sequence[Point]) -> str:
-        values = _ratios(points, metric_key, system, PARROT, where)
-        return f"{statistics.geometric_mean(values):.2f}x" if values else "n/a"
 
     return measure
 
@@ -150,34 +123,37 @@ CLAIMS = (
         "fig11",
         "chain, best output length, vs request-level (vLLM-like)",
         "1.38x",
-        _best("latency_s", "request-level-apc", _on("output")),
+        _vs("latency_s", "request-level-apc", where=_on("output")),
     ),
     Claim(
         "fig11",
         "chain over chunk sizes, vs request-level (vLLM-like)",
         "~1.2x",
-        _geomean("latency_s", "request-level-apc", _on("chunk")),
+        _vs("latency_s", "request-level-apc", "geomean", _on("chunk")),
     ),
     Claim(
-        "fig14", "map-reduce, vs latency-centric", "2.37x", _geomean("latency_s", "parrot-baseline-latency")
+        "fig14",
+        "map-reduce, vs latency-centric",
+        "2.37x",
+        _vs("latency_s", "parrot-baseline-latency", "geomean"),
     ),
     Claim(
         "fig15_16",
         "request latency at batches 8 and 16, vs no sharing",
         "1.8-2.4x",
-        _each("latency_s", "parrot-baseline-latency", lambda p: p["x"] in (8, 16), "batch"),
+        _vs("latency_s", "parrot-baseline-latency", where=lambda p: p["x"] in (8, 16), each="batch"),
     ),
     Claim(
         "fig15_16",
         "per output token at batches 32 and 64, vs vLLM-like prefix sharing",
         "1.58x, 1.84x",
-        _each("per_token_s", "request-level-apc", lambda p: p["x"] in (32, 64), "batch"),
+        _vs("per_token_s", "request-level-apc", where=lambda p: p["x"] in (32, 64), each="batch"),
     ),
     Claim(
         "fig15_16",
         "request latency, vs Parrot with per-sequence attention",
         "1.1-1.7x (kernel alone)",
-        _each("latency_s", "parrot-no-shared-attention", lambda p: True, "batch"),
+        _vs("latency_s", "parrot-no-shared-attention", each="batch"),
     ),
     Claim("fig17", "sustainable rate, vs no sharing", "12x", _rates(PARROT, "parrot-baseline-latency")),
     Claim(
@@ -196,16 +172,16 @@ CLAIMS = (
         "fig18",
         "multi-agent, best, vs latency-centric",
         "11.7x",
-        _best("latency_s", "parrot-baseline-latency"),
+        _vs("latency_s", "parrot-baseline-latency"),
     ),
     Claim(
         "fig18",
         "multi-agent at 16 files, vs throughput-centric",
         "2.45x",
-        _best("latency_s", "parrot-baseline-throughput", lambda p: p["x"] == 16),
+        _vs("latency_s", "parrot-baseline-throughput", where=lambda p: p["x"] == 16),
     ),
     *(
-        Claim("fig19", what, paper, _each(metric, system, lambda p: True, "apps"))
+        Claim("fig19", what, paper, _vs(metric, system, each="apps"))
         for what, paper, metric, system in (
             ("chat, vs latency-centric", "5.5x", "chat_per_token_s", "parrot-baseline-latency"),
             ("chat, vs throughput-centric", "1.23x", "chat_per_token_s", "parrot-baseline-throughput"),
@@ -277,17 +253,9 @@ def run_paper(
                     if bar is not None:
                         bar.update(1)
                     continue  # as the suite does: a higher rate would only queue longer
-                started = time.perf_counter()
-                run = simulate(
-                    workload,
-                    system,
-                    profile.cost,
-                    tokenizer,
-                    seed=seed,
-                    latency_cap=spec.latency_cap,
-                    kv_cache_tokens=profile.kv_cache_tokens,
+                run = simulate_on(
+                    workload, system, profile, tokenizer, seed=seed, latency_cap=spec.latency_cap
                 )
-                run.extra.update(cost=profile.name, sim_wall_s=time.perf_counter() - started)
                 raw.append(asdict(run))
                 if figure == "fig17" and _over_bound(raw[-1]):
                     stopped.add(system)

@@ -119,6 +119,7 @@ __all__ = [
     "CHAT_RATES",
     "CONTEXT_TOKENS",
     "FIGURES",
+    "GPTS_APPS",
     "GPTS_RATES",
     "Cost",
     "agents_app",
@@ -621,7 +622,8 @@ def fig15_16(scale: float = 1.0, seed: int = 0) -> list[Workload]:
     return workloads
 
 
-_GPTS = (
+#: fig17's GPTs apps: (name, role, system prompt tokens).
+GPTS_APPS = (
     ("productivity", "an assistant that plans and organises work", 600),
     ("programming", "an expert programming assistant", 800),
     ("image", "an assistant that writes prompts for image generation", 1000),
@@ -636,7 +638,7 @@ GPTS_MIN_REQUESTS = 10  # the window is long enough for this many requests at th
 def fig17(scale: float = 1.0, seed: int = 0) -> list[Workload]:
     """Four GPTs-like apps with their own system prompts; Poisson requests at each rate, 2 engines."""
     systems_of = {
-        rate: [_system_prompt(seeded_rng(seed, "fig17", rate, g), n, role) for g, role, n in _GPTS]
+        rate: [_system_prompt(seeded_rng(seed, "fig17", rate, g), n, role) for g, role, n in GPTS_APPS]
         for rate in GPTS_RATES
     }
     workloads = []
@@ -647,13 +649,19 @@ def fig17(scale: float = 1.0, seed: int = 0) -> list[Workload]:
         arrivals = poisson_arrivals(seeded_rng(seed, "fig17", "arrivals", rate), rate, window) or [0.0]
         apps = []
         for i, t in enumerate(arrivals):
-            g = rng.randrange(len(_GPTS))
+            g = rng.randrange(len(GPTS_APPS))
             query = textgen.filler(rng, rng.randint(30, 80))
-            app_id = f"{name}/{_GPTS[g][0]}{i:04d}"
+            app_id = f"{name}/{GPTS_APPS[g][0]}{i:04d}"
             apps.append(
                 shared_prompt_app(app_id, systems_of[rate][g], query, rng.randint(24, 48), arrival_s=t)
             )
-        params = {"sweep": "rate", "x": rate, "window_s": window, "requests": len(apps), "gpts": len(_GPTS)}
+        params = {
+            "sweep": "rate",
+            "x": rate,
+            "window_s": window,
+            "requests": len(apps),
+            "gpts": len(GPTS_APPS),
+        }
         params["app_output_tokens"] = _output_tokens(apps)
         workloads.append(finish_workload("fig17", name, params, apps, engines=2))
     return workloads
