@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -120,6 +121,60 @@ def _sim_plans(jobs: list[Job]) -> tuple[list, dict, float]:
     return sim_clock.run(main())
 
 
+@pytest.mark.parametrize("vocabulary", ["smollm2", "tiny"])
+def test_a_simulated_answer_costs_a_later_prompt_as_many_tokens_as_it_has(vocabulary: str) -> None:
+    """A real answer of n tokens, pasted into the next call's prompt, adds about n
+    tokens to it; the simulated answer must too, or every chain and multi-agent
+    history is simulated shorter than it runs (a run of bare "x" merges four to a
+    token in SmolLM2's vocabulary)."""
+    if vocabulary == "smollm2":
+        from gguf import GGUFReader
+
+        from parrot.engine.loader import smollm2_gguf_path
+
+        tokenizer = TextTokenizer.from_gguf_metadata(GGUFReader(str(smollm2_gguf_path())))
+    else:
+        tokenizer = TextTokenizer.byte_level_tiny()
+
+    async def answer() -> str:
+        sim = SimEngine(tokenizer, COST, max_seq_len=2048, **OPTIONS)
+        await sim.fill(tokenizer.encode("Write the plan."), 1)
+        text = "".join([c.text async for c in sim.generate(SamplingParams(max_tokens=64), 1)])
+        await sim.close()
+        return text
+
+    text = sim_clock.run(answer())
+    prompt = "Plan: {}\nNow write the code."
+    extra = len(tokenizer.encode(prompt.format(text))) - len(tokenizer.encode(prompt.format("")))
+    assert 62 <= extra <= 66
+
+
+def test_simulated_answers_of_different_calls_differ_so_prompts_quoting_them_do_not_share() -> None:
+    """Two reduces quoting their own maps' answers must not find each other's prompt in the
+    prefix cache: real answers differ, and answers all alike made every reduce of fig. 19
+    a hit on the last one (720 of its 723 tokens), a third of the run's prompt work."""
+
+    async def answers() -> tuple[list[str], int]:
+        tokenizer = TextTokenizer.byte_level_tiny()
+        sim = SimEngine(tokenizer, COST, max_seq_len=2048, **OPTIONS)
+        texts = []
+        for context_id in (1, 2, 3):
+            await sim.fill(tokenizer.encode("Summarise."), context_id)
+            chunks = [c.text async for c in sim.generate(SamplingParams(max_tokens=24), context_id)]
+            texts.append("".join(chunks))
+        prompt = tokenizer.encode("Combine: " + "; ".join(texts[:2]))
+        other = tokenizer.encode("Combine: " + "; ".join(texts[1:]))
+        await sim.fill(prompt, 10)
+        reused = await sim.fill(other, 11)
+        await sim.close()
+        return texts, reused
+
+    texts, reused = sim_clock.run(answers())
+    assert len(set(texts)) == 3 and all(len(t) == 24 for t in texts)
+    assert reused < len("Combine: ") + 12  # at most the words both start with
+    assert sim_clock.run(answers())[0] == texts  # deterministic
+
+
 def test_the_simulated_engine_admits_preempts_and_forks_as_the_real_one(tiny_model: LoadedModel) -> None:
     token = TextTokenizer.byte_level_tiny().encode("x")[0]
     real_plans, real_counters = _runner_plans(tiny_model, _requests(1), token)
@@ -224,3 +279,67 @@ def test_the_suite_runs_in_simulation_and_parrot_saves_the_round_trips() -> None
     assert parrot.apps[0].latency_s < baseline.apps[0].latency_s
     assert len(parrot.apps[0].calls) == len(baseline.apps[0].calls) == len(app.calls)
     assert simulate(workload, "parrot", COST, tiny) == parrot  # deterministic
+
+
+def test_repeats_draw_the_suites_seeds_and_compare_mean_for_mean(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--repeats 2`` runs repeat r on the workloads of seed + r, as the suite does, and
+    ``--compare`` sets the mean over the simulated repeats beside the real mean."""
+    import json
+
+    from benchmarks.sim import __main__ as sim_cli
+    from benchmarks.suite.workloads import generate
+
+    out = tmp_path / "runs.json"
+    argv = ["--figures", "fig11", "--scale", "0.2", "--tokenizer", "tiny", "--systems", "parrot"]
+    assert sim_cli.main([*argv, "--repeats", "2", "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())
+    first = generate("fig11", 0.2, 0)
+    assert len(runs) == 2 * len(first)
+    assert generate("fig11", 0.2, 1)[0].apps != first[0].apps  # the two repeats are different draws
+    name = first[0].name
+    means = [
+        sum(a["end_s"] - a["arrival_s"] for a in r["apps"]) / len(r["apps"])
+        for r in runs
+        if r["workload"] == name
+    ]
+    assert len(means) == 2 and means[0] != means[1]
+    real = tmp_path / "raw.json"
+    real.write_text(json.dumps([{**r, "system": "parrot"} for r in runs if r["workload"] == name][:1]))
+    capsys.readouterr()
+    assert sim_cli.main([*argv, "--repeats", "2", "--compare", str(real)]) == 0
+    row = next(
+        line for line in capsys.readouterr().out.splitlines() if line.startswith(name) and "parrot " in line
+    )
+    measured, simulated = (float(v) for v in row.split()[2:4])
+    assert measured == pytest.approx(means[0], abs=0.006)
+    assert simulated == pytest.approx(sum(means) / 2, abs=0.006)
+
+
+def test_repeats_below_one_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks.sim import __main__ as sim_cli
+
+    with pytest.raises(SystemExit) as exit_:
+        sim_cli.main(["--figures", "fig11", "--repeats", "0"])
+    assert exit_.value.code == 2 and "must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_latency_packing_is_the_managers_option_in_simulation() -> None:
+    """``pack_latency`` reaches the simulated manager: a run of GPTs apps on two engines
+    places its calls differently with and without it, and asking for it gives the
+    default's run (the server's default: on)."""
+    from benchmarks.sim.driver import simulate
+    from benchmarks.suite.workloads import generate
+
+    tiny = TextTokenizer.byte_level_tiny()
+    workload = next(w for w in generate("fig17", 0.2, 0) if w.name == "fig17/rate=4.0")
+    packed = simulate(workload, "parrot", COST, tiny)
+    spread = simulate(workload, "parrot", COST, tiny, pack_latency=False)
+    assert all(a.error is None for a in packed.apps + spread.apps)
+
+    def placements(run) -> list:
+        return [(a.app_id, c.name, c.engine) for a in run.apps for c in a.calls]
+
+    assert placements(packed) != placements(spread)
+    assert simulate(workload, "parrot", COST, tiny, pack_latency=True) == packed

@@ -142,6 +142,24 @@ def test_llama13b_on_a100_gives_the_per_token_latencies_the_papers_artifact_repo
     assert 5_000 <= LLAMA13B_A100.cost.latency_cap(1.25, LLAMA13B_A100.kv_cache_tokens or 0) <= 7_000
 
 
+def test_the_simulated_cap_is_the_one_the_engines_probe_fits_floor_included() -> None:
+    """A steep KV cost would put the cap below one typical call; the real engine's probe
+    never reports less than MIN_LATENCY_CAP_TOKENS (or its capacity), and neither may the
+    simulated engine, or the simulated latency-centric baseline queues calls the real
+    one runs (fig. 19's one-thread profile implies 877 tokens; its engines reported
+    1,024 and more)."""
+    from parrot.engine.latency_probe import MIN_LATENCY_CAP_TOKENS, StepFit, cap_from_fit
+
+    steep = StepCost(base=0.011, per_prefill_token=5e-4, per_decode_seq=0.002, per_kv_token=4e-6)
+    assert 0.25 * (steep.base + steep.per_decode_seq) / steep.per_kv_token < MIN_LATENCY_CAP_TOKENS
+    assert steep.latency_cap(1.25, 100_000) == MIN_LATENCY_CAP_TOKENS
+    assert steep.latency_cap(1.25, 500) == 500  # the floor never exceeds the capacity
+    gentle = StepCost(base=0.011, per_prefill_token=5e-4, per_decode_seq=0.002, per_kv_token=4e-7)
+    fit = StepFit(0.013, 4e-7, buckets=2, steps=0)
+    assert gentle.latency_cap(1.25, 100_000) == cap_from_fit(fit, 100_000) == 8125
+    assert StepCost(0.011, 5e-4, 0.002, 0.0).latency_cap(1.25, 4096) == 4096  # no KV cost: the capacity
+
+
 def test_gpu_profiles_kv_pool_is_memory_after_weights_and_prefill_is_compute_bound() -> None:
     # A100 80 GB x 0.9 - 26 GB of fp16 weights, 819,200 bytes per KV token
     assert LLAMA13B_A100.kv_cache_tokens == int((80e9 * 0.9 - 26e9) // (2 * 40 * 5120 * 2))

@@ -2,7 +2,10 @@
 
 Prints, per workload, each system's mean app latency (virtual seconds) and the ratio
 of each system's to the first's, and writes the runs as JSON (``--out``).  Runs are
-deterministic: the same arguments give the same numbers.
+deterministic: the same arguments give the same numbers.  ``--repeats N`` runs each
+workload N times with the suite's seeds (repeat r: ``seed + r``, its arrivals and
+lengths drawn anew), so that a simulated mean stands beside a real run's mean over
+the same draws.
 
 ``--paper --out FOLDER`` runs the paper's figures at the paper's sizes on GPU profiles
 instead (:mod:`benchmarks.sim.paper_run`).
@@ -10,8 +13,9 @@ instead (:mod:`benchmarks.sim.paper_run`).
 ``--compare RAW`` (a real run's ``raw.json`` from ``python -m benchmarks.suite``)
 also prints, per workload and system, the real mean app latency (the mean over its
 repeats of the mean over apps, chats left out as the suite's figures do) beside the
-simulated one with their relative error, and per figure and system the mean and
-largest absolute error: the simulator's validation table.
+simulated one (the same mean over the simulated repeats) with their relative error,
+and per figure and system the mean and largest absolute error: the simulator's
+validation table.
 """
 
 from __future__ import annotations
@@ -49,6 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--repeats",
+        type=_positive,
+        default=1,
+        help="run each workload this many times, repeat r with seed + r as the suite does; a "
+        "workload's figure is the mean over its repeats",
+    )
+    parser.add_argument(
         "--cost",
         default="smollm2-bf16-xeon2",
         help=f"the engines' step cost and KV size: one of {', '.join(PROFILES)}, or a cost JSON file "
@@ -56,6 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--tokenizer", default="smollm2", help="'smollm2' (default) or 'tiny'")
     parser.add_argument("--latency-cap", type=int, default=None, help="the managers' latency cap (tokens)")
+    parser.add_argument(
+        "--pack-latency",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the managers' latency packing (parrot serve --[no-]pack-latency; default on, as the server's)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write every run as JSON here")
     parser.add_argument(
         "--compare", type=Path, default=None, metavar="RAW", help="a real run's raw.json to compare against"
@@ -79,23 +96,36 @@ def main(argv: list[str] | None = None) -> int:
     header = f"{'workload':40s} " + " ".join(f"{s:>26s}" for s in args.systems)
     print(header)
     for figure in figures:
-        for workload in generate(figure, args.scale, args.seed):
+        per_repeat = [generate(figure, args.scale, args.seed + r) for r in range(args.repeats)]
+        for repeats in zip(*per_repeat, strict=True):
+            workload = repeats[0]
             means = []
             for system in args.systems:
-                run = simulate_on(
-                    workload, system, profile, tokenizer, seed=args.seed, latency_cap=args.latency_cap
-                )
-                runs.append(run)
-                latencies = [a.latency_s for a in run.apps if a.error is None]
-                means.append(statistics.fmean(latencies) if latencies else float("nan"))
+                repeat_means = []
+                for r, repeat in enumerate(repeats):
+                    run = simulate_on(
+                        repeat,
+                        system,
+                        profile,
+                        tokenizer,
+                        seed=args.seed + r,
+                        repeat=r,
+                        latency_cap=args.latency_cap,
+                        pack_latency=args.pack_latency,
+                    )
+                    runs.append(run)
+                    repeat_means.append(_app_mean(a.latency_s for a in run.apps if a.error is None))
+                means.append(statistics.fmean(repeat_means))
             cells = [f"{m:9.2f} s ({m / means[0] if means[0] else float('nan'):5.2f}x)" for m in means]
             print(f"{workload.name:40s} " + " ".join(f"{c:>26s}" for c in cells), flush=True)
     if args.out is not None:
         args.out.write_text(json.dumps([dataclasses.asdict(r) for r in runs], indent=1))
     if args.compare is not None:
-        simulated = {
-            (r.workload, r.system): _app_mean(a.latency_s for a in r.apps if _counted(a)) for r in runs
-        }
+        per_run: dict[tuple[str, str], list[float]] = {}
+        for r in runs:
+            mean = _app_mean(a.latency_s for a in r.apps if _counted(a))
+            per_run.setdefault((r.workload, r.system), []).append(mean)
+        simulated = {key: statistics.fmean(means) for key, means in per_run.items()}
         print_comparison(_real_means(args.compare), simulated)
     return 0
 
@@ -107,9 +137,17 @@ def _paper(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list
     given = {w.split("=", 1)[0] for w in words if w.startswith("--")}
     if args.out is None:
         parser.error("--paper needs --out FOLDER")
-    if given & {"--cost", "--compare", "--scale", "--latency-cap"}:
-        parser.error("--paper sets each figure's cost and latency cap; --cost, --compare, --scale "
-                     "and --latency-cap do not apply")  # fmt: skip
+    if given & {
+        "--cost",
+        "--compare",
+        "--scale",
+        "--latency-cap",
+        "--repeats",
+        "--pack-latency",
+        "--no-pack-latency",
+    }:
+        parser.error("--paper sets each figure's cost and latency cap; --cost, --compare, --scale, "
+                     "--latency-cap, --[no-]pack-latency and --repeats do not apply")  # fmt: skip
     figures = list(PAPER_FIGURES) if "all" in args.figures or "--figures" not in given else args.figures
     missing = [f for f in figures if f not in PAPER_FIGURES]
     if missing:
@@ -120,6 +158,13 @@ def _paper(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list
     run_paper(figures, systems, args.out, _tokenizer(args.tokenizer), seed=args.seed)
     print(args.out / "paper.md")
     return 0
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _counted(app) -> bool:

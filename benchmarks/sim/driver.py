@@ -191,8 +191,13 @@ def _wall_offset() -> float:
 
 async def _run(workload: Workload, system: SimSystem, cost: StepCost, tokenizer: TextTokenizer, seed: int,
                delay_ms: tuple[float, float], latency_cap: int | None,
-               kv_cache_tokens: int | None) -> list[AppRecord]:  # fmt: skip
-    config = ManagerConfig(policy=system.policy, latency_cap_tokens=latency_cap, inline_tokenize_bytes=None)
+               kv_cache_tokens: int | None, pack_latency: bool) -> list[AppRecord]:  # fmt: skip
+    config = ManagerConfig(
+        policy=system.policy,
+        latency_cap_tokens=latency_cap,
+        inline_tokenize_bytes=None,
+        pack_latency=pack_latency,
+    )
     manager = Manager(config)
     kv = {} if kv_cache_tokens is None else {"kv_cache_tokens": kv_cache_tokens}
     engines = [
@@ -202,9 +207,10 @@ async def _run(workload: Workload, system: SimSystem, cost: StepCost, tokenizer:
             model_name=MODEL,
             prefix_cache=system.prefix_cache,
             share_prefix=system.share_prefix,
+            answer_seed=i,
             **kv,
         )
-        for _ in range(workload.engines)
+        for i in range(workload.engines)
     ]
     # engines named by their place in the run (the pool's ids count on across runs)
     names = {manager.pool.register(engine).engine_id: f"engine {i}" for i, engine in enumerate(engines)}
@@ -238,12 +244,16 @@ def simulate(
     delay_ms: tuple[float, float] = (200.0, 300.0),
     latency_cap: int | None = None,
     kv_cache_tokens: int | None = None,
+    pack_latency: bool = True,
 ) -> RunRecord:
     """One workload on one system, in virtual time (deterministic for the arguments).
     ``kv_cache_tokens``: each engine's KV pool (None: the simulated engine's default); its
-    token capacity is the pool, as the real engine's default."""
+    token capacity is the pool, as the real engine's default.  ``pack_latency``: the
+    manager's option of that name (``parrot serve --[no-]pack-latency``)."""
     spec = SYSTEMS[system]
-    apps = sim_clock.run(_run(workload, spec, cost, tokenizer, seed, delay_ms, latency_cap, kv_cache_tokens))
+    apps = sim_clock.run(
+        _run(workload, spec, cost, tokenizer, seed, delay_ms, latency_cap, kv_cache_tokens, pack_latency)
+    )
     wall = max((a.end_s for a in apps), default=0.0)
     return RunRecord(system, workload.name, workload.figure, dict(workload.params), repeat, wall, apps)
 
@@ -255,7 +265,9 @@ def simulate_on(
     tokenizer: TextTokenizer,
     *,
     seed: int = 0,
+    repeat: int = 0,
     latency_cap: int | None = None,
+    pack_latency: bool = True,
 ) -> RunRecord:
     """:func:`simulate` on engines of ``profile`` (its step cost and KV pool); the run's
     ``extra`` names the profile and the wall time the simulation took."""
@@ -266,8 +278,10 @@ def simulate_on(
         profile.cost,
         tokenizer,
         seed=seed,
+        repeat=repeat,
         latency_cap=latency_cap,
         kv_cache_tokens=profile.kv_cache_tokens,
+        pack_latency=pack_latency,
     )
     run.extra.update(cost=profile.name, sim_wall_s=time.perf_counter() - started)
     return run

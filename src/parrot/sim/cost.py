@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from parrot.engine.latency_probe import StepFit, cap_from_fit
 from parrot.engine.step_work import StepWork, step_work
 
 __all__ = ["SMOLLM2_BF16_XEON2", "CostProfile", "StepCost", "StepWork", "load_profile", "step_work"]
@@ -92,12 +93,11 @@ class StepCost:
 
     def latency_cap(self, factor: float, capacity: int) -> int:
         """The KV load at which a decode step of one sequence takes ``factor`` times its
-        unloaded time (the engine's latency cap, :mod:`parrot.engine.latency_probe`),
-        at most ``capacity``."""
-        unloaded = self.base + self.per_decode_seq
-        if self.per_kv_token <= 0:
-            return capacity
-        return max(1, min(capacity, int((factor - 1.0) * unloaded / self.per_kv_token)))
+        unloaded time: the cap the built-in engine's probe would fit to these step
+        times, through the same :func:`~parrot.engine.latency_probe.cap_from_fit` (so
+        within ``[min(MIN_LATENCY_CAP_TOKENS, capacity), capacity]``, as the engine's)."""
+        fit = StepFit(self.base + self.per_decode_seq, max(0.0, self.per_kv_token), buckets=2, steps=0)
+        return cap_from_fit(fit, capacity, factor=factor)
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,11 @@ and capacity behave as in the built-in engine.  Its step loop is the runner's
 (:class:`~parrot.engine.runner.EngineRunner`): reap cancelled jobs, admit, plan
 and reserve, "forward", sample.  Only the forward pass differs: the step takes
 the virtual time the :class:`~parrot.sim.cost.StepCost` model gives it, and each
-generate samples a fixed token (so a generate runs to ``max_tokens`` or the
-context's end: nothing stops early).
+generate samples words of :func:`answer_vocabulary`, picked by the generate's arrival
+at the engine (and the engine's ``answer_seed``) and the token's position:
+answers of different calls differ, as real ones do, and quoted in a later prompt
+they cost it as many tokens as they have.  No end token is ever sampled, so a
+generate runs to ``max_tokens`` or the context's end: nothing stops early.
 
 It runs as a task on the manager's event loop (no thread): on a
 :class:`~parrot.sim.clock.VirtualTimeLoop` a step "takes" its time by sleeping.
@@ -26,6 +29,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 
+from parrot.engine import latency_probe
 from parrot.engine.block_pool import DEFAULT_BLOCK_SIZE, BlockPool
 from parrot.engine.contexts import ContextTable
 from parrot.engine.jobs import Job, check_token_ids, finish_job, reused_of
@@ -37,9 +41,9 @@ from parrot.protocol.schemas import EngineStats, GenerateChunk
 from parrot.protocol.tokenizer import TextTokenizer
 from parrot.sim.cost import StepCost, step_work
 
-__all__ = ["SimEngine", "StepRecord"]
+__all__ = ["ANSWER_WORDS", "SimEngine", "StepRecord", "answer_vocabulary"]
 
-LATENCY_FACTOR = 1.25
+LATENCY_FACTOR = latency_probe.LATENCY_FACTOR
 """The simulated engine reports the latency cap its cost model implies at this factor
 (the built-in engine's default, :mod:`parrot.engine.latency_probe`)."""
 
@@ -69,6 +73,7 @@ class SimEngine:
         share_prefix: bool = True,
         prefix_cache: bool = True,
         record_steps: bool = False,
+        answer_seed: int = 0,
     ):
         if max_step_tokens < 1:
             raise ValueError("max_step_tokens must be >= 1")
@@ -93,8 +98,8 @@ class SimEngine:
             counters=self.counters,
         )
         self.steps: list[StepRecord] | None = [] if record_steps else None
-        # the token every generate samples: one that decodes to visible text
-        self._token = (tokenizer.encode("x") or [0])[0]
+        self._vocabulary = answer_vocabulary(tokenizer)
+        self._answer_seed = answer_seed << 32  # engines of a run differ by it (job arrivals count per engine)
         self._arrivals = 0
         self._work = asyncio.Event()
         # held for a whole step: the runner serves calls between steps only, and so does this
@@ -310,7 +315,7 @@ class SimEngine:
         assert sp is not None and ctx is not None
         job.generated += 1
         self.counters["generated_tokens"] += 1
-        token = self._token
+        token = self._vocabulary[_mix(self._answer_seed | job.arrival, job.generated) % len(self._vocabulary)]
         ctx.own_tokens.append(token)
         text = self._tokenizer.decode([token])
         if job.generated >= sp.max_tokens or ctx.length >= self._max_seq_len:
@@ -330,3 +335,39 @@ def _settle(fut: asyncio.Future[None], error: ParrotError | None) -> None:
         fut.set_exception(error)
     else:
         fut.set_result(None)
+
+
+ANSWER_WORDS = (" x", " y", " z", " w", " v", " q", " k", " j")
+"""The words a simulated answer is made of, each one token in BPE vocabularies with a
+leading space (a byte-level vocabulary takes them without it)."""
+
+
+def answer_vocabulary(tokenizer: TextTokenizer, probe: int = 64) -> tuple[int, ...]:
+    """The tokens simulated answers draw from: single tokens whose every mix of ``n``
+    encodes back to ``n`` tokens, so that an answer pasted into a later prompt costs that
+    prompt as many tokens as a real answer of that length would (a run of bare "x"
+    merges four to a token in SmolLM2's vocabulary).  Several of them, so that answers of
+    different calls differ from their first tokens on, as real ones do: answers all alike
+    would make every prompt that quotes them (a reduce over its maps) a prefix-cache hit
+    on the last such prompt.  The words of :data:`ANSWER_WORDS` with their space, else
+    without, else the single token of "x"."""
+    for words in (ANSWER_WORDS, tuple(w.strip() for w in ANSWER_WORDS)):
+        ids = [tokenizer.encode(w) for w in words]
+        tokens = tuple(dict.fromkeys(t[0] for t in ids if len(t) == 1))
+        if len(tokens) < 2:
+            continue
+        mix = [tokens[_mix(7, i) % len(tokens)] for i in range(probe)]
+        if len(tokenizer.encode(tokenizer.decode(mix))) == probe:
+            return tokens
+    return ((tokenizer.encode("x") or [0])[0],)
+
+
+def _mix(answer: int, position: int) -> int:
+    """A deterministic, well-spread 64-bit number of ``(answer, position)`` (splitmix64):
+    which word the ``position``-th token of ``answer`` is (an answer is named by its
+    engine's seed and its generate's arrival there, never by its context id: the
+    manager draws those at random)."""
+    z = (answer * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & (2**64 - 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return z ^ (z >> 31)
