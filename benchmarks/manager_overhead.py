@@ -23,6 +23,17 @@ alone: the engines do nothing), the resident memory the run added per session
 (every session keeps its calls' graph until it is closed; none is closed here),
 and the rate at which the manager saturates (calls/s, since calls are submitted
 as fast as the loop takes them).
+
+``--virtual COST`` runs the same calls on simulated engines instead
+(:class:`~parrot.sim.engine.SimEngine` with the step cost and KV pool of profile
+``COST``, as ``python -m benchmarks.sim --cost`` takes it), in virtual time
+(:mod:`parrot.sim.clock`): every call is submitted at virtual time 0, the engines
+batch and compute them as the cost model says, and the run also reports the
+virtual time until the last call finished and each kind of application's mean
+latency (virtual seconds from its first submit to its last call's end).  Wall
+time and CPU time are then the manager's and the simulated engines' bookkeeping
+together (their planning, not their forward passes): an upper bound on the
+manager's own.
 """
 
 from __future__ import annotations
@@ -41,6 +52,9 @@ from parrot.manager.service import Manager, ManagerConfig
 from parrot.protocol.sampling import SamplingParams
 from parrot.protocol.schemas import EngineStats, GenerateChunk, PlaceholderBinding, SubmitCall
 from parrot.protocol.tokenizer import TextTokenizer
+from parrot.sim import clock as sim_clock
+from parrot.sim.cost import CostProfile, load_profile
+from parrot.sim.engine import SimEngine
 
 GROUP = 8  # maps per reduce
 
@@ -160,15 +174,29 @@ def _rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-async def run_once(n_engines: int, n_sessions: int, n_calls: int, mix: bool = False) -> dict[str, float]:
+async def run_once(
+    n_engines: int, n_sessions: int, n_calls: int, mix: bool = False, profile: CostProfile | None = None
+) -> dict[str, float]:
+    """One run; ``profile``: simulated engines of that profile (run it under
+    :func:`parrot.sim.clock.run`), else instant ones."""
     manager = Manager(ManagerConfig())
     tokenizer = TextTokenizer.byte_level_tiny()
-    for _ in range(n_engines):
-        manager.pool.register(InstantEngine(tokenizer))
+    for i in range(n_engines):
+        if profile is None:
+            manager.pool.register(InstantEngine(tokenizer))
+        else:
+            kv = {} if profile.kv_cache_tokens is None else {"kv_cache_tokens": profile.kv_cache_tokens}
+            engine = SimEngine(
+                tokenizer, profile.cost, model_name="fake", answer_seed=i, max_seq_len=4096, **kv
+            )
+            manager.pool.register(engine)
+    if profile is not None:
+        await manager.poll_engine_stats()  # the engines' caps, before the first call
     rss0 = _rss_bytes()
     tenants = tenants_for(n_sessions)
     sessions = [manager.create_session(f"tenant{i % tenants}")[0] for i in range(n_sessions)]
     calls = []
+    apps: list[tuple[str, list]] = []  # (kind, its calls)
     t0, cpu0 = time.perf_counter(), time.process_time()
     submitted = 0
     group = 0
@@ -176,15 +204,22 @@ async def run_once(n_engines: int, n_sessions: int, n_calls: int, mix: bool = Fa
         session = sessions[group % n_sessions]
         kind = KINDS[group % len(KINDS)] if mix else "map_reduce"
         outs: list[str] = []
+        app_calls = []
         for make in _group(kind, group, n_calls - submitted):
             call = manager.submit_call(session, make(outs))
-            calls.append(call)
+            app_calls.append(call)
             outs.append(next(iter(call.outputs.values())).var.var_id)
             submitted += 1
             await asyncio.sleep(0)  # one call per loop iteration, as over HTTP
+        calls += app_calls
+        apps.append((kind, app_calls))
         group += 1
-    while any(c.state not in ("done", "failed") for c in calls):
-        await asyncio.sleep(0.001)
+    pending = 0  # calls before it have ended (they mostly end in order)
+    while pending < len(calls):
+        if calls[pending].state in ("done", "failed"):
+            pending += 1
+        else:
+            await asyncio.sleep(0.001 if profile is None else 0.05)
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     rss = _rss_bytes() - rss0
     failed = [c for c in calls if c.state == "failed"]
@@ -192,7 +227,7 @@ async def run_once(n_engines: int, n_sessions: int, n_calls: int, mix: bool = Fa
         raise RuntimeError(f"{len(failed)} calls failed, e.g. {failed[0].error!r}")
     delays = sorted((c.dispatched_at - c.submitted_at) * 1000 for c in calls if c.name == "map")
     await manager.executor.drain()
-    return {
+    out = {
         "calls_per_s": len(calls) / elapsed,
         "p50_ms": delays[len(delays) // 2],
         "p99_ms": delays[int(len(delays) * 0.99)],
@@ -201,6 +236,15 @@ async def run_once(n_engines: int, n_sessions: int, n_calls: int, mix: bool = Fa
         "kib_per_session": rss / n_sessions / 1024,
         "calls": len(calls),
     }
+    if profile is not None:
+        out["virtual_s"] = max(c.finished_at for c in calls) - min(c.submitted_at for c in calls)
+        for kind in KINDS:
+            latencies = [max(c.finished_at for c in cs) - cs[0].submitted_at for k, cs in apps if k == kind]
+            if latencies:
+                out[f"{kind}_s"] = statistics.fmean(latencies)
+        for handle in manager.pool:
+            await handle.api.close()  # type: ignore[attr-defined] - a SimEngine's step loop
+    return out
 
 
 def main() -> None:
@@ -210,35 +254,66 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=10_000)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--mix", action="store_true", help="map-reduce, chains, chats and a shared system prompt")
+    ap.add_argument(
+        "--virtual",
+        metavar="COST",
+        default=None,
+        help="simulated engines of this cost profile (a name or a file, as python -m benchmarks.sim "
+        "--cost takes), in virtual time",
+    )
     args = ap.parse_args()
+    profile = None
+    if args.virtual is not None:
+        try:
+            profile = load_profile(args.virtual)
+        except ValueError as exc:
+            ap.error(str(exc))
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} cores (the manager uses one), "
         f"Python {platform.python_version()}"
     )
     apps = "a mix of map-reduce, chain, chat and shared-prompt apps" if args.mix else "map-reduce groups"
+    engines = "fake engines" if profile is None else f"engines simulated as {profile.name}, in virtual time"
     print(
         f"{args.calls} calls in {args.sessions} sessions of {tenants_for(args.sessions)} tenant(s) "
-        f"over {args.engines} fake engines, {apps}"
+        f"over {args.engines} {engines}, {apps}"
     )
-    results = [
-        asyncio.run(run_once(args.engines, args.sessions, args.calls, args.mix)) for _ in range(args.repeats)
-    ]
+
+    def one() -> dict[str, float]:
+        run = run_once(args.engines, args.sessions, args.calls, args.mix, profile)
+        return asyncio.run(run) if profile is None else sim_clock.run(run)
+
+    results = [one() for _ in range(args.repeats)]
     keys = ("calls_per_s", "p50_ms", "p99_ms", "cpu_us_per_call", "kib_per_session")
-    print(
-        "| run | calls/s | submit->dispatch p50 (ms) | p99 (ms) | CPU per call (µs) | KiB per session "
-        "| scheduling rounds |"
-    )
-    print("|---|---|---|---|---|---|---|")
+    # in virtual time a call's submit->dispatch delay is the executor's virtual round timer, not work
+    shown = keys if profile is None else ("calls_per_s", "cpu_us_per_call", "kib_per_session")
+    titles = {
+        "calls_per_s": "calls/s",
+        "p50_ms": "submit->dispatch p50 (ms)",
+        "p99_ms": "p99 (ms)",
+        "cpu_us_per_call": "CPU per call (µs)",
+        "kib_per_session": "KiB per session",
+    }
+    formats = {
+        "calls_per_s": ".0f",
+        "p50_ms": ".3f",
+        "p99_ms": ".3f",
+        "cpu_us_per_call": ".0f",
+        "kib_per_session": ".1f",
+    }
+    print("| run | " + " | ".join(titles[k] for k in shown) + " | scheduling rounds |")
+    print("|---|" + "---|" * (len(shown) + 1))
     for i, r in enumerate(results, 1):
-        print(
-            f"| {i} | {r['calls_per_s']:.0f} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | "
-            f"{r['cpu_us_per_call']:.0f} | {r['kib_per_session']:.1f} | {r['rounds']} |"
-        )
+        print(f"| {i} | " + " | ".join(format(r[k], formats[k]) for k in shown) + f" | {r['rounds']} |")
     med = {k: statistics.median(r[k] for r in results) for k in keys}
-    print(
-        f"| median | {med['calls_per_s']:.0f} | {med['p50_ms']:.3f} | {med['p99_ms']:.3f} | "
-        f"{med['cpu_us_per_call']:.0f} | {med['kib_per_session']:.1f} | |"
-    )
+    print("| median | " + " | ".join(format(med[k], formats[k]) for k in shown) + " | |")
+    if profile is not None:
+        kinds = [k for k in KINDS if f"{k}_s" in results[0]]
+        print("\nIn virtual time (seconds; an application from its first submit to its last call's end):\n")
+        print("| run | all calls done | " + " | ".join(f"{k} apps, mean" for k in kinds) + " |")
+        print("|---|---|" + "---|" * len(kinds))
+        for i, r in enumerate(results, 1):
+            print(f"| {i} | {r['virtual_s']:.1f} | " + " | ".join(f"{r[f'{k}_s']:.2f}" for k in kinds) + " |")
 
 
 if __name__ == "__main__":

@@ -15,3 +15,20 @@ def test_the_mixed_run_completes_every_kind_and_measures_cpu_and_memory() -> Non
     assert len(KINDS) == 4 and result["rounds"] > 0
     assert 0 < result["cpu_us_per_call"] < 1e6 and result["calls_per_s"] > 0
     assert result["p50_ms"] <= result["p99_ms"]
+
+
+def test_the_virtual_run_computes_every_call_on_simulated_engines() -> None:
+    """``--virtual``: the same calls on simulated engines in virtual time; a map-reduce app
+    (a reduce after its eight maps) takes longer than a single chat call, and the run's
+    virtual makespan covers every app."""
+    from parrot.sim import clock as sim_clock
+    from parrot.sim.cost import load_profile
+
+    profile = load_profile("llama7b-a6000")
+    result = sim_clock.run(run_once(n_engines=4, n_sessions=8, n_calls=203, mix=True, profile=profile))
+    assert result["calls"] == 203
+    kinds = {k: result[f"{k}_s"] for k in KINDS}
+    assert 0 < kinds["chat"] < kinds["map_reduce"] <= result["virtual_s"]
+    assert kinds["chat"] < kinds["chain"]  # four calls one after another
+    again = sim_clock.run(run_once(n_engines=4, n_sessions=8, n_calls=203, mix=True, profile=profile))
+    assert {k: again[f"{k}_s"] for k in KINDS} == kinds  # deterministic
