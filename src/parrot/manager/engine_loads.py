@@ -140,37 +140,12 @@ class EngineLoads:
             self._seen.clear()
         stale = self._stale
         stale.update(self.prefixes.take_changed())
-        # What the pool says of each engine; an engine joining or leaving, suspected or back,
-        # or reporting another capacity, latency cap or prompt cost changes this list (and
-        # the pool's version: while that stands, nothing here has changed)
-        default = self.default_capacity
-        pool_now = self._pool_seen
+        # An engine joining or leaving, suspected or back, or reporting another capacity,
+        # latency cap or prompt cost bumps the pool's version: while that stands, nothing
+        # the pool says of its engines has changed
         if self.pool.version != self._pool_version:
             self._pool_version = self.pool.version
-            pool_now = [
-                (
-                    h,
-                    h.alive,
-                    h.stats.token_capacity or default,
-                    h.stats.latency_cap_tokens,
-                    h.stats.prefill_tokens_per_decode_step,
-                )
-                for h in self.pool
-            ]
-        if pool_now != self._pool_seen:
-            self._pool_seen = pool_now
-            seen = self._seen
-            for polled in pool_now:
-                eid = polled[0].engine_id
-                if seen.get(eid) != polled:
-                    seen[eid] = polled
-                    stale.add(eid)
-            if len(seen) != len(pool_now):
-                live = {polled[0].engine_id for polled in pool_now}
-                for eid in [eid for eid in seen if eid not in live]:
-                    del seen[eid]
-                    sched.remove_engine(eid)
-                    stale.discard(eid)
+            self._read_pool(sched, stale)
         if stale:
             for eid in stale:
                 try:
@@ -182,6 +157,36 @@ class EngineLoads:
                 sched.set_engine(self.snapshot(h))
             stale.clear()
         return sched
+
+    def _read_pool(self, sched: Scheduler, stale: set[str]) -> None:
+        """What the pool says of each engine: marks the engines whose entry changed stale and
+        removes from ``sched`` those that left."""
+        default = self.default_capacity
+        pool_now = [
+            (
+                h,
+                h.alive,
+                h.stats.token_capacity or default,
+                h.stats.latency_cap_tokens,
+                h.stats.prefill_tokens_per_decode_step,
+            )
+            for h in self.pool
+        ]
+        if pool_now == self._pool_seen:
+            return
+        self._pool_seen = pool_now
+        seen = self._seen
+        for polled in pool_now:
+            eid = polled[0].engine_id
+            if seen.get(eid) != polled:
+                seen[eid] = polled
+                stale.add(eid)
+        if len(seen) != len(pool_now):
+            live = {polled[0].engine_id for polled in pool_now}
+            for eid in [eid for eid in seen if eid not in live]:
+                del seen[eid]
+                sched.remove_engine(eid)
+                stale.discard(eid)
 
     def snapshot(self, h: EngineHandle) -> EngineSnapshot:
         use = self.usage.get(h.engine_id) or EngineUsage()
