@@ -849,6 +849,9 @@ def test_systems_change_one_mechanism_each_and_baselines_have_no_prefix_cache_bu
     apc = SYSTEMS["parrot-baseline-apc"]  # the request-level client with vLLM's prefix caching
     assert apc.kind == "openai" and apc.backend == "parrot" and apc.engine_flags == ()
     assert apc.policy == SYSTEMS["parrot-baseline-latency"].policy and not apc.ablation
+    admits_all = SYSTEMS["parrot-baseline-throughput-apc"]  # schedules as vLLM does, prefix cache on
+    assert admits_all.kind == "openai" and admits_all.engine_flags == () and not admits_all.ablation
+    assert admits_all.policy == SYSTEMS["parrot-baseline-throughput"].policy
     priority = SYSTEMS["parrot-vllm-priority"]  # a way to drive vLLM, not a mechanism switched off
     assert not priority.ablation and priority.serve_flags == ("--backend-priority",)
     assert priority.peer_flags == ("--scheduling-policy", "priority") and not SYSTEMS["vllm"].peer_flags

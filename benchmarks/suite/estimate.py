@@ -109,7 +109,7 @@ def profile_of(system: str) -> Profile:
     """The :class:`Profile` of a system name of :data:`benchmarks.suite.systems.SYSTEMS`."""
     if system == "fastchat":
         return Profile("baseline", sharing=False, max_batch=1)
-    if system in ("vllm", "parrot-baseline-apc"):
+    if system in ("vllm", "parrot-baseline-apc", "parrot-baseline-throughput-apc"):
         return Profile("baseline", sharing=True)
     if system.startswith("parrot-baseline"):
         return Profile("baseline", sharing=False)

@@ -1,29 +1,31 @@
 """The systems under test: start one on loopback, hand out a :class:`SystemHandle`, stop it.
 
-==============================  ==========  ==========================================================
-name                            client      server
-==============================  ==========  ==========================================================
-``parrot``                      Parrot      ``parrot serve --policy parrot`` (+ engines)
-``parrot-no-app-fifo``          Parrot      ... ``--no-app-fifo`` (app-level FIFO off)
-``parrot-no-deduction``         Parrot      ... ``--policy no-deduction`` (objective deduction off)
-``parrot-no-affinity``          Parrot      ... ``--policy no-affinity`` (prefix/task-group affinity off)
-``parrot-latency-batching``     Parrot      ... ``--latency-cap-scope mixed`` (latency calls batch freely)
-``parrot-affinity-spill``       Parrot      ... ``--affinity-spill`` (groups and prefix sharers spread)
-``parrot-paper-cap``            Parrot      ... ``--no-saturation-batching`` (the latency cap binds
-                                            even while latency calls queue: the paper's rule)
-``parrot-no-prefix-cache``      Parrot      ... engines ``--no-prefix-cache`` (automatic prefix cache off)
-``parrot-baseline-latency``     baseline    ``--policy baseline-latency``, engines ``--no-prefix-cache``,
-                                            via Parrot's ``/v1/completions``
-``parrot-baseline-throughput``  baseline    ``--policy baseline-throughput``, engines ``--no-prefix-cache``
-``parrot-baseline-apc``         baseline    ``--policy baseline-latency``, engines with their automatic prefix
-                                            cache (as vLLM's): what ``vllm`` is to ``parrot-vllm``
-``parrot-vllm``                 Parrot      ``parrot serve --backend vllm``: Parrot's manager in front of the
-                                            N vLLM-CPU servers of ``vllm`` (its engines)
-``parrot-vllm-priority``        Parrot      ``parrot-vllm`` with ``--backend-priority``, the vLLM servers
-                                            started with ``--scheduling-policy priority``
-``vllm``                        baseline    N vLLM-CPU 0.32 OpenAI servers, automatic prefix caching on
-``fastchat``                    baseline    FastChat 0.2.36: controller + one model worker + OpenAI server
-==============================  ==========  ==========================================================
+==================================  ========  ================================================================
+name                                client    server
+==================================  ========  ================================================================
+``parrot``                          Parrot    ``parrot serve --policy parrot`` (+ engines)
+``parrot-no-app-fifo``              Parrot    ... ``--no-app-fifo`` (app-level FIFO off)
+``parrot-no-deduction``             Parrot    ... ``--policy no-deduction`` (objective deduction off)
+``parrot-no-affinity``              Parrot    ... ``--policy no-affinity`` (prefix/task-group affinity off)
+``parrot-latency-batching``         Parrot    ... ``--latency-cap-scope mixed`` (latency calls batch freely)
+``parrot-affinity-spill``           Parrot    ... ``--affinity-spill`` (groups and prefix sharers spread)
+``parrot-paper-cap``                Parrot    ... ``--no-saturation-batching`` (the latency cap binds even
+                                              while latency calls queue: the paper's rule)
+``parrot-no-prefix-cache``          Parrot    ... engines ``--no-prefix-cache`` (automatic prefix cache off)
+``parrot-baseline-latency``         baseline  ``--policy baseline-latency``, engines ``--no-prefix-cache``,
+                                              via Parrot's ``/v1/completions``
+``parrot-baseline-throughput``      baseline  ``--policy baseline-throughput``, engines ``--no-prefix-cache``
+``parrot-baseline-apc``             baseline  ``--policy baseline-latency``, engines with their automatic
+                                              prefix cache (as vLLM's): what ``vllm`` is to ``parrot-vllm``
+``parrot-baseline-throughput-apc``  baseline  ``--policy baseline-throughput``, engines with their automatic
+                                              prefix cache: admits every request up to capacity, as vLLM does
+``parrot-vllm``                     Parrot    ``parrot serve --backend vllm``: Parrot's manager in front of
+                                              the N vLLM-CPU servers of ``vllm`` (its engines)
+``parrot-vllm-priority``            Parrot    ``parrot-vllm`` with ``--backend-priority``, the vLLM servers
+                                              started with ``--scheduling-policy priority``
+``vllm``                            baseline  N vLLM-CPU 0.32 OpenAI servers, automatic prefix caching on
+``fastchat``                        baseline  FastChat 0.2.36: controller + one model worker + OpenAI server
+==================================  ========  ================================================================
 
 Every system serves the same weights: the Hugging Face folder
 ``.peers/models/<model>`` exported by ``benchmarks/peers/convert_smollm2.py``
@@ -44,8 +46,10 @@ runs one worker whatever N (``notes`` say so).
 The request-level baselines on Parrot's engines model the paper's baselines,
 which had no prefix sharing: their engines run with ``--no-prefix-cache``.
 vLLM keeps its automatic prefix caching (the strong request-level baseline), and
-so does ``parrot-baseline-apc``: against it Parrot's gain on its own engines is
-the application-level gain alone, as ``parrot-vllm``'s against ``vllm`` is on vLLM.
+so do ``parrot-baseline-apc`` and ``parrot-baseline-throughput-apc``: against them
+Parrot's gain on its own engines is the application-level gain alone, as
+``parrot-vllm``'s against ``vllm`` is on vLLM.  vLLM admits every request its
+memory holds, so of the two, ``parrot-baseline-throughput-apc`` schedules as it does.
 
 Invariants: everything listens on 127.0.0.1 only; a context manager that
 started processes stops them in its ``finally`` (Parrot: SIGTERM to each
@@ -175,6 +179,13 @@ SYSTEMS: dict[str, SystemSpec] = {
         "baseline-latency",
         "baseline client on Parrot's engines, latency-centric policy, automatic prefix cache on "
         "(the request-level client's side of vLLM's comparison, on Parrot's engine)",
+    ),
+    "parrot-baseline-throughput-apc": SystemSpec(
+        "openai",
+        "parrot",
+        "baseline-throughput",
+        "baseline client on Parrot's engines, throughput-centric policy, automatic prefix cache on "
+        "(every request admitted up to capacity, as vLLM admits them)",
     ),
     "parrot-vllm": SystemSpec(
         "parrot", "vllm", "parrot", "Parrot's manager driving the vLLM-CPU servers as its engines"
