@@ -816,7 +816,7 @@ def test_parrot_system_commands_split_the_cores_and_pass_dtype_flags_and_cap() -
     ]
 
 
-def test_systems_change_one_mechanism_each_and_baselines_have_no_prefix_cache_but_one() -> None:
+def test_systems_change_one_mechanism_each_and_only_the_apc_baselines_keep_a_prefix_cache() -> None:
     from benchmarks.suite.systems import SYSTEMS
 
     parrot = SYSTEMS["parrot"]
