@@ -185,9 +185,13 @@ async def run_once(
         if profile is None:
             manager.pool.register(InstantEngine(tokenizer))
         else:
-            kv = {} if profile.kv_cache_tokens is None else {"kv_cache_tokens": profile.kv_cache_tokens}
             engine = SimEngine(
-                tokenizer, profile.cost, model_name="fake", answer_seed=i, max_seq_len=4096, **kv
+                tokenizer,
+                profile.cost,
+                model_name="fake",
+                answer_seed=i,
+                max_seq_len=4096,
+                kv_cache_tokens=profile.kv_cache_tokens,
             )
             manager.pool.register(engine)
     if profile is not None:
@@ -287,26 +291,19 @@ def main() -> None:
     keys = ("calls_per_s", "p50_ms", "p99_ms", "cpu_us_per_call", "kib_per_session")
     # in virtual time a call's submit->dispatch delay is the executor's virtual round timer, not work
     shown = keys if profile is None else ("calls_per_s", "cpu_us_per_call", "kib_per_session")
-    titles = {
-        "calls_per_s": "calls/s",
-        "p50_ms": "submit->dispatch p50 (ms)",
-        "p99_ms": "p99 (ms)",
-        "cpu_us_per_call": "CPU per call (µs)",
-        "kib_per_session": "KiB per session",
+    columns = {  # key: (title, format)
+        "calls_per_s": ("calls/s", ".0f"),
+        "p50_ms": ("submit->dispatch p50 (ms)", ".3f"),
+        "p99_ms": ("p99 (ms)", ".3f"),
+        "cpu_us_per_call": ("CPU per call (µs)", ".0f"),
+        "kib_per_session": ("KiB per session", ".1f"),
     }
-    formats = {
-        "calls_per_s": ".0f",
-        "p50_ms": ".3f",
-        "p99_ms": ".3f",
-        "cpu_us_per_call": ".0f",
-        "kib_per_session": ".1f",
-    }
-    print("| run | " + " | ".join(titles[k] for k in shown) + " | scheduling rounds |")
+    print("| run | " + " | ".join(columns[k][0] for k in shown) + " | scheduling rounds |")
     print("|---|" + "---|" * (len(shown) + 1))
     for i, r in enumerate(results, 1):
-        print(f"| {i} | " + " | ".join(format(r[k], formats[k]) for k in shown) + f" | {r['rounds']} |")
+        print(f"| {i} | " + " | ".join(format(r[k], columns[k][1]) for k in shown) + f" | {r['rounds']} |")
     med = {k: statistics.median(r[k] for r in results) for k in keys}
-    print("| median | " + " | ".join(format(med[k], formats[k]) for k in shown) + " | |")
+    print("| median | " + " | ".join(format(med[k], columns[k][1]) for k in shown) + " | |")
     if profile is not None:
         kinds = [k for k in KINDS if f"{k}_s" in results[0]]
         print("\nIn virtual time (seconds; an application from its first submit to its last call's end):\n")

@@ -199,7 +199,6 @@ async def _run(workload: Workload, system: SimSystem, cost: StepCost, tokenizer:
         pack_latency=pack_latency,
     )
     manager = Manager(config)
-    kv = {} if kv_cache_tokens is None else {"kv_cache_tokens": kv_cache_tokens}
     engines = [
         SimEngine(
             tokenizer,
@@ -208,7 +207,7 @@ async def _run(workload: Workload, system: SimSystem, cost: StepCost, tokenizer:
             prefix_cache=system.prefix_cache,
             share_prefix=system.share_prefix,
             answer_seed=i,
-            **kv,
+            kv_cache_tokens=kv_cache_tokens,
         )
         for i in range(workload.engines)
     ]

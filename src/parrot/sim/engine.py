@@ -43,6 +43,10 @@ from parrot.sim.cost import StepCost, step_work
 
 __all__ = ["ANSWER_WORDS", "SimEngine", "StepRecord", "answer_vocabulary"]
 
+DEFAULT_KV_CACHE_TOKENS = 1 << 17
+"""A simulated engine's KV pool when none is given (``kv_cache_tokens=None``: a cost
+profile without a pool of its own)."""
+
 LATENCY_FACTOR = latency_probe.LATENCY_FACTOR
 """The simulated engine reports the latency cap its cost model implies at this factor
 (the built-in engine's default, :mod:`parrot.engine.latency_probe`)."""
@@ -66,7 +70,7 @@ class SimEngine:
         *,
         model_name: str = "sim",
         max_seq_len: int = 8192,
-        kv_cache_tokens: int = 1 << 17,
+        kv_cache_tokens: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
         token_capacity: int | None = None,
@@ -80,7 +84,7 @@ class SimEngine:
         self._tokenizer = tokenizer
         self.cost = cost
         self._model_name = model_name
-        num_blocks = max(1, kv_cache_tokens // block_size)
+        num_blocks = max(1, (kv_cache_tokens or DEFAULT_KV_CACHE_TOKENS) // block_size)
         self.pool = BlockPool(num_blocks, block_size, max_cached=num_blocks // 4)
         self.contexts = ContextTable(
             max_seq_len, on_release=self._on_release, pool=self.pool, prefix_cache=prefix_cache
