@@ -78,6 +78,8 @@ class InstantEngine:
         context_id: int,
         parent_context_id: int | None = None,
         cache_salt: str = "",
+        *,
+        priority: int = 0,
     ) -> None:
         return None
 

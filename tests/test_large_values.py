@@ -54,10 +54,16 @@ class RecordingEngine:
         return getattr(self._engine, name)
 
     async def fill(
-        self, tokens: Sequence[int], context_id: int, parent: int | None = None, cache_salt: str = ""
+        self,
+        tokens: Sequence[int],
+        context_id: int,
+        parent: int | None = None,
+        cache_salt: str = "",
+        *,
+        priority: int = 0,
     ) -> None:
         self.fills.append(list(tokens))
-        await self._engine.fill(tokens, context_id, parent, cache_salt=cache_salt)
+        await self._engine.fill(tokens, context_id, parent, cache_salt=cache_salt, priority=priority)
 
 
 class CountingTokenizer(TextTokenizer):

@@ -229,6 +229,8 @@ class SlowishEngine:
         context_id: int,
         parent_context_id: int | None = None,
         cache_salt: str = "",
+        *,
+        priority: int = 0,
     ) -> None:
         await asyncio.sleep(0)
 

@@ -58,10 +58,14 @@ class SimSystem:
     prefix_cache: bool
     request_level: bool
     share_prefix: bool = True
+    program_scheduling: bool = False
 
 
 SYSTEMS = {
     "parrot": SimSystem("parrot", prefix_cache=True, request_level=False),
+    "parrot-program-scheduling": SimSystem(
+        "parrot", prefix_cache=True, request_level=False, program_scheduling=True
+    ),
     "parrot-no-affinity": SimSystem("no-affinity", prefix_cache=True, request_level=False),
     "parrot-no-deduction": SimSystem("no-deduction", prefix_cache=True, request_level=False),
     "parrot-no-shared-attention": SimSystem(
@@ -69,6 +73,8 @@ SYSTEMS = {
     ),
     "parrot-baseline-latency": SimSystem("baseline-latency", prefix_cache=False, request_level=True),
     "parrot-baseline-throughput": SimSystem("baseline-throughput", prefix_cache=False, request_level=True),
+    # the suite's like-for-like baseline: request-level, every request admitted, prefix cache on
+    "parrot-baseline-throughput-apc": SimSystem("baseline-throughput", prefix_cache=True, request_level=True),
     # vLLM-like: request-level, latency cap, automatic prefix caching, per-sequence attention
     "request-level-apc": SimSystem(
         "baseline-latency", prefix_cache=True, request_level=True, share_prefix=False
@@ -197,6 +203,7 @@ async def _run(workload: Workload, system: SimSystem, cost: StepCost, tokenizer:
         latency_cap_tokens=latency_cap,
         inline_tokenize_bytes=None,
         pack_latency=pack_latency,
+        program_scheduling=system.program_scheduling,
     )
     manager = Manager(config)
     engines = [

@@ -5,6 +5,7 @@ name                                client    server
 ==================================  ========  ================================================================
 ``parrot``                          Parrot    ``parrot serve --policy parrot`` (+ engines)
 ``parrot-no-app-fifo``              Parrot    ... ``--no-app-fifo`` (app-level FIFO off)
+``parrot-program-scheduling``       Parrot    ... ``--program-scheduling`` (least attained service first)
 ``parrot-no-deduction``             Parrot    ... ``--policy no-deduction`` (objective deduction off)
 ``parrot-no-affinity``              Parrot    ... ``--policy no-affinity`` (prefix/task-group affinity off)
 ``parrot-latency-batching``         Parrot    ... ``--latency-cap-scope mixed`` (latency calls batch freely)
@@ -124,6 +125,13 @@ SYSTEMS: dict[str, SystemSpec] = {
     "parrot": SystemSpec("parrot", "parrot", "parrot", "Parrot (client + server, all optimisations)"),
     "parrot-no-app-fifo": SystemSpec(
         "parrot", "parrot", "parrot", "Parrot without app-level FIFO", serve_flags=("--no-app-fifo",)
+    ),
+    "parrot-program-scheduling": SystemSpec(
+        "parrot",
+        "parrot",
+        "parrot",
+        "Parrot ranking queued calls by their application's attained service first (least first)",
+        serve_flags=("--program-scheduling",),
     ),
     "parrot-no-deduction": SystemSpec(
         "parrot", "parrot", "no-deduction", "Parrot without performance-objective deduction"

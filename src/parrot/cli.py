@@ -303,6 +303,12 @@ def _parser() -> argparse.ArgumentParser:
         "the baseline policies always do)",
     )
     serve.add_argument(
+        "--program-scheduling",
+        action="store_true",
+        help="rank queued calls first by their application's attained service, least first, then "
+        "by its place (docs/scheduling.md: shorter apps gain, longer ones lose more)",
+    )
+    serve.add_argument(
         "--session-ttl",
         type=float,
         default=3600.0,
@@ -429,6 +435,7 @@ def manager_config(args: argparse.Namespace) -> ManagerConfig:
         policy=args.policy,
         latency_cap_tokens=args.latency_cap,
         app_fifo=not args.no_app_fifo,
+        program_scheduling=args.program_scheduling,
         latency_cap_scope=args.latency_cap_scope,
         affinity_spill=args.affinity_spill,
         pack_latency=args.pack_latency,

@@ -72,14 +72,18 @@ def create_engine_app(
     @protected.post("/fill")
     async def fill(body: FillRequest) -> dict:
         reused = await engine.fill(
-            body.tokens, body.context_id, body.parent_context_id, cache_salt=body.cache_salt
+            body.tokens,
+            body.context_id,
+            body.parent_context_id,
+            cache_salt=body.cache_salt,
+            priority=body.priority,
         )
         return {"ok": True, "cached_tokens": reused}
 
     @protected.post("/generate", response_class=StreamingResponse)
     async def generate(body: GenerateRequest) -> StreamingResponse:
         sampling = SamplingParams.from_dict(body.sampling)
-        stream = engine.generate(sampling, body.context_id, body.parent_context_id)
+        stream = engine.generate(sampling, body.context_id, body.parent_context_id, priority=body.priority)
 
         async def lines() -> AsyncIterator[bytes]:
             try:

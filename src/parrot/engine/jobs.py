@@ -38,6 +38,9 @@ class Job:
     ctx: Context | None = None  # set once admitted; the job then owns ``ctx.busy``
     cancelled: bool = False
     arrival: int = 0  # first-come first-served order, kept across preemptions
+    # lower first: the manager's order of the call it belongs to (its application's attained
+    # service and place); jobs of equal priority keep first-come first-served order
+    priority: int = 0
     preempted: bool = False  # waiting again after preemption (``ctx`` still set and busy)
     # generate state
     generated: int = 0
@@ -52,6 +55,11 @@ class Job:
     @property
     def is_generate(self) -> bool:
         return self.sampling is not None
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """The engine's order of service: priority, then arrival (lower first)."""
+        return (self.priority, self.arrival)
 
 
 def finish_job(job: Job, error: ParrotError | None, finish_reason: str | None = None) -> None:

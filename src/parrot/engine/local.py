@@ -159,6 +159,8 @@ class LocalEngine:
         context_id: int,
         parent_context_id: int | None = None,
         cache_salt: str = "",
+        *,
+        priority: int = 0,
     ) -> int:
         """Append ``tokens`` (see the module); returns how many of them took their KV from
         the prefix cache instead of being computed."""
@@ -169,6 +171,7 @@ class LocalEngine:
             parent_context_id,
             tokens=self._check_tokens(tokens),
             cache_salt=cache_salt,
+            priority=priority,
             on_finish=lambda err: loop.call_soon_threadsafe(_settle, fut, reused_of(job), err),
         )
         self.runner.submit(job)
@@ -197,6 +200,7 @@ class LocalEngine:
             context_id,
             parent_context_id,
             sampling=sampling,
+            priority=priority,
             on_chunk=lambda c: mailbox.post(chunks.put_nowait, c),
             on_finish=on_finish,
         )

@@ -234,7 +234,7 @@ class EngineRunner:
     def _enqueue(self, job: Job) -> None:
         self._arrivals += 1
         job.arrival = self._arrivals
-        self.planner.waiting.append(job)
+        self.planner.enqueue(job)
 
     def cancel(self, job: Job) -> None:
         job.cancelled = True

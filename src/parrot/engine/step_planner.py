@@ -1,12 +1,15 @@
 """What the engine computes in its next forward step: admission, planning, reservation.
 
 :class:`StepPlanner` owns the engine's job queues (``waiting``, sorted by
-arrival, and ``running``) and decides, step by step, with no forward pass and
+order, and ``running``) and decides, step by step, with no forward pass and
 no sampling (those are the runner's, :mod:`parrot.engine.runner`):
 
 1. **admission** (:meth:`StepPlanner.admit`) — waiting jobs move to running
-   first-come first-served (by arrival; a preempted job keeps its arrival, so
-   it resumes before newer work).  A job waits while its context (or the parent
+   in their *order*: priority, then first-come first-served (by arrival; a
+   preempted job keeps its arrival, so it resumes before newer work of its
+   priority).  The priority is the manager's (lower first: an application with
+   less service so far, :mod:`parrot.manager.queue_order`); jobs all of priority
+   0 are plain first-come first-served.  A job waits while its context (or the parent
    it forks from) is busy, and jobs on one context never overtake.  Admission
    stops at the first job that does not fit the *token capacity* (the distinct
    KV tokens of running work, :class:`KVLoad`) or free KV memory (after evicting
@@ -19,18 +22,20 @@ no sampling (those are the runner's, :mod:`parrot.engine.runner`):
    recompute).  Pending tokens whose KV the prefix cache already holds are
    taken from it first (whole blocks, by their tokens:
    :mod:`parrot.engine.prefix_cache`); then all one-token (decode) slices go
-   in, then prompt chunks up to ``max_step_tokens``.  Taking cache hits at
+   in, then prompt chunks up to ``max_step_tokens``, in the jobs' order (so a
+   prompt of a higher priority is computed first: prefill, which batching does
+   not make cheaper, is where the order decides latency).  Taking cache hits at
    planning time, not at admission, lets calls that arrive together under one
    long prompt compute it once: the oldest computes it chunk by chunk (in
    arrival order) and the others find its blocks;
 3. **reservation** (:meth:`StepPlanner.reserve`) — KV blocks for the plan in
-   arrival order; when the pool is short, make room
+   the jobs' order; when the pool is short, make room
    (:mod:`parrot.engine.memory`): evict idle contexts' KV, then preempt the
-   newest running jobs (their private blocks go back to the pool; their KV is
+   last running jobs in that order (their private blocks go back to the pool; their KV is
    recomputed from their tokens when they resume).
 
 Progress: a job that fits the KV pool at all is never rejected for lack of
-memory; it waits or is preempted.  The oldest running job can always proceed,
+memory; it waits or is preempted.  The first running job in order can always proceed,
 because making room may evict or preempt everything else.
 
 Runs on the engine's worker thread only, like everything that touches contexts.
@@ -116,7 +121,7 @@ class StepPlanner:
         self.copy_blocks = copy_blocks
         self.max_step_tokens = max_step_tokens
         self.counters = counters  # the runner's: fills, filled_tokens, preemptions, cached_tokens
-        self.waiting: list[Job] = []  # sorted by arrival
+        self.waiting: list[Job] = []  # sorted by order (priority, arrival)
         self.running: list[Job] = []
         self.logits: dict[int, tuple[int, torch.Tensor]] = {}  # context -> (length, logits at that length)
 
@@ -127,6 +132,10 @@ class StepPlanner:
             if job.ctx is not None:
                 load.add(job.ctx.block_table, job.ctx.computed_len, job.ctx.num_pending)
         return load
+
+    def enqueue(self, job: Job) -> None:
+        """A new job (its arrival already stamped, later than every other's) waits in order."""
+        bisect.insort(self.waiting, job, key=_order)
 
     def release(self, ctx: Context) -> None:
         """A job let go of its context: it may be evicted, most recently used last."""
@@ -156,7 +165,7 @@ class StepPlanner:
 
     # ------------------------------------------------------------ admission
     def admit(self, token_capacity: int) -> Admission:
-        """Move admissible jobs to running, first-come first-served."""
+        """Move admissible jobs to running, in order (priority, then first-come first-served)."""
         out = Admission()
         blocked: set[int] = set()
         still_waiting: list[Job] = []
@@ -275,7 +284,7 @@ class StepPlanner:
         if parent.busy:
             return False
         if parent.num_pending:  # compute the parent's pending tokens before forking
-            flush = Job(pid, None, internal=True, ctx=parent, arrival=job.arrival)
+            flush = Job(pid, None, internal=True, ctx=parent, arrival=job.arrival, priority=job.priority)
             parent.busy = True
             self.running.append(flush)
             return False
@@ -318,7 +327,7 @@ class StepPlanner:
                 decodes.append((job, SeqSlice(ctx, ctx.computed_len, 1)))
         budget = self.max_step_tokens - len(decodes)
         computing: set[bytes] = set()  # digests of the whole blocks this step's chunks compute
-        for job in self.running:
+        for job in sorted(self.running, key=_order):
             ctx = job.ctx
             assert ctx is not None
             pending = ctx.num_pending
@@ -359,14 +368,14 @@ class StepPlanner:
 
     # ---------------------------------------------------------- reservation
     def reserve(self, plan: list[tuple[Job, SeqSlice]]) -> list[tuple[Job, SeqSlice]]:
-        """Give every planned slice writable blocks, oldest job first, making room by
-        evicting non-running contexts' KV and then preempting the newest running
-        jobs; a job that still cannot get room is preempted itself (so older work
-        can grow).  Performs the copy-on-write copies; returns the slices that got
+        """Give every planned slice writable blocks, first job in order first, making room
+        by evicting non-running contexts' KV and then preempting the last running jobs
+        in order; a job that still cannot get room is preempted itself (so work ahead
+        of it can grow).  Performs the copy-on-write copies; returns the slices that got
         their blocks, in plan order."""
         copies: list[tuple[int, int]] = []
         reserved: set[int] = set()
-        for job, s in sorted(plan, key=lambda p: p[0].arrival):
+        for job, s in sorted(plan, key=lambda p: p[0].order):
             if job.preempted:
                 continue
             need = self.contexts.blocks_needed(s.ctx, s.n)
@@ -383,21 +392,21 @@ class StepPlanner:
 
     def _make_room(self, job: Job, need: int) -> None:
         """Free ``need`` blocks for ``job``: evict non-running contexts' KV, then
-        preempt running jobs newer than ``job``, newest first.  For the oldest
-        running job, finally drop every non-running context's KV: some blocks it
+        preempt running jobs after ``job`` in order, last first.  For the first
+        running job in order, finally drop every non-running context's KV: some blocks it
         needs may be shared with them (a copy-on-write that is no longer needed
         once the others let go), and the oldest job must always progress."""
         running = {j.context_id for j in self.running}
         if self.memory.make_room(need, running):
             return
-        for victim in sorted(self.running, key=lambda j: j.arrival, reverse=True):
-            if victim.arrival <= job.arrival:
+        for victim in sorted(self.running, key=_order, reverse=True):
+            if victim.order <= job.order:
                 break
             self._preempt(victim)
             running = {j.context_id for j in self.running}
             if self.memory.make_room(need, running):
                 return
-        if min(j.arrival for j in self.running) == job.arrival:
+        if min(j.order for j in self.running) == job.order:
             self.memory.make_room(need, running, force=True)
 
     def _preempt(self, job: Job) -> None:
@@ -407,8 +416,12 @@ class StepPlanner:
         self.memory.drop_private(job.ctx)
         self.running.remove(job)
         job.preempted = True
-        bisect.insort(self.waiting, job, key=lambda j: j.arrival)
+        bisect.insort(self.waiting, job, key=_order)
         self.counters["preemptions"] += 1
+
+
+def _order(job: Job) -> tuple[int, int]:
+    return job.order
 
 
 class KVLoad:

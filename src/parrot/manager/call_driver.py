@@ -49,7 +49,7 @@ async def drive(
     """Run ``rendered``'s steps for ``call`` on ``handle`` (see the module docstring),
     observing its time to first token and each output's time per token in ``metrics``.
     Engine failures propagate (an EngineError); the caller decides about re-running.
-    Every generation carries ``priority`` (:meth:`~parrot.protocol.engine_api.EngineAPI.generate`).
+    Every fill and generation carries ``priority`` (:meth:`~parrot.protocol.engine_api.EngineAPI.generate`).
 
     An output with forks (``n`` samples) is generated in ``n`` contexts forked from the
     filled prompt's, concurrently: the prompt is computed once and every sample reads
@@ -62,7 +62,9 @@ async def drive(
         for step in rendered.steps:
             if isinstance(step, FillStep):
                 opened = True
-                reused = await api.fill(step.tokens, context_id, cache_salt=call.cache_salt)
+                reused = await api.fill(
+                    step.tokens, context_id, cache_salt=call.cache_salt, priority=priority
+                )
                 _count_fill(call, len(step.tokens), reused)
                 continue
             out = step.output

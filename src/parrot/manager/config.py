@@ -61,6 +61,11 @@ class ManagerConfig:
     # chain's next step keeps its application's place); False ranks each call by its own
     # arrival, as the request-level baseline policies always do
     app_fifo: bool = True
+    # program-level scheduling (with app_fifo): a queued call ranks first by its application's
+    # attained service, least first (parrot.manager.queue_order), and its fills and
+    # generations carry that order to the engines.  Off by default: it shortens short apps
+    # behind long ones but lengthens the long ones more (docs/scheduling.md)
+    program_scheduling: bool = False
     # tenants (parrot.manager.tenants): API key -> tenant name (None or empty: no keys, every
     # client is the anonymous tenant), what each tenant may hold at once, and who may share
     # cached prompt prefixes ("tenant": calls of one tenant; "global": everyone's)

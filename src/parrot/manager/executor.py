@@ -111,6 +111,7 @@ class Executor:
         engine_wait_s: float = 30.0,
         queue_timeout_s: float | None = 600.0,
         app_fifo: bool = True,
+        program_scheduling: bool = False,
         inline_tokenize_bytes: int | None = INLINE_TOKENIZE_BYTES,
         metrics: ManagerMetrics | None = None,
     ):
@@ -126,7 +127,7 @@ class Executor:
         self.metrics = metrics or ManagerMetrics()  # queue waits here, token timings in drive()
         self.loads = EngineLoads(pool, self.prefixes, engine_token_capacity)
         self.shared_starts = SharedStarts(self.prefixes, min_prefix_tokens)
-        self.order = QueueOrder()
+        self.order = QueueOrder(by_service=program_scheduling)
         self.objectives = ObjectiveCache(calls_of_session)
         self._queue: dict[str, _Ticket] = {}
         self._placed: dict[str, _Ticket] = {}
@@ -517,6 +518,7 @@ class Executor:
             call.rendered = None  # its engine steps are not needed any more
         requeued = lost is not None and self._requeue(ticket, lost)
         if placed and not requeued:
+            self.order.attain(call, ticket.tokens or 0)
             self.order.leave(call)
         if kick:
             self.kick()

@@ -184,6 +184,8 @@ class OpenAIBackend:
         context_id: int,
         parent_context_id: int | None = None,
         cache_salt: str = "",
+        *,
+        priority: int = 0,
     ) -> None:
         ctx = self._contexts.get(context_id)
         if ctx is None:

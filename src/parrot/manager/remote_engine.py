@@ -88,12 +88,16 @@ class RemoteEngine:
         context_id: int,
         parent_context_id: int | None = None,
         cache_salt: str = "",
+        *,
+        priority: int = 0,
     ) -> int | None:
         """Append ``tokens``; returns how many took their KV from the engine's prefix cache
         (None from an engine whose answer does not say)."""
         body = {"tokens": list(tokens), "context_id": context_id, "parent_context_id": parent_context_id}
         if cache_salt:
             body["cache_salt"] = cache_salt
+        if priority:
+            body["priority"] = priority
         answer = await _request(
             self._client,
             "POST",
@@ -117,6 +121,8 @@ class RemoteEngine:
             "context_id": context_id,
             "parent_context_id": parent_context_id,
         }
+        if priority:
+            body["priority"] = priority
         try:
             # no read timeout: a long generation may pause between tokens while the engine is busy;
             # a dead engine is caught by the broken stream or by its missing heartbeats

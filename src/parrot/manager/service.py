@@ -117,6 +117,7 @@ class Manager:
             max_attempts=self.config.max_attempts,
             engine_wait_s=self.config.engine_wait_s,
             app_fifo=self.config.app_fifo,
+            program_scheduling=self.config.program_scheduling,
             inline_tokenize_bytes=self.config.inline_tokenize_bytes,
             metrics=self.metrics,
         )

@@ -30,12 +30,15 @@ class EngineAPI(Protocol):
         context_id: int,
         parent_context_id: int | None = None,
         cache_salt: str = "",
+        *,
+        priority: int = 0,
     ) -> int | None:
         """Append ``tokens`` to the context, creating it (forked from the parent) if needed.
         A context created here reuses and offers cached prefix blocks only among
         contexts of the same ``cache_salt`` (a fork keeps its parent's).  Returns how
         many of ``tokens`` took their KV from the prefix cache instead of being computed
-        (0 to ``len(tokens)``), or None when the engine does not know."""
+        (0 to ``len(tokens)``), or None when the engine does not know.  ``priority``: as
+        :meth:`generate`'s (the prompt's computation is served in that order)."""
 
     def generate(
         self,
@@ -47,11 +50,12 @@ class EngineAPI(Protocol):
     ) -> AsyncIterator[GenerateChunk]:
         """Stream generated chunks; the last has ``done`` set.  Closing early cancels.
 
-        ``priority`` (lower first): the call's place in the manager's order (its
-        application's place under app-FIFO), for an engine that
-        orders its own queue by it: an OpenAI-compatible backend with
-        ``send_priority`` (vLLM started with ``--scheduling-policy priority``).  Parrot's
-        own engines serve in the order the manager dispatches and take no notice of it."""
+        ``priority`` (lower first, 0 to :data:`~parrot.protocol.schemas.ENGINE_PRIORITY_MAX`):
+        the call's place in the manager's order (:meth:`parrot.manager.queue_order.QueueOrder.
+        engine_priority`), for an engine that orders its own queue by it.  Parrot's own engines
+        admit jobs and compute prompts in that order (then first-come first-served); an
+        OpenAI-compatible backend sends it with ``send_priority`` (vLLM started with
+        ``--scheduling-policy priority``)."""
 
     async def free_context(self, context_id: int) -> None: ...
 

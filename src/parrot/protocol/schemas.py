@@ -127,6 +127,9 @@ class CallInfo(BaseModel):
 
 # -------------------------------------------------------------------- batch
 MAX_BATCH_OPS = 512
+ENGINE_PRIORITY_MAX = (1 << 63) - 1
+"""The largest priority a fill or generate carries to an engine (a signed 64-bit integer,
+as vLLM's request priority)."""
 """The most operations one ``BatchRequest`` may carry.  A batch is validated and staged
 synchronously (all or none) on the manager's event loop: measured in-process here
 (calls with 1,000-character templates), 256 ops took 0.04 s, 1,024 ops 0.29 s and
@@ -252,6 +255,11 @@ class EngineStats(BaseModel):
     )
     decode_ms_target: float = Field(default=0.0, description="The step time the cap keeps to (ms).")
     decode_steps_fitted: int = Field(default=0, description="Decode steps behind the fit.")
+    latency_refits_rejected: int = Field(
+        default=0,
+        description="Refits of the decode-step fit from real steps that could not fit (the previous fit "
+        "was kept; the engine's log says why).",
+    )
     prefill_tokens_per_decode_step: float = Field(
         default=0.0,
         description="How many prompt tokens cost one unloaded decode step, measured from steps "
@@ -335,12 +343,14 @@ class FillRequest(StrictBody):
     context_id: int
     parent_context_id: int | None = None
     cache_salt: str = Field("", max_length=256)
+    priority: int = Field(0, ge=0, le=ENGINE_PRIORITY_MAX)
 
 
 class GenerateRequest(StrictBody):
     sampling: dict[str, Any] = Field(default_factory=dict)
     context_id: int
     parent_context_id: int | None = None
+    priority: int = Field(0, ge=0, le=ENGINE_PRIORITY_MAX)
 
 
 class FreeContextRequest(StrictBody):

@@ -129,6 +129,8 @@ class SimEngine:
         context_id: int,
         parent_context_id: int | None = None,
         cache_salt: str = "",
+        *,
+        priority: int = 0,
     ) -> int:
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         job = Job(
@@ -136,6 +138,7 @@ class SimEngine:
             parent_context_id,
             tokens=check_token_ids(tokens, self._tokenizer.vocab_size),
             cache_salt=cache_salt,
+            priority=priority,
             on_finish=lambda err: _settle(done, err),
         )
         self._submit(job)
@@ -159,6 +162,7 @@ class SimEngine:
             context_id,
             parent_context_id,
             sampling=sampling,
+            priority=priority,
             on_chunk=chunks.put_nowait,
             on_finish=lambda err: None if err is None else chunks.put_nowait(err),
         )
@@ -231,7 +235,7 @@ class SimEngine:
         is not started: :meth:`fill` and :meth:`generate` start it)."""
         self._arrivals += 1
         job.arrival = self._arrivals
-        self.planner.waiting.append(job)
+        self.planner.enqueue(job)
 
     def _submit(self, job: Job) -> None:
         self.enqueue(job)
