@@ -367,3 +367,13 @@ def test_fig17_a_system_that_sustains_no_rate_loses_by_infinity(raw: list[dict],
     assert c.value == math.inf and c.per_repeat == {0: math.inf}
     md = build_report(raw, {}, tmp_path, plots=False)
     assert "vllm rate ≥ 1.3×: met (∞)" in md
+
+
+def test_the_mixed_load_reports_the_mean_and_the_99th_percentile_of_app_latency() -> None:
+    from benchmarks.suite.report import metrics_for
+
+    run = {"apps": [{"kind": "chat", "arrival_s": 1.0, "end_s": 1.0 + i} for i in range(1, 101)]}
+    run["apps"].append({"kind": "chain", "arrival_s": 0.0, "end_s": 500.0, "error": "failed"})  # left out
+    mean, p99 = (m.fn(run) for m in metrics_for("app_load"))
+    assert (mean, p99) == (50.5, 99.0)
+    assert metrics_for("app_load")[1].fn({"apps": []}) is None

@@ -17,6 +17,7 @@ if str(_ROOT) not in sys.path:  # benchmarks/ is not an installed package
 from benchmarks.suite import textgen  # noqa: E402
 from benchmarks.suite.spec import AppSpec, Workload, check_app  # noqa: E402
 from benchmarks.suite.workloads import (  # noqa: E402
+    APP_LOAD_RATES,
     CONTEXT_TOKENS,
     FIGURES,
     all_workloads,
@@ -27,7 +28,7 @@ from benchmarks.suite.workloads import (  # noqa: E402
     workload_cost,
 )
 
-ALL_FIGURES = ["fig11", "fig12a", "fig12b", "fig14", "fig15_16", "fig17", "fig18", "fig19"]
+ALL_FIGURES = ["fig11", "fig12a", "fig12b", "fig14", "fig15_16", "fig17", "fig18", "fig19", "app_load"]
 
 
 @pytest.fixture(scope="module")
@@ -326,6 +327,23 @@ def test_fig19_mixes_chat_and_map_reduce() -> None:
     assert kinds.count("chat") == workload.params["chat_apps"] > 0
     chat_ids = {a.app_id for a in workload.apps if a.kind == "chat"}
     assert set(workload.params["app_output_tokens"]) == chat_ids
+
+
+def test_app_load_mixes_kinds_and_a_higher_rate_has_more_apps_over_the_same_window() -> None:
+    workloads = generate("app_load")
+    assert [w.params["x"] for w in workloads] == list(APP_LOAD_RATES)
+    counts = [len(w.apps) for w in workloads]
+    assert counts == sorted(counts) and counts[0] > 0
+    for workload in workloads:
+        rate, window = workload.params["x"], workload.params["window_s"]
+        assert workload.engines == 1 and window == 60.0
+        assert abs(len(workload.apps) - rate * window) <= 4 * math.sqrt(rate * window)  # Poisson
+        assert max(a.arrival_s for a in workload.apps) < window
+        kinds = [a.kind for a in workload.apps]
+        assert workload.params["kinds"] == {k: kinds.count(k) for k in ("chat", "chain", "map_reduce")}
+        assert all(kinds.count(k) > 0 for k in ("chat", "chain", "map_reduce"))
+        sizes = {len(a.calls) for a in workload.apps if a.kind != "chat"}
+        assert len(sizes) >= 5  # multi-call apps of many sizes: their order decides the mean
 
 
 def test_fig17_rates_span_both_saturations_with_enough_requests() -> None:

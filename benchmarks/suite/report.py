@@ -150,6 +150,16 @@ def _mean_latency(kinds: Callable[[str], bool]) -> Callable[[Run], float | None]
     return metric
 
 
+def _percentile_latency(q: float) -> Callable[[Run], float | None]:
+    """The ``q``-quantile (nearest rank) of the run's app latencies."""
+
+    def metric(run: Run) -> float | None:
+        values = sorted(app_latency(a) for a in _ok(run["apps"], _any))
+        return values[min(len(values) - 1, math.ceil(q * len(values)) - 1)] if values else None
+
+    return metric
+
+
 def _mean_per_token(kinds: Callable[[str], bool]) -> Callable[[Run], float | None]:
     def metric(run: Run) -> float | None:
         values = []
@@ -197,6 +207,7 @@ _TITLES = {
     "fig17": "Figure 17: GPTs applications on several engines",
     "fig18": "Figure 18: multi-agent programming",
     "fig19": "Figure 19: chat + map-reduce",
+    "app_load": "Mixed application load: chats, chains and map-reduce arriving by a Poisson process",
 }
 _APP_LATENCY = Metric(
     "latency_s",
@@ -236,6 +247,17 @@ _METRICS: dict[str, tuple[Metric, ...]] = {
         ),
     ),
 }
+
+
+_METRICS["app_load"] = (
+    _ALL_LATENCY,
+    Metric(
+        "p99_latency_s",
+        "p99 end-to-end latency of the apps (s)",
+        "p99 latency (s)",
+        _percentile_latency(0.99),
+    ),
+)
 
 
 def metrics_for(figure: str) -> tuple[Metric, ...]:

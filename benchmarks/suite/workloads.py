@@ -116,6 +116,8 @@ from benchmarks.suite import textgen
 from benchmarks.suite.spec import AppSpec, CallSpec, Criteria, Workload, check_app
 
 __all__ = [
+    "APP_LOAD_MIX",
+    "APP_LOAD_RATES",
     "CHAT_RATES",
     "CONTEXT_TOKENS",
     "FIGURES",
@@ -125,6 +127,8 @@ __all__ = [
     "agents_app",
     "all_workloads",
     "app_cost",
+    "app_load",
+    "app_load_app",
     "call_prompt_tokens",
     "chain_app",
     "chat_app",
@@ -707,6 +711,49 @@ def fig19(scale: float = 1.0, seed: int = 0) -> list[Workload]:
     return [finish_workload("fig19", name, params, apps, engines=2)]
 
 
+#: app_load: app arrival rates (apps/s) of the mixed Poisson load on one engine.  In simulation
+#: on the 2-core Xeon's bf16 profile the request-level baseline saturates between 2.5 and 3
+#: (``docs/evaluation/app-load.md``).
+APP_LOAD_RATES = (1.0, 1.5, 2.0, 2.5)
+APP_LOAD_MIX = (("chat", 0.5), ("chain", 0.25), ("map_reduce", 0.25))
+"""Each arrival's kind and its probability: short chats beside multi-call apps whose
+sizes vary several-fold, so the order in which apps are served decides their mean latency."""
+
+
+def app_load_app(app_id: str, rng: random.Random, arrival_s: float) -> AppSpec:
+    """One app of the mixed load, its kind drawn by :data:`APP_LOAD_MIX`: a ShareGPT-like
+    chat; a chain of 2-6 summary steps (chunk 160, output 25); or a map-reduce of 4-12 maps
+    (chunk 80, output 25).  Each on text of its own."""
+    kind = rng.choices([k for k, _ in APP_LOAD_MIX], weights=[w for _, w in APP_LOAD_MIX])[0]
+    if kind == "chat":
+        return chat_app(app_id, rng, arrival_s=arrival_s)
+    if kind == "chain":
+        steps = rng.randint(2, 6)
+        return chain_app(app_id, split_chunks(textgen.filler(rng, steps * 160), 160), 25, arrival_s=arrival_s)
+    maps = rng.randint(4, 12)
+    return map_reduce_app(app_id, split_chunks(textgen.filler(rng, maps * 80), 80), 25, arrival_s=arrival_s)
+
+
+def app_load(scale: float = 1.0, seed: int = 0) -> list[Workload]:
+    """Apps arriving by a Poisson process at each of :data:`APP_LOAD_RATES` over a 60 s
+    window (times ``scale``), mixing chats, chains and map-reduce (:func:`app_load_app`);
+    one engine.  Each rate has texts of its own, so no rate finds another's prompts in a
+    prefix cache."""
+    window = 60.0 * scale
+    workloads = []
+    for rate in APP_LOAD_RATES:
+        name = workload_name("app_load", rate=rate)
+        # one unit-rate process compressed by the rate: a higher rate has more apps, never fewer
+        unit = poisson_arrivals(seeded_rng(seed, "app_load", "arrivals"), 1.0, window * rate) or [0.0]
+        arrivals = [round(t / rate, 3) for t in unit]
+        rng = seeded_rng(seed, name, "apps")
+        apps = [app_load_app(f"{name}/app{i:04d}", rng, t) for i, t in enumerate(arrivals)]
+        kinds = {k: sum(a.kind == k for a in apps) for k, _ in APP_LOAD_MIX}
+        params = {"sweep": "rate", "x": rate, "window_s": window, "apps": len(apps), "kinds": kinds}
+        workloads.append(finish_workload("app_load", name, params, apps))
+    return workloads
+
+
 FIGURES: dict[str, Callable[..., list[Workload]]] = {
     "fig11": fig11,
     "fig12a": fig12a,
@@ -716,6 +763,7 @@ FIGURES: dict[str, Callable[..., list[Workload]]] = {
     "fig17": fig17,
     "fig18": fig18,
     "fig19": fig19,
+    "app_load": app_load,
 }
 
 
