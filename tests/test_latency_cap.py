@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import itertools
 import random
 import time
@@ -18,7 +19,7 @@ import torch
 
 from parrot.cli import _parser
 from parrot.engine import latency_probe as lp
-from parrot.engine.latency_probe import StepFit, StepLatency, cap_from_fit, fit_step_times
+from parrot.engine.latency_probe import StepFit, StepLatency, cap_from_fit, fit_or_why, fit_step_times
 from parrot.engine.loader import LoadedModel
 from parrot.engine.local import LocalEngine
 from parrot.engine.runner import EngineRunner
@@ -136,6 +137,87 @@ def test_prompt_steps_tell_how_many_prompt_tokens_cost_one_decode_step():
     EngineStats(**tracker.report(50_000))
 
 
+def _probed(a: float, b: float) -> tuple[StepLatency, StepFit]:
+    """A tracker holding start-up probe steps of ``a + b * load`` at the probe's loads, fitted."""
+    tracker = StepLatency()
+    for load, t in line(a, b, [512, 2048, 4096], 3, random.Random(1)):
+        tracker.record(load, t, probe=True)
+    fit = tracker.refit(min_samples=1)
+    assert fit is not None and fit.steps == 9 and tracker._buckets == {}
+    return tracker, fit
+
+
+def test_probe_steps_are_kept_apart_and_aged_out_by_real_steps_spanning_an_octave():
+    tracker, probe_fit = _probed(0.030, 5e-6)
+    # real steps under an octave of load, as the probe saw the machine: its line, refined
+    for load, t in line(0.030, 5e-6, [200, 260], lp.REFIT_EVERY // 2, random.Random(7)):
+        tracker.record(load, t)
+    refined = tracker.fit
+    assert refined is not probe_fit and refined.buckets == 5 and refined.steps == 9 + lp.REFIT_EVERY
+    assert refined.base_s == pytest.approx(0.030, rel=0.03)
+    assert refined.per_token_s == pytest.approx(5e-6, rel=0.03)
+    assert tracker.refits_rejected == 0 and len(tracker._probe_buckets) == 3
+    # real steps over an octave: fitted alone, the probe's dropped
+    for load, t in line(0.030, 5e-6, [400, 1200], lp.REFIT_EVERY // 2, random.Random(8)):
+        tracker.record(load, t)
+    assert tracker._probe_buckets == {} and tracker.fit.buckets == 4
+    assert tracker.fit.base_s == pytest.approx(0.030, rel=0.03)
+    assert tracker.fit.steps == sum(len(b) for b in tracker._buckets.values())
+
+
+def test_real_steps_slower_than_the_probe_scale_its_line_instead_of_bending_it():
+    """Issue 41: real steps timed at 0.65 ms around load 230 (a GIL wait in the span) beside
+    probe steps of 0.36 ms + 0.16 ms per 1,000 tokens.  Pooled, their median slope fell to
+    about 0 (no fit) or the base doubled (an inflated cap); scaled, the probe's cap stands."""
+    tracker, probe_fit = _probed(0.36e-3, 0.16e-6)
+    probe_cap = tracker.cap(50_000)
+    for load, t in line(0.65e-3, 0.0, [200, 230, 260], lp.REFIT_EVERY // 2, random.Random(2)):
+        tracker.record(load, t)
+    fit = tracker.fit
+    assert fit is not probe_fit and tracker.refits_rejected == 0
+    scale = fit.base_s / probe_fit.base_s
+    assert fit.per_token_s / probe_fit.per_token_s == pytest.approx(scale) and scale > 1.4
+    assert tracker.cap(50_000) == pytest.approx(probe_cap, abs=1)
+
+
+def test_a_rejected_refit_keeps_the_fit_logs_why_and_is_counted(caplog):
+    """Real steps over an octave of load that do not grow with it (every step dominated by
+    something else): no fit; the refit is rejected, not silently."""
+    tracker, probe_fit = _probed(0.36e-3, 0.16e-6)
+    with caplog.at_level("DEBUG", logger="parrot.engine.latency_probe"):
+        rows = line(0.65e-3, 0.0, [200, 300, 450], lp.REFIT_EVERY, random.Random(2))
+        for i in range(lp.REFIT_EVERY):  # the three loads in turn
+            for load, t in rows[i :: lp.REFIT_EVERY]:
+                tracker.record(load, t)
+    assert tracker.fit is probe_fit
+    assert tracker.refits_rejected == 3 and tracker.report(50_000)["latency_refits_rejected"] == 3
+    assert "under the 5% a fit needs" in tracker.rejection and "200" in tracker.rejection
+    records = [r for r in caplog.records if "latency refit rejected" in r.getMessage()]
+    assert [r.levelname for r in records] == ["WARNING", "DEBUG", "DEBUG"]  # at most one warning a minute
+    assert tracker.rejection in records[-1].getMessage()
+    assert EngineStats(**tracker.report(50_000)).latency_refits_rejected == 3
+    # without a probe, real steps under an octave cannot fit either
+    alone = StepLatency()
+    for load, t in line(0.65e-3, 1e-6, [200, 260], lp.REFIT_EVERY // 2, random.Random(3)):
+        alone.record(load, t)
+    assert alone.fit is None and alone.refits_rejected == 1 and "less than an octave" in alone.rejection
+    alone.refit()  # on demand (a backend's first fit): not a periodic refit, never counted
+    assert alone.refits_rejected == 1 and fit_or_why([]) == (None, "no decode steps")
+
+
+def test_cpu_steps_are_timed_on_the_engine_threads_own_clock():
+    """On the CPU a step's time is the thread's CPU time: waiting (for the GIL, a core, here a
+    sleep) is not counted, computing is; CUDA reads the wall clock."""
+    started = lp.step_start("cpu")
+    time.sleep(0.05)
+    assert lp.step_seconds(started, "cpu") < 0.02
+    started = lp.step_start("cpu")
+    until = time.perf_counter() + 0.05
+    while time.perf_counter() < until:
+        pass
+    assert lp.step_seconds(started, "cpu") > 0.02
+
+
 # ------------------------------------------------------------------ the probe on the tiny model
 @pytest.fixture
 def one_thread() -> Iterator[None]:
@@ -197,29 +279,70 @@ def test_engine_with_a_fixed_cap_skips_the_probe(tiny_model: LoadedModel):
         engine.close()
 
 
-def test_real_decode_steps_are_timed_and_refine_the_fit(tiny_model: LoadedModel, one_thread):
+def _generate_beside(engine: LocalEngine, busy: bool) -> tuple[list[int], list[int]]:
+    """Fill 197 prompt tokens and generate ``REFIT_EVERY + 8`` more on ``engine``, with (``busy``)
+    a coroutine keeping the event loop busy meanwhile (Python work between yields, as a
+    manager's loop does beside an in-process engine); returns the loads of the real decode steps
+    recorded into the fit, and the loop iterations the busy coroutine made."""
+    tracker = engine.runner.latency
+    loads: list[int] = []
+    record = tracker.record
+
+    def spy(load: int, seconds: float, *, probe: bool = False) -> None:
+        if not probe:
+            loads.append(load)
+        record(load, seconds, probe=probe)
+
+    tracker.record = spy  # type: ignore[method-assign]
+    spins = [0]
+
+    async def spin(stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            sum(range(2000))  # ~20 us of Python holding the GIL
+            spins[0] += 1
+            await asyncio.sleep(0)
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        spinner = asyncio.create_task(spin(stop)) if busy else None
+        await engine.fill(list(range(3, 200)), 1)
+        sp = SamplingParams(max_tokens=lp.REFIT_EVERY + 8, temperature=0.0, ignore_eos=True)
+        async for _ in engine.generate(sp, 1):
+            pass
+        await engine.free_context(1)
+        stop.set()
+        if spinner is not None:
+            await spinner
+
+    try:
+        asyncio.run(run())
+    finally:
+        tracker.record = record  # type: ignore[method-assign]
+    return loads, spins
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["idle-loop", "busy-loop"])
+def test_real_decode_steps_are_timed_and_refine_the_fit(tiny_model: LoadedModel, one_thread, busy: bool):
+    """Real decode steps refit the probe's line, also with the event loop busy beside the
+    engine (its GIL takes and token deliveries are not the engine's time): the refit is
+    accepted, not counted as rejected, and built from the real steps."""
     engine = LocalEngine(tiny_model)
     try:
-        probed = asyncio.run(engine.stats()).decode_steps_fitted
-        assert probed > 0
-
-        async def run() -> None:
-            await engine.fill(list(range(3, 200)), 1)
-            sp = SamplingParams(max_tokens=lp.REFIT_EVERY + 8, temperature=0.0, ignore_eos=True)
-            async for _ in engine.generate(sp, 1):
-                pass
-            await engine.free_context(1)
-
-        tracker = engine.runner.latency
-        loads: list[int] = []
-        record = tracker.record
-        tracker.record = lambda load, seconds: (loads.append(load), record(load, seconds))  # type: ignore[method-assign]
-        asyncio.run(run())
+        probed = asyncio.run(engine.stats())
+        probe_fit = engine.runner.latency.fit
+        assert probed.decode_steps_fitted > 0 and probe_fit is not None
+        loads, spins = _generate_beside(engine, busy)
         # every decode step (the first token comes from the prefill's logits), not the prefill
         assert loads == list(range(198, 198 + lp.REFIT_EVERY + 7))
+        assert spins[0] > (lp.REFIT_EVERY if busy else -1)  # the loop really was busy
         stats = asyncio.run(engine.stats())
-        # refitted after REFIT_EVERY of them: the probe's loads and the real ones
-        assert stats.latency_cap_source == "measured" and stats.decode_steps_fitted > probed
+        # refitted after REFIT_EVERY of them: the real loads with the probe's (under an octave alone)
+        assert stats.latency_refits_rejected == 0, engine.runner.latency.rejection
+        assert stats.latency_cap_source == "measured"
+        per_bucket = collections.Counter(lp._bucket(load) for load in loads[: lp.REFIT_EVERY])
+        real = sum(min(n, lp.WINDOW) for n in per_bucket.values())  # each bucket keeps its last WINDOW
+        assert stats.decode_steps_fitted == probed.decode_steps_fitted + real
+        assert engine.runner.latency.fit is not probe_fit
     finally:
         engine.close()
 
@@ -240,7 +363,9 @@ def _slowed(runner: EngineRunner, monkeypatch, delay: Callable[[int], float]) ->
     logits, count = runner.model.compute_logits, itertools.count()
 
     def slow(hidden):
-        time.sleep(delay(next(count)))
+        until = time.perf_counter() + delay(next(count))
+        while time.perf_counter() < until:  # the engine thread's own time (a sleep is not: see step_seconds)
+            pass
         return logits(hidden)
 
     monkeypatch.setattr(runner.model, "compute_logits", slow)

@@ -47,3 +47,29 @@ def test_items_posted_while_the_loop_runs_arrive_once_in_order() -> None:
         return got
 
     assert asyncio.run(main()) == list(range(20_000))
+
+
+def test_items_posted_during_a_step_wake_the_loop_once_after_it() -> None:
+    """A step's tokens (posted while ``defer`` accepts the wake-up, as the runner's
+    after_step does inside a step) wake the loop once, when the step ends, not mid-step."""
+
+    async def main() -> tuple[list[int], list[int], int]:
+        deferred: list = []
+        stepping = True
+        box = _Counting(asyncio.get_running_loop(), lambda fn: stepping and (deferred.append(fn) or True))
+        got: list[int] = []
+        _post_from_thread(box, got.append, range(50)).join()
+        await asyncio.sleep(0.01)
+        during = list(got)  # the loop ran, but no wake-up was scheduled yet
+        assert len(deferred) == 1
+        stepping = False
+        deferred.pop()()  # the step ends
+        while len(got) < 50:
+            await asyncio.sleep(0.001)
+        box.post(got.append, 50)  # outside a step: at once
+        while len(got) < 51:
+            await asyncio.sleep(0.001)
+        return during, got, box.drains
+
+    during, got, drains = asyncio.run(main())
+    assert during == [] and got == list(range(51)) and drains == 2

@@ -32,7 +32,23 @@ the machine, so each engine measures its own cap:
   :data:`PROBE_SEQ_TOKENS` tokens: the probe assumes calls of about that
   size), three rounds or more while the machine is noisy, then frees them.
   Real decode steps keep refining the fit (it is redone every
-  :data:`REFIT_EVERY` of them).
+  :data:`REFIT_EVERY` of them).  The probe's steps are kept apart from
+  real ones, never pooled: a refit fits the real steps alone when their
+  loads span an octave (the probe's steps are then dropped: aged out),
+  else scales the probe's line to the real steps' times
+  (:meth:`StepLatency._fit`).  A refit that cannot fit keeps the previous
+  fit, logs why and is counted (``latency_refits_rejected`` in the
+  engine's stats).
+- *Clock.*  A step's time on the CPU is the engine thread's CPU time over
+  the step (:func:`step_start`, :func:`step_seconds`), not the wall clock:
+  the C forward and PyTorch's ops release the GIL, and another thread of
+  the process (the event loop the engine streams tokens to, which runs
+  beside it in ``parrot serve``) or another process may take the core or
+  the GIL mid-step; waiting for them is not the engine's time.  (Helper
+  threads of OpenMP work in parallel with the engine thread, which takes
+  its share and waits for theirs spinning, so its CPU time covers a
+  parallel region's duration.)  On CUDA the wall clock after
+  synchronising.
 - *Prompt tokens.*  Steps that compute at least :data:`PREFILL_MIN_TOKENS`
   prompt tokens give what one prompt token costs: the step's time less the
   fitted time of its decode rows (none: the unloaded step), over its prompt
@@ -60,6 +76,7 @@ replaced whole).
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 import time
@@ -70,6 +87,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from parrot.engine.runner import EngineRunner
+
+log = logging.getLogger(__name__)
 
 LATENCY_FACTOR = 1.25
 """Default target: a decode step may take this many times its unloaded time (the paper's 6,144
@@ -131,16 +150,34 @@ two: the first may pay one-time costs)."""
 _PROBE_CONTEXT_BASE = -1_000_000  # probe contexts get ids below this; clients use their own ids
 
 
+REJECTION_LOG_EVERY_S = 60.0
+"""A rejected refit logs a warning at most this often (a debug line otherwise)."""
+
+
+def _on_cuda(device: str) -> bool:
+    return str(device).startswith("cuda")
+
+
+def step_start(device: str) -> float:
+    """The clock reading :func:`step_seconds` measures a step on ``device`` from, taken
+    (on the engine's thread) before the step's work is queued: the calling thread's CPU
+    time on the CPU (see the module docstring, *Clock*), the wall clock on CUDA."""
+    return time.perf_counter() if _on_cuda(device) else time.thread_time()
+
+
 def step_seconds(started: float, device: str) -> float:
-    """Seconds since ``started`` (a ``time.perf_counter()`` reading taken before a step's
-    work was queued) once that work has finished on ``device``: a CUDA device runs
-    kernels asynchronously, so it is synchronised first (else the time would be that of
-    launching them); the CPU's work is done when its calls return."""
-    if str(device).startswith("cuda"):
+    """Seconds of the step since ``started`` (a :func:`step_start` reading on the same
+    thread) once its work has finished on ``device``: on the CPU, the engine thread's
+    CPU time (its work is done when its calls return; time spent waiting for the GIL or
+    a core is not counted); a CUDA device runs kernels asynchronously, so it is
+    synchronised first (else the time would be that of launching them) and the wall
+    clock is read."""
+    if _on_cuda(device):
         import torch
 
         torch.cuda.synchronize(device)
-    return time.perf_counter() - started
+        return time.perf_counter() - started
+    return time.thread_time() - started
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,9 +217,24 @@ def fit_step_times(samples: Iterable[tuple[int, float]], min_samples: int = 1) -
     ``time - slope * load``, at least 1 microsecond.  Returns None when the
     points do not span an octave of load (largest >= 2 x smallest) or the
     fitted time grows by less than ``MIN_GROWTH`` across them (such timings
-    cannot place the cap), or when there are no points at all.  Raises
-    ValueError on a negative load or a time that is not a positive finite number.
+    cannot place the cap), or when there are no points at all
+    (:func:`fit_or_why` says which).  Raises ValueError on a negative load or a
+    time that is not a positive finite number.
     """
+    return fit_or_why(samples, min_samples)[0]
+
+
+def fit_or_why(samples: Iterable[tuple[int, float]], min_samples: int = 1) -> tuple[StepFit | None, str]:
+    """:func:`fit_step_times`, with why there is no fit ("" when there is one)."""
+    return _fit_points(*_points(samples, min_samples))
+
+
+_Point = tuple[int, float, int]  # a load bucket's median load, lower-quartile time, steps
+
+
+def _points(samples: Iterable[tuple[int, float]], min_samples: int) -> tuple[dict[int, _Point], int]:
+    """The fit's points by load bucket (buckets of at least ``min_samples`` samples), and
+    how many samples there were in all."""
     groups: dict[int, list[tuple[int, float]]] = {}
     for load, seconds in samples:
         if load < 0:
@@ -190,25 +242,36 @@ def fit_step_times(samples: Iterable[tuple[int, float]], min_samples: int = 1) -
         if not (math.isfinite(seconds) and seconds > 0):
             raise ValueError(f"step time must be a positive finite number of seconds, got {seconds!r}")
         groups.setdefault(_bucket(load), []).append((load, seconds))
-    points = [
-        (statistics.median(load for load, _ in g), _lower_quartile([s for _, s in g]))
-        for g in groups.values()
+    points = {
+        b: (statistics.median(load for load, _ in g), _lower_quartile([s for _, s in g]), len(g))
+        for b, g in groups.items()
         if len(g) >= min_samples
-    ]
+    }
+    return points, sum(len(g) for g in groups.values())
+
+
+def _fit_points(by_bucket: dict[int, _Point], samples: int) -> tuple[StepFit | None, str]:
+    points = [(x, t) for x, t, _ in by_bucket.values()]
     if not points:
-        return None
+        few = f"{samples} decode steps, too few in any load bucket" if samples else "no decode steps"
+        return None, few
     lo, hi = min(x for x, _ in points), max(x for x, _ in points)
     if hi < 2 * max(lo, 1):
-        return None
+        return None, f"loads {lo:g}-{hi:g} span less than an octave"
     slopes = [
         (t2 - t1) / (x2 - x1) for i, (x1, t1) in enumerate(points) for x2, t2 in points[i + 1 :] if x2 != x1
     ]
-    slope = max(0.0, statistics.median(slopes)) if slopes else 0.0
+    median = statistics.median(slopes) if slopes else 0.0
+    slope = max(0.0, median)
     base = max(1e-6, statistics.median(t - slope * x for x, t in points))
     if slope * (hi - lo) < MIN_GROWTH * (base + slope * lo):
-        return None
-    steps = sum(len(g) for g in groups.values() if len(g) >= min_samples)
-    return StepFit(base, slope, len(points), steps)
+        grown = slope * (hi - lo) / (base + slope * lo)
+        return None, (
+            f"the step time grows {grown:.1%} (slope {median * 1e6:.4g} ms per 1,000 tokens) across loads "
+            f"{lo:g}-{hi:g}, under the {MIN_GROWTH:.0%} a fit needs"
+        )
+    steps = sum(n for _, _, n in by_bucket.values())
+    return StepFit(base, slope, len(points), steps), ""
 
 
 def cap_from_fit(
@@ -272,22 +335,35 @@ class StepLatency:
         self.fit: StepFit | None = None
         self.probe_s: float | None = None  # how long the start-up probe took
         self.last: tuple[int, float] | None = None  # the last step recorded
-        self._buckets: dict[int, deque[tuple[int, float]]] = {}
+        self.refits_rejected = 0  # periodic refits that could not fit (the previous fit kept)
+        self.rejection: str = ""  # why the last of them could not
+        self._rejection_logged_at: float | None = None
+        self._buckets: dict[int, deque[tuple[int, float]]] = {}  # real decode steps
+        self._probe_buckets: dict[int, deque[tuple[int, float]]] = {}  # the start-up probe's
         self._prompt_token_s: deque[float] = deque(maxlen=WINDOW)  # per step with prompt tokens
         self._since_refit = 0
 
-    def record(self, load: int, seconds: float) -> None:
-        """One pure decode step of ``seconds`` at token ``load`` (worker thread)."""
+    def record(self, load: int, seconds: float, *, probe: bool = False) -> None:
+        """One pure decode step of ``seconds`` at token ``load`` (worker thread); ``probe``:
+        a step of the start-up probe (kept apart from real steps, never triggers a refit)."""
         if not (seconds > 0 and math.isfinite(seconds)) or load < 0:
             return
-        bucket = self._buckets.get(_bucket(load))
+        buckets = self._probe_buckets if probe else self._buckets
+        bucket = buckets.get(_bucket(load))
         if bucket is None:
-            bucket = self._buckets[_bucket(load)] = deque(maxlen=WINDOW)
+            bucket = buckets[_bucket(load)] = deque(maxlen=WINDOW)
         bucket.append((load, seconds))
         self.last = (load, seconds)
+        if probe:
+            return
         self._since_refit += 1
         if self._since_refit >= REFIT_EVERY:
-            self.refit()
+            self._since_refit = 0
+            fit, why = self._fit(MIN_BUCKET_SAMPLES)
+            if fit is None:
+                self._rejected(why)
+            else:
+                self.fit = fit
 
     def record_prefill(self, prompt_tokens: int, decode_load: int, decodes: int, seconds: float) -> None:
         """A step that computed ``prompt_tokens`` prompt tokens and ``decodes`` decode rows
@@ -310,13 +386,62 @@ class StepLatency:
         return float(f"{ratio:.2g}")
 
     def refit(self, min_samples: int = MIN_BUCKET_SAMPLES) -> StepFit | None:
-        """Fit the kept steps again (buckets of at least ``min_samples`` steps); keeps the
-        previous fit when there is too little to fit."""
+        """Fit the kept steps again (real steps' buckets of at least ``min_samples`` steps;
+        see :meth:`_fit`); keeps the previous fit when there is too little to fit."""
         self._since_refit = 0
-        fit = fit_step_times((s for b in self._buckets.values() for s in b), min_samples)
+        fit, _ = self._fit(min_samples)
         if fit is not None:
             self.fit = fit
         return self.fit
+
+    def _fit(self, min_samples: int) -> tuple[StepFit | None, str]:
+        """The fit of the kept steps, with why there is none ("" when there is one).
+
+        Real steps (their buckets of at least ``min_samples`` steps) are fitted alone; when
+        that fits, the probe's steps are dropped (aged out: they were timed on another
+        occasion, and are no longer needed).  When the real steps' loads span less than
+        an octave they cannot give a slope, and they are never pooled with the probe's
+        (steps timed under other conditions, a busier machine say, would bend a pooled
+        line: the median slope falls to 0 or the base doubles): the probe's own line is
+        scaled by the median ratio of the real buckets' times to it (the module
+        docstring: a uniformly busier machine scales base and slope alike), which keeps
+        the probe's cap under a relative target.  Without real steps: the probe's fit."""
+        real, n_real = _points((s for b in self._buckets.values() for s in b), min_samples)
+        fit, why = _fit_points(real, n_real)
+        if fit is not None:
+            self._probe_buckets.clear()
+            return fit, ""
+        if not self._probe_buckets:
+            return None, why
+        probe, why_probe = _fit_points(*_points((s for b in self._probe_buckets.values() for s in b), 1))
+        if not real:
+            return probe, why_probe
+        lo, hi = min(x for x, _, _ in real.values()), max(x for x, _, _ in real.values())
+        if probe is None or hi >= 2 * max(lo, 1):  # real steps over an octave are believed over the probe
+            return None, why
+        scale = statistics.median(t / probe.step_s(x) for x, t, _ in real.values())
+        steps = probe.steps + sum(n for _, _, n in real.values())
+        return StepFit(probe.base_s * scale, probe.per_token_s * scale, probe.buckets + len(real), steps), ""
+
+    def _rejected(self, why: str) -> None:
+        self.refits_rejected += 1
+        self.rejection = why
+        now = time.monotonic()
+        last = self._rejection_logged_at
+        if last is None or now - last >= REJECTION_LOG_EVERY_S:
+            self._rejection_logged_at = now
+            level = logging.WARNING
+        else:
+            level = logging.DEBUG
+        fit = self.fit
+        kept = (
+            "unknown"
+            if fit is None
+            else f"{fit.base_s * 1e3:.4g} ms + {fit.per_token_s * 1e6:.4g} ms per 1,000 tokens"
+        )
+        log.log(
+            level, "latency refit rejected (%d so far): %s; the fit stays %s", self.refits_rejected, why, kept
+        )
 
     def cap(self, capacity: int) -> int:
         """The latency cap for an engine of token ``capacity``: the fixed cap, else the
@@ -342,6 +467,7 @@ class StepLatency:
             "decode_ms_target": 0.0 if fit is None else round(self.target_s_for(fit) * 1e3, 6),
             "decode_steps_fitted": 0 if fit is None else fit.steps,
             "prefill_tokens_per_decode_step": self.prefill_tokens_per_decode_step(),
+            "latency_refits_rejected": self.refits_rejected,
         }
 
 
@@ -364,8 +490,8 @@ def probe(runner: EngineRunner) -> StepFit | None:
     Nothing is prefilled: each fabricated context gets token ids, KV blocks
     for all but its last token (zeroed, so they are committed memory) and is
     marked computed up to there; each step then computes one pending token
-    per stepped context through :meth:`EngineRunner._forward` (timed and
-    recorded into ``runner.latency`` as any decode step), and appends the
+    per stepped context through :meth:`EngineRunner._forward` (timed as any
+    decode step, recorded into ``runner.latency`` as the probe's), and appends the
     next.  The loads are 1, 4 and 8 sequences of ``PROBE_SEQ_TOKENS`` tokens,
     shrunk to fit half the free KV pool and the engine's context length,
     stepped in turn: ``PROBE_STEPS`` rounds, then more (up to

@@ -40,25 +40,37 @@ class _LoopMailbox:
     A decode step streams a token to every running request; waking the loop once per
     token (``call_soon_threadsafe`` each) makes it compete with the next step's
     threads for the CPU once per token.  Here the first item of a batch schedules one
-    drain and later items join it.  Invariant: items are delivered in the order they
-    were posted, each exactly once.
+    wake-up and later items join it; items posted during an engine step wake the loop
+    once that step has ended (``defer``: :meth:`EngineRunner.after_step`), so a step's
+    tokens reach the loop in one batch, after the step's time was taken.  Invariant:
+    items are delivered in the order they were posted, each exactly once.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, defer: Callable[[Callable[[], None]], bool] | None = None
+    ):
         self._loop = loop
+        self._defer = defer or (lambda _: False)
         self._lock = threading.Lock()
         self._items: list[tuple[Callable[[Any], None], Any]] = []
+        self._waking = False  # a wake-up is scheduled (or deferred) for the items here
 
     def post(self, deliver: Callable[[Any], None], item: Any) -> None:
         with self._lock:
             self._items.append((deliver, item))
-            first = len(self._items) == 1
-        if first:
-            self._loop.call_soon_threadsafe(self._drain)
+            if self._waking:
+                return
+            self._waking = True
+        if not self._defer(self._wake):
+            self._wake()
+
+    def _wake(self) -> None:
+        self._loop.call_soon_threadsafe(self._drain)
 
     def _drain(self) -> None:
         with self._lock:
             items, self._items = self._items, []
+            self._waking = False
         for deliver, item in items:
             deliver(item)
 
@@ -112,7 +124,7 @@ class LocalEngine:
     def _mailbox(self, loop: asyncio.AbstractEventLoop) -> _LoopMailbox:
         box = self._mailboxes.get(loop)
         if box is None:
-            box = self._mailboxes[loop] = _LoopMailbox(loop)
+            box = self._mailboxes[loop] = _LoopMailbox(loop, self.runner.after_step)
         return box
 
     @property

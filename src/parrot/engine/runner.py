@@ -53,7 +53,7 @@ from parrot.engine.grammar import advance as advance_grammar
 from parrot.engine.jobs import ChunkCallback, FinishCallback, Job, finish_job
 from parrot.engine.kernels import kernel_set
 from parrot.engine.kv_store import PagedKVCache, kv_cache_blocks
-from parrot.engine.latency_probe import PREFILL_MIN_TOKENS, StepLatency, probe, step_seconds
+from parrot.engine.latency_probe import PREFILL_MIN_TOKENS, StepLatency, probe, step_seconds, step_start
 from parrot.engine.loader import LoadedModel
 from parrot.engine.memory import MemoryManager
 from parrot.engine.sampler import logprobs_of, make_generator, sample
@@ -158,6 +158,8 @@ class EngineRunner:
             factor=cfg.latency_factor, target_ms=cfg.latency_target_ms, fixed_cap=cfg.latency_cap
         )
         self._probing = False  # the latency probe is stepping fabricated contexts
+        self._stepping = False  # inside _step: see after_step
+        self._after_step: list[Callable[[], None]] = []
         self.step_log = StepLog(cfg.step_log) if cfg.step_log else None
         self._step_work: StepWork | None = None  # the logged step's work, set by _forward
         self._arrivals = 0
@@ -229,6 +231,16 @@ class EngineRunner:
 
     def submit(self, job: Job) -> None:
         self._inbox.put(lambda: self._enqueue(job))
+
+    def after_step(self, fn: Callable[[], None]) -> bool:
+        """Worker thread: run ``fn`` once the step in progress has ended (after its
+        tokens are sampled and its time recorded) and return True; False, and nothing
+        queued, outside a step.  How :class:`~parrot.engine.local.LocalEngine` wakes an
+        event loop once per step for all the tokens it streams there."""
+        if not self._stepping:
+            return False
+        self._after_step.append(fn)
+        return True
 
     # --------------------------------------------------- worker-only methods
     def _enqueue(self, job: Job) -> None:
@@ -345,6 +357,19 @@ class EngineRunner:
 
     # ------------------------------------------------------------- stepping
     def _step(self) -> None:
+        self._stepping = True
+        try:
+            self._step_once()
+        finally:
+            self._stepping = False
+            deferred, self._after_step = self._after_step, []
+            for fn in deferred:
+                try:
+                    fn()
+                except Exception:  # one caller's closed loop must not keep the others waiting
+                    log.exception("after-step callback failed")
+
+    def _step_once(self) -> None:
         started = time.perf_counter()
         self._reap_cancelled()
         self.memory.tick()
@@ -406,7 +431,7 @@ class EngineRunner:
         plan = self.planner.reserve(self.planner.plan())
         if not plan:
             return [], None
-        started = time.perf_counter()
+        started = step_start(self.cache.device)  # the engine thread's CPU time on the CPU
         if self.step_log is not None and not self._probing:
             self._step_work = step_work((s for _, s in plan), self.pool.block_size, self.share_prefix)
         ids: list[int] = []
@@ -472,7 +497,7 @@ class EngineRunner:
             read = KVLoad(self.pool.block_size)
             for _, s in plan:
                 read.add(s.ctx.block_table, s.ctx.computed_len, s.ctx.num_pending)
-            self.latency.record(read.total, step_seconds(started, self.cache.device))
+            self.latency.record(read.total, step_seconds(started, self.cache.device), probe=self._probing)
         generates: list[Job] = []
         rows: list[int] = []
         for i, ((job, _), lg) in enumerate(zip(finishing, logits, strict=True)):
