@@ -80,6 +80,7 @@ class InstantEngine:
         cache_salt: str = "",
         *,
         priority: int = 0,
+        retain: bool = False,
     ) -> None:
         return None
 

@@ -40,6 +40,7 @@ class GatedEngine:
         cache_salt: str = "",
         *,
         priority: int = 0,
+        retain: bool = False,
     ) -> None:
         await asyncio.sleep(0)
 

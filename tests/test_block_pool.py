@@ -280,6 +280,25 @@ def test_make_room_evicts_least_recently_used_and_only_what_is_needed():
     check_consistent(table, cache)
 
 
+def test_make_room_evicts_a_retained_context_only_after_every_other_idle_one():
+    """A retained context (a prefix computed ahead for a call that has not run yet) keeps
+    its KV while another idle context's can go, however recently either was used."""
+    table = ContextTable(1000, pool=BlockPool(8, block_size=BS))
+    cache = PagedKVCache(1, 8, BS, 1, 1, torch.float32, "cpu")
+    memory = MemoryManager(table)
+    kept, done = table.open(1, None), table.open(2, None)
+    kept.retained = True
+    for ctx, tokens in ((kept, list(range(1, 13))), (done, list(range(20, 32)))):
+        table.append(ctx, tokens)
+        assert compute(table, cache, ctx)
+    kept.last_used, done.last_used = 1, 2  # the retained one is the least recently used
+    assert memory.make_room(4, exclude=set())
+    assert kept.computed_len == 12 and done.computed_len == 0
+    assert memory.make_room(8, exclude=set())  # nothing else left: it goes too
+    assert kept.computed_len == 0
+    check_consistent(table, cache)
+
+
 def test_make_room_drops_idle_siblings_shared_prefix_when_it_must():
     table = ContextTable(1000, pool=BlockPool(8, block_size=BS))
     cache = PagedKVCache(1, 8, BS, 1, 1, torch.float32, "cpu")

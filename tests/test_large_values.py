@@ -61,9 +61,12 @@ class RecordingEngine:
         cache_salt: str = "",
         *,
         priority: int = 0,
+        retain: bool = False,
     ) -> None:
         self.fills.append(list(tokens))
-        await self._engine.fill(tokens, context_id, parent, cache_salt=cache_salt, priority=priority)
+        await self._engine.fill(
+            tokens, context_id, parent, cache_salt=cache_salt, priority=priority, retain=retain
+        )
 
 
 class CountingTokenizer(TextTokenizer):

@@ -231,6 +231,7 @@ class SlowishEngine:
         cache_salt: str = "",
         *,
         priority: int = 0,
+        retain: bool = False,
     ) -> None:
         await asyncio.sleep(0)
 

@@ -832,11 +832,13 @@ def test_systems_change_one_mechanism_each_and_only_the_apc_baselines_keep_a_pre
         "parrot-latency-batching",
         "parrot-paper-cap",
         "parrot-program-scheduling",
+        "parrot-no-early-prefill",
     }
     changes = {name: (spec.policy, spec.serve_flags, spec.engine_flags) for name, spec in ablations.items()}
     assert changes == {
         "parrot-no-app-fifo": ("parrot", ("--no-app-fifo",), ()),
         "parrot-program-scheduling": ("parrot", ("--program-scheduling",), ()),
+        "parrot-no-early-prefill": ("parrot", ("--no-early-prefill",), ()),
         "parrot-no-deduction": ("no-deduction", (), ()),
         "parrot-no-affinity": ("no-affinity", (), ()),
         "parrot-no-prefix-cache": ("parrot", (), ("--no-prefix-cache",)),

@@ -6,6 +6,7 @@ name                                client    server
 ``parrot``                          Parrot    ``parrot serve --policy parrot`` (+ engines)
 ``parrot-no-app-fifo``              Parrot    ... ``--no-app-fifo`` (app-level FIFO off)
 ``parrot-program-scheduling``       Parrot    ... ``--program-scheduling`` (least attained service first)
+``parrot-no-early-prefill``         Parrot    ... ``--no-early-prefill`` (no early fills)
 ``parrot-no-deduction``             Parrot    ... ``--policy no-deduction`` (objective deduction off)
 ``parrot-no-affinity``              Parrot    ... ``--policy no-affinity`` (prefix/task-group affinity off)
 ``parrot-latency-batching``         Parrot    ... ``--latency-cap-scope mixed`` (latency calls batch freely)
@@ -132,6 +133,13 @@ SYSTEMS: dict[str, SystemSpec] = {
         "parrot",
         "Parrot ranking queued calls by their application's attained service first (least first)",
         serve_flags=("--program-scheduling",),
+    ),
+    "parrot-no-early-prefill": SystemSpec(
+        "parrot",
+        "parrot",
+        "parrot",
+        "Parrot without early prefill of waiting calls' constant prompt starts",
+        serve_flags=("--no-early-prefill",),
     ),
     "parrot-no-deduction": SystemSpec(
         "parrot", "parrot", "no-deduction", "Parrot without performance-objective deduction"

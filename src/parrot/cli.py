@@ -270,7 +270,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="let a task group, and the calls sharing a prefix, spread to a less loaded engine "
         "instead of staying on the engines already running them (off by default: measured "
-        "slower with the paper's latency cap, docs/evaluation-archive.md)",
+        "slower with the paper's latency cap, docs/scheduling.md)",
     )
     serve.add_argument(
         "--pack-latency",
@@ -307,6 +307,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="rank queued calls first by their application's attained service, least first, then "
         "by its place (docs/scheduling.md: shorter apps gain, longer ones lose more)",
+    )
+    serve.add_argument(
+        "--no-early-prefill",
+        action="store_true",
+        help="do not compute a waiting call's constant prompt start before its inputs exist (for "
+        "ablations)",
     )
     serve.add_argument(
         "--session-ttl",
@@ -436,6 +442,7 @@ def manager_config(args: argparse.Namespace) -> ManagerConfig:
         latency_cap_tokens=args.latency_cap,
         app_fifo=not args.no_app_fifo,
         program_scheduling=args.program_scheduling,
+        early_prefill=not args.no_early_prefill,
         latency_cap_scope=args.latency_cap_scope,
         affinity_spill=args.affinity_spill,
         pack_latency=args.pack_latency,

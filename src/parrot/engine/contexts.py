@@ -65,6 +65,7 @@ class Context:
     computed_len: int = 0
     block_table: list[int] = field(default_factory=list)
     busy: bool = False  # a job owns it (running, or preempted and waiting to resume)
+    retained: bool = False  # kept for a call that will read it: evicted after other idle contexts
     last_used: int = 0  # a logical clock, for least-recently-used eviction
     block_hashes: list[bytes] = field(default_factory=list)  # digests of the full computed blocks
     root: bytes = ROOT  # the digest chain's root: its prefix-cache salt's (a fork's is its parent's)

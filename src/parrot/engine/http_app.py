@@ -77,6 +77,7 @@ def create_engine_app(
             body.parent_context_id,
             cache_salt=body.cache_salt,
             priority=body.priority,
+            retain=body.retain,
         )
         return {"ok": True, "cached_tokens": reused}
 

@@ -41,6 +41,9 @@ class Job:
     # lower first: the manager's order of the call it belongs to (its application's attained
     # service and place); jobs of equal priority keep first-come first-served order
     priority: int = 0
+    # a fill creating its context marks it retained: kept for a call that will read it
+    # (its KV is evicted only after every other idle context's; parrot.engine.memory)
+    retain: bool = False
     preempted: bool = False  # waiting again after preemption (``ctx`` still set and busy)
     # generate state
     generated: int = 0

@@ -173,6 +173,7 @@ class LocalEngine:
         cache_salt: str = "",
         *,
         priority: int = 0,
+        retain: bool = False,
     ) -> int:
         """Append ``tokens`` (see the module); returns how many of them took their KV from
         the prefix cache instead of being computed."""
@@ -184,6 +185,7 @@ class LocalEngine:
             tokens=self._check_tokens(tokens),
             cache_salt=cache_salt,
             priority=priority,
+            retain=retain,
             on_finish=lambda err: loop.call_soon_threadsafe(_settle, fut, reused_of(job), err),
         )
         self.runner.submit(job)

@@ -10,7 +10,10 @@ reads.
 :meth:`MemoryManager.make_room` takes from contexts the caller does not
 exclude (the runner excludes the contexts of running jobs; preempting those
 is the runner's decision), least recently used first, idle contexts before
-preempted ones:
+preempted ones, and of idle ones those not *retained* first (a retained
+context holds a prompt prefix the manager computed for a call that has not
+run yet: :mod:`parrot.manager.early_prefill`; a finished application's KV
+goes before it):
 1. private suffixes (blocks only that context references) — freed at once;
 2. then whole block tables, but only of contexts holding some block that no
    excluded context references (dropping the others would free nothing).
@@ -81,7 +84,7 @@ class MemoryManager:
         freeable = sum(1 for b, r in refs.items() if pool.refcount(b) == r)
         if pool.num_free + freeable < n and not force:
             return False
-        cands.sort(key=lambda c: (c.busy, c.last_used))
+        cands.sort(key=lambda c: (c.busy, c.retained, c.last_used))
         for c in cands:
             refs.subtract(c.block_table[self.contexts.private_from(c) :])
             self.drop_private(c)

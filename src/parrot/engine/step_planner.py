@@ -230,6 +230,8 @@ class StepPlanner:
         is freed again if its tokens do not fit)."""
         created = job.context_id not in self.contexts
         ctx = self.contexts.open(job.context_id, job.parent_context_id, job.cache_salt)
+        if created:
+            ctx.retained = job.retain
         try:
             self.contexts.append(ctx, job.tokens)
         except ParrotError:

@@ -66,6 +66,10 @@ class ManagerConfig:
     # generations carry that order to the engines.  Off by default: it shortens short apps
     # behind long ones but lengthens the long ones more (docs/scheduling.md)
     program_scheduling: bool = False
+    # a call submitted before its inputs exist has its template's constant start filled on
+    # the engine likely to run it while it waits, in a context the engine retains until the
+    # call has read it (parrot.manager.early_prefill)
+    early_prefill: bool = True
     # tenants (parrot.manager.tenants): API key -> tenant name (None or empty: no keys, every
     # client is the anonymous tenant), what each tenant may hold at once, and who may share
     # cached prompt prefixes ("tenant": calls of one tenant; "global": everyone's)

@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from parrot.manager.call_driver import drive
+from parrot.manager.early_prefill import BACKGROUND_PRIORITY, EarlyPrefill
 from parrot.manager.engine_loads import EngineLoads, PlacedShare
 from parrot.manager.engines import EngineHandle, EnginePool
 from parrot.manager.graph import Call, fail_call
@@ -112,6 +113,7 @@ class Executor:
         queue_timeout_s: float | None = 600.0,
         app_fifo: bool = True,
         program_scheduling: bool = False,
+        early_prefill: bool = True,
         inline_tokenize_bytes: int | None = INLINE_TOKENIZE_BYTES,
         metrics: ManagerMetrics | None = None,
     ):
@@ -128,6 +130,7 @@ class Executor:
         self.loads = EngineLoads(pool, self.prefixes, engine_token_capacity)
         self.shared_starts = SharedStarts(self.prefixes, min_prefix_tokens)
         self.order = QueueOrder(by_service=program_scheduling)
+        self.early = EarlyPrefill(pool, self.prefixes, min_prefix_tokens) if early_prefill else None
         self.objectives = ObjectiveCache(calls_of_session)
         self._queue: dict[str, _Ticket] = {}
         self._placed: dict[str, _Ticket] = {}
@@ -217,7 +220,15 @@ class Executor:
             task.cancel()
             self._cancelled_before_start(call.call_id, None)
 
+    def waiting(self, call: Call) -> None:
+        """``call`` was submitted and waits for inputs: compute its constant start early
+        (:mod:`parrot.manager.early_prefill`), behind every call's own work on the engine."""
+        if self.early is not None:
+            self.early.waiting(call, BACKGROUND_PRIORITY)
+
     async def drain(self) -> None:
+        if self.early is not None:
+            await self.early.close()
         if self._ticker is not None:
             self._ticker.cancel()
         tasks = [*self._tasks.values(), *self._tokenizing]

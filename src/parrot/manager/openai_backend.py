@@ -186,6 +186,7 @@ class OpenAIBackend:
         cache_salt: str = "",
         *,
         priority: int = 0,
+        retain: bool = False,
     ) -> None:
         ctx = self._contexts.get(context_id)
         if ctx is None:

@@ -90,6 +90,7 @@ class RemoteEngine:
         cache_salt: str = "",
         *,
         priority: int = 0,
+        retain: bool = False,
     ) -> int | None:
         """Append ``tokens``; returns how many took their KV from the engine's prefix cache
         (None from an engine whose answer does not say)."""
@@ -98,6 +99,8 @@ class RemoteEngine:
             body["cache_salt"] = cache_salt
         if priority:
             body["priority"] = priority
+        if retain:
+            body["retain"] = True
         answer = await _request(
             self._client,
             "POST",

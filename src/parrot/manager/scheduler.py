@@ -20,7 +20,7 @@ throughput work.  Under ``parrot`` the cap that applies when placing call
   latency-sensitive *or* ``e`` runs latency work, else ``cap_T``.  Under
   saturation this serves latency calls nearly in order (with app-FIFO, one
   application after another), which gives a lower mean latency than sharing
-  every step among all of them (``docs/evaluation-archive.md``, "Latency batching");
+  every step among all of them (``docs/scheduling.md``, "Latency batching");
 * ``"mixed"``: the latency cap bounds throughput work that
   meets latency work.  A throughput call joins an engine running latency work
   (mode ``"latency"``) while ``e.load + c.tokens <= cap_L``; a
@@ -55,7 +55,7 @@ producers first, then arrival).  For each call ``c``:
 
 1. *task group* — if ``c`` is in a task group and engines run (or were given
    this round) members of it: the least-loaded of them that ``c`` fits.  With
-   ``config.affinity_spill`` (off by default: ``docs/evaluation-archive.md``, "Affinity
+   ``config.affinity_spill`` (off by default: ``docs/scheduling.md``, "Affinity
    spill") instead: ``g``, the *most* loaded of
    them that ``c`` fits (the group's home), unless the least-loaded engine
    ``f`` that ``c`` fits, in any mode, has ``f.load + c.tokens <= g.load``

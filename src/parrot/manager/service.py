@@ -118,6 +118,7 @@ class Manager:
             engine_wait_s=self.config.engine_wait_s,
             app_fifo=self.config.app_fifo,
             program_scheduling=self.config.program_scheduling,
+            early_prefill=self.config.early_prefill,
             inline_tokenize_bytes=self.config.inline_tokenize_bytes,
             metrics=self.metrics,
         )
@@ -505,6 +506,8 @@ class Manager:
             )
         elif call.is_ready():
             self.executor.dispatch(call)
+        else:
+            self.executor.waiting(call)
 
     def _bind_input(
         self, b: PlaceholderBinding, lookup: VarLookup, longest: EngineHandle | None

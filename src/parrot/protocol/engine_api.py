@@ -32,13 +32,16 @@ class EngineAPI(Protocol):
         cache_salt: str = "",
         *,
         priority: int = 0,
+        retain: bool = False,
     ) -> int | None:
         """Append ``tokens`` to the context, creating it (forked from the parent) if needed.
         A context created here reuses and offers cached prefix blocks only among
         contexts of the same ``cache_salt`` (a fork keeps its parent's).  Returns how
         many of ``tokens`` took their KV from the prefix cache instead of being computed
         (0 to ``len(tokens)``), or None when the engine does not know.  ``priority``: as
-        :meth:`generate`'s (the prompt's computation is served in that order)."""
+        :meth:`generate`'s (the prompt's computation is served in that order).
+        ``retain``: a context this creates holds a prefix computed ahead for a call that
+        has not run yet; the engine evicts its KV only after other idle contexts'."""
 
     def generate(
         self,

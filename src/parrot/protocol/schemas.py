@@ -344,6 +344,7 @@ class FillRequest(StrictBody):
     parent_context_id: int | None = None
     cache_salt: str = Field("", max_length=256)
     priority: int = Field(0, ge=0, le=ENGINE_PRIORITY_MAX)
+    retain: bool = False
 
 
 class GenerateRequest(StrictBody):

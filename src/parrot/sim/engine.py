@@ -131,6 +131,7 @@ class SimEngine:
         cache_salt: str = "",
         *,
         priority: int = 0,
+        retain: bool = False,
     ) -> int:
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         job = Job(
@@ -139,6 +140,7 @@ class SimEngine:
             tokens=check_token_ids(tokens, self._tokenizer.vocab_size),
             cache_salt=cache_salt,
             priority=priority,
+            retain=retain,
             on_finish=lambda err: _settle(done, err),
         )
         self._submit(job)
