@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -28,7 +29,18 @@ from benchmarks.suite.workloads import (  # noqa: E402
     workload_cost,
 )
 
-ALL_FIGURES = ["fig11", "fig12a", "fig12b", "fig14", "fig15_16", "fig17", "fig18", "fig19", "app_load"]
+ALL_FIGURES = [
+    "fig11",
+    "fig12a",
+    "fig12b",
+    "fig14",
+    "fig15_16",
+    "fig17",
+    "fig18",
+    "fig19",
+    "app_load",
+    "instructed_chain",
+]
 
 
 @pytest.fixture(scope="module")
@@ -358,3 +370,14 @@ def test_fig17_rates_span_both_saturations_with_enough_requests() -> None:
 def test_tiny_scales_still_give_every_workload_an_app() -> None:
     for workload in all_workloads(0.05, 0):
         assert workload.apps, workload.name
+
+
+def test_instructed_chain_steps_each_start_with_instructions_of_their_own() -> None:
+    for workload in generate("instructed_chain"):
+        (app,) = workload.apps
+        assert len(app.calls) == workload.params["steps"] == 6
+        heads = [c.template.split("{{", 1)[0] for c in app.calls]
+        assert len(set(heads)) == len(heads)  # no step's start is another's: nothing for a prefix cache
+        tokens = workload.params["x"]
+        assert all(abs(textgen.estimate_tokens(h) - tokens) < 0.2 * tokens for h in heads)
+        assert all(set(c.deps.values()) == {p.name} for p, c in itertools.pairwise(app.calls))

@@ -123,6 +123,7 @@ __all__ = [
     "FIGURES",
     "GPTS_APPS",
     "GPTS_RATES",
+    "INSTRUCTION_TOKENS",
     "Cost",
     "agents_app",
     "all_workloads",
@@ -134,6 +135,8 @@ __all__ = [
     "chat_app",
     "finish_workload",
     "generate",
+    "instructed_chain",
+    "instructed_chain_app",
     "map_reduce_app",
     "poisson_arrivals",
     "seeded_rng",
@@ -754,6 +757,47 @@ def app_load(scale: float = 1.0, seed: int = 0) -> list[Workload]:
     return workloads
 
 
+#: instructed_chain: tokens of each step's own constant instructions.
+INSTRUCTION_TOKENS = (400, 800)
+
+
+def instructed_chain_app(
+    app_id: str, instructions: Sequence[str], chunks: Sequence[str], output_tokens: int
+) -> AppSpec:
+    """A chain whose step ``i`` starts with instructions of its own (``instructions[i]``),
+    then reads the summary of step ``i-1`` and chunk ``i``: the constant start of every
+    step after the first is known before its input exists."""
+    if len(instructions) != len(chunks) or not chunks:
+        raise ValueError(f"{app_id}: one instruction per chunk, at least one")
+    calls: list[CallSpec] = []
+    for i, (instruction, chunk) in enumerate(zip(instructions, chunks, strict=True)):
+        name = f"step{i:03d}"
+        summary = "" if i == 0 else "Summary so far:\n" + _inp("summary") + "\n\n"
+        template = (
+            instruction + "\n\n" + summary + "Next part:\n" + _inp("chunk") + "\n\nSummary: " + _out(name)
+        )
+        deps = {} if i == 0 else {"summary": calls[-1].name}
+        calls.append(CallSpec(name, template, output_tokens, consts={"chunk": chunk}, deps=deps))
+    return AppSpec(app_id, "chain", tuple(calls), (calls[-1].name,))
+
+
+def instructed_chain(scale: float = 1.0, seed: int = 0) -> list[Workload]:
+    """A 6-step chain (chunk 160, output 25) whose steps each start with their own
+    instructions of :data:`INSTRUCTION_TOKENS` tokens: what early prefill of a waiting
+    call's constant start targets (each point with texts of its own)."""
+    steps = _count(6, scale)
+    workloads = []
+    for tokens in INSTRUCTION_TOKENS:
+        name = workload_name("instructed_chain", instructions=tokens)
+        rng = seeded_rng(seed, name)
+        instructions = [_system_prompt(rng, tokens, f"the editor of part {i + 1}") for i in range(steps)]
+        chunks = split_chunks(textgen.filler(rng, steps * 160), 160)[:steps]
+        app = instructed_chain_app(f"{name}/chain0", instructions, chunks, 25)
+        params = {"sweep": "instructions", "x": tokens, "steps": steps}
+        workloads.append(finish_workload("instructed_chain", name, params, [app]))
+    return workloads
+
+
 FIGURES: dict[str, Callable[..., list[Workload]]] = {
     "fig11": fig11,
     "fig12a": fig12a,
@@ -764,6 +808,7 @@ FIGURES: dict[str, Callable[..., list[Workload]]] = {
     "fig18": fig18,
     "fig19": fig19,
     "app_load": app_load,
+    "instructed_chain": instructed_chain,
 }
 
 
