@@ -126,3 +126,36 @@ def test_a_short_constant_start_is_not_filled_early():
 def test_the_cli_switch_turns_early_prefill_off():
     assert manager_config(_parser().parse_args(["serve"])).early_prefill is True
     assert manager_config(_parser().parse_args(["serve", "--no-early-prefill"])).early_prefill is False
+
+
+def test_calls_of_one_template_share_one_early_fill_held_until_the_last_has_started():
+    tokenizer = TextTokenizer.byte_level_tiny()
+
+    async def main() -> list[tuple[int, int, bool]]:
+        manager = Manager(ManagerConfig(inline_tokenize_bytes=None))
+        engine = SimEngine(tokenizer, COST, model_name="tiny")
+        manager.pool.register(engine)
+        await manager.poll_engine_stats()
+        session = manager.create_session()[0]
+        template = INSTRUCTIONS + "Now: {{input:x}} => {{output:b}}"
+        inputs = [manager.create_variable(session, None, None) for _ in range(2)]
+        calls = [_submit(manager, session, template, x={"var_id": v.var_id}, b=SAMPLING) for v in inputs]
+        await asyncio.sleep(0.5)
+        early = manager.executor.early
+        assert early is not None and early.fills == 1 and early.held() == 1
+        seen = []
+        for var, call in zip(inputs, calls, strict=True):
+            manager.set_variable(session, var.var_id, "go")
+            out = call.outputs["b"].var
+            while out.state == "pending":
+                await manager.wait_variable(out, 60.0)
+            await asyncio.sleep(0.1)
+            seen.append(
+                (early.held(), len(engine.contexts), call.prefix_reused_tokens >= len(INSTRUCTIONS) - 32)
+            )
+        await manager.executor.drain()
+        await engine.close()
+        return seen
+
+    # after the first call: still held for the second (its context retained); after both: gone
+    assert sim_clock.run(main()) == [(1, 1, True), (0, 0, True)]

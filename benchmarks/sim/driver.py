@@ -59,12 +59,16 @@ class SimSystem:
     request_level: bool
     share_prefix: bool = True
     program_scheduling: bool = False
+    early_prefill: bool = True
 
 
 SYSTEMS = {
     "parrot": SimSystem("parrot", prefix_cache=True, request_level=False),
     "parrot-program-scheduling": SimSystem(
         "parrot", prefix_cache=True, request_level=False, program_scheduling=True
+    ),
+    "parrot-no-early-prefill": SimSystem(
+        "parrot", prefix_cache=True, request_level=False, early_prefill=False
     ),
     "parrot-no-affinity": SimSystem("no-affinity", prefix_cache=True, request_level=False),
     "parrot-no-deduction": SimSystem("no-deduction", prefix_cache=True, request_level=False),
@@ -204,6 +208,7 @@ async def _run(workload: Workload, system: SimSystem, cost: StepCost, tokenizer:
         inline_tokenize_bytes=None,
         pack_latency=pack_latency,
         program_scheduling=system.program_scheduling,
+        early_prefill=system.early_prefill,
     )
     manager = Manager(config)
     engines = [

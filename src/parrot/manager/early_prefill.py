@@ -15,10 +15,12 @@ the prefix already, else the live engine with the least token load.  The fill
 * records the prefix's key on that engine (:class:`~parrot.manager.prefix.PrefixIndex`),
   so the scheduler's prefix affinity places the call there when it is ready.
 
-The context is freed once the call's first output has started (its own fill is done,
-having taken the start from the engine's prefix cache) or the call ended, or its engine
-was lost.  At most one early fill runs per prefix key and engine at a time: calls of one
-template waiting together share it.
+Calls of one template (one prefix key: the text, the tenant's salt, chat or not) that
+wait together share one *hold*: one early fill, kept while any of them has not started.
+The context is freed once each of those calls has started its first output (its own fill
+is done, having taken the start from the engine's prefix cache) or ended: an agent's
+system prompt stays on its engine until the last of its submitted steps has read it,
+then is the first to go.
 
 What the model sees does not change: the call's own prompt is still rendered and
 tokenized whole; the engine's prefix cache reuses only whole KV blocks whose tokens equal
@@ -33,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import dataclass, field
 
 from parrot.manager.engines import EngineHandle, EnginePool
 from parrot.manager.graph import Call
@@ -51,6 +54,15 @@ RELEASE_CHECK_S = 30.0
 (a variable notifies on every change; this only bounds a missed one)."""
 
 
+@dataclass(eq=False)
+class _Hold:
+    """One early-filled start on one engine and the waiting calls that will read it."""
+
+    engine: EngineHandle
+    key: str
+    calls: list[Call] = field(default_factory=list)
+
+
 class EarlyPrefill:
     """Early fills of waiting calls' constant starts (see the module docstring).
     ``min_tokens``: a start shorter than this (characters / 4, before tokenizing) is not
@@ -61,33 +73,42 @@ class EarlyPrefill:
         self.prefixes = prefixes
         self.min_tokens = min_tokens
         self._tasks: set[asyncio.Task[None]] = set()
-        self._filling: set[tuple[str, str]] = set()  # (engine id, prefix key) with a fill under way
+        self._holds: dict[str, _Hold] = {}  # prefix key -> its hold (salt and chat mode are in the key)
         self.fills = 0  # early fills started (for tests and metrics)
 
     def waiting(self, call: Call, priority: int = 0) -> None:
-        """``call`` was submitted and waits for inputs: start its early fill if it has a
-        constant start worth one and an engine can take it."""
+        """``call`` was submitted and waits for inputs: it joins the hold of its constant
+        start, or one is started if the start is worth a fill and an engine can take it."""
         text = _constant_start(call)
         key = leading_text_key(call) if text is not None else None
         if text is None or key is None or len(text) < 4 * self.min_tokens:
             return
-        engine = self._engine_for(call, key)
-        if engine is None or (engine.engine_id, key) in self._filling:
+        hold = self._holds.get(key)
+        if hold is not None and hold.engine.alive:
+            hold.calls.append(call)
             return
-        self._filling.add((engine.engine_id, key))
+        engine = self._engine_for(call, key)
+        if engine is None:
+            return
+        hold = self._holds[key] = _Hold(engine, key, [call])
         self.fills += 1
         task = asyncio.get_running_loop().create_task(
-            self._run(call, engine, key, text, priority), name=f"early fill of {call.call_id}"
+            self._run(hold, call, text, priority), name=f"early fill of {call.call_id}"
         )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def held(self) -> int:
+        """How many starts are held (filled or being filled) now."""
+        return len(self._holds)
 
     def _engine_for(self, call: Call, key: str) -> EngineHandle | None:
         engines = self.pool.candidates(call.model)
         holding = [h for h in engines if self.prefixes.holds(key, h.engine_id)]
         return min(holding or engines, key=lambda h: (h.stats.token_load, h.engine_id), default=None)
 
-    async def _run(self, call: Call, engine: EngineHandle, key: str, text: str, priority: int) -> None:
+    async def _run(self, hold: _Hold, call: Call, text: str, priority: int) -> None:
+        engine = hold.engine
         api, context_id, opened = engine.api, engine.new_context_id(), False
         try:
             tokenizer = api.tokenizer
@@ -103,15 +124,19 @@ class EarlyPrefill:
                 return
             opened = True
             await api.fill(ids, context_id, cache_salt=call.cache_salt, priority=priority, retain=True)
-            self.prefixes.record(engine.engine_id, (key,))
-            self._filling.discard((engine.engine_id, key))
-            await _until_started_or_ended(call)
+            self.prefixes.record(engine.engine_id, (hold.key,))
+            while True:  # calls may join while it waits
+                waiting = [c for c in hold.calls if not _started_or_ended(c)]
+                if not waiting:
+                    break
+                await _until_started_or_ended(waiting[0])
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # an early fill is an optimisation: the call runs without it
+        except Exception as exc:  # an early fill is an optimisation: the calls run without it
             log.info("early fill for call %s on %s failed: %r", call.call_id, engine.engine_id, exc)
         finally:
-            self._filling.discard((engine.engine_id, key))
+            if self._holds.get(hold.key) is hold:
+                del self._holds[hold.key]
             if opened and engine.alive:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(api.free_context(context_id))
@@ -136,10 +161,13 @@ def _constant_start(call: Call) -> str | None:
     return pieces[0].text
 
 
-async def _until_started_or_ended(call: Call) -> None:
-    """Return once ``call``'s first output has text or is no longer pending (the call
-    ended, failed or was cancelled), or the call ended by any other way."""
+def _started_or_ended(call: Call) -> bool:
+    """Whether ``call``'s first output has text or is no longer pending, or the call ended."""
     out = next(iter(call.outputs.values())).var
-    while call.state not in ("done", "failed") and out.state == "pending" and not out.partial:
-        with contextlib.suppress(TimeoutError):
-            await out.wait_change(RELEASE_CHECK_S)
+    return call.state in ("done", "failed") or out.state != "pending" or bool(out.partial)
+
+
+async def _until_started_or_ended(call: Call) -> None:
+    out = next(iter(call.outputs.values())).var
+    while not _started_or_ended(call):
+        await out.wait_change(RELEASE_CHECK_S)
