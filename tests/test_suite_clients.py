@@ -976,3 +976,20 @@ def test_parrot_vllm_puts_parrots_manager_in_front_of_the_peer_servers(live, mon
         manager_pid = handle.pgids[-1]
     with pytest.raises(ProcessLookupError):
         os.kill(manager_pid, 0)
+
+
+def test_a_kv_pool_size_goes_to_parrots_engines_only() -> None:
+    from benchmarks.suite.systems import SYSTEMS, with_kv_pool
+
+    sized = with_kv_pool(SYSTEMS["parrot-no-prefix-cache"], 8192)
+    assert sized.engine_flags == ("--no-prefix-cache", "--kv-cache-tokens", "8192")
+    assert with_kv_pool(SYSTEMS["vllm"], 8192) == SYSTEMS["vllm"]
+    assert with_kv_pool(SYSTEMS["parrot"], None) == SYSTEMS["parrot"]
+    for bad in (0, -1, True):
+        with pytest.raises(ValueError, match="kv_cache_tokens"):
+            with_kv_pool(SYSTEMS["parrot"], bad)
+
+
+def test_a_kv_pool_below_one_token_exits_2() -> None:
+    proc = _suite("--figures", "agents_load", "--systems", "parrot", "--kv-cache-tokens", "0", "--dry-run")
+    assert proc.returncode == 2 and "--kv-cache-tokens must be >= 1" in proc.stderr

@@ -40,6 +40,7 @@ ALL_FIGURES = [
     "fig19",
     "app_load",
     "instructed_chain",
+    "agents_load",
 ]
 
 
@@ -381,3 +382,16 @@ def test_instructed_chain_steps_each_start_with_instructions_of_their_own() -> N
         tokens = workload.params["x"]
         assert all(abs(textgen.estimate_tokens(h) - tokens) < 0.2 * tokens for h in heads)
         assert all(set(c.deps.values()) == {p.name} for p, c in itertools.pairwise(app.calls))
+
+
+def test_agents_load_apps_each_have_a_system_prompt_of_their_own() -> None:
+    workloads = generate("agents_load")
+    counts = [len(w.apps) for w in workloads]
+    assert counts == sorted(counts) and counts[0] >= 3
+    for workload in workloads:
+        starts = {a.calls[0].template[:200] for a in workload.apps}
+        assert len(starts) == len(workload.apps)  # no app's prefix is another's
+        assert all(len(a.calls) == 21 and a.kind == "agents" for a in workload.apps)
+    top = workloads[-1]
+    prefixes = sum(textgen.estimate_tokens(a.calls[0].template.split("Architect:")[0]) for a in top.apps)
+    assert prefixes > top.params["kv_cache_tokens"]  # the pool cannot hold every app's prefix

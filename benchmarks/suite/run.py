@@ -137,6 +137,13 @@ def _parser() -> argparse.ArgumentParser:
         "default: each engine's own, measured from its decode step time against load)",
     )
     p.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=None,
+        help="the KV pool of every Parrot engine, in tokens (parrot engine --kv-cache-tokens): a pool "
+        "too small to hold every app's prefixes (agents_load); peers keep their own",
+    )
+    p.add_argument(
         "--step-log",
         action="store_true",
         help="Parrot's engines log every step (parrot --step-log) to logs/<system>/steps-*.jsonl, "
@@ -170,6 +177,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Any, list[Wo
         parser.error("--app-timeout must be > 0")
     if not args.fig17_bound > 0:
         parser.error("--fig17-bound must be > 0")
+    if args.kv_cache_tokens is not None and args.kv_cache_tokens < 1:
+        parser.error("--kv-cache-tokens must be >= 1")
     try:
         from . import workloads
     except ImportError as exc:
@@ -291,6 +300,7 @@ def collect_header(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "delay_ms": list(args.delay_ms),
         "fig17_bound_s": args.fig17_bound,
+        "kv_cache_tokens": args.kv_cache_tokens,
         "order": "per engine layout, repeat-major; in repeat r the systems rotated by r, each running "
         "the layout's workloads in order; repeat r: seed + r; fig17 stops a system's rates after "
         "the first over the bound",
@@ -511,6 +521,7 @@ class Fleet:
                     latency_cap=self.args.latency_cap,
                     dtype=self.args.dtype,
                     step_log=self.args.step_log,
+                    kv_cache_tokens=self.args.kv_cache_tokens,
                 )
             )
             _warm_up(handle)
@@ -727,6 +738,7 @@ RUN_DEFINING = (
     "seed",
     "delay_ms",
     "fig17_bound_s",
+    "kv_cache_tokens",
 )
 
 

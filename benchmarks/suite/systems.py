@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -93,6 +94,7 @@ __all__ = [
     "parrot_commands",
     "start_system",
     "vllm_layout",
+    "with_kv_pool",
 ]
 
 Kind = Literal["parrot", "openai"]
@@ -442,6 +444,18 @@ def parrot_commands(
     return [*serve, "--no-engine"], engine_cmds
 
 
+def with_kv_pool(spec: SystemSpec, kv_cache_tokens: int | None) -> SystemSpec:
+    """``spec`` with every one of Parrot's own engines given a KV pool of ``kv_cache_tokens``
+    (None: as it is; peers keep their own pools)."""
+    if kv_cache_tokens is None or spec.backend != "parrot":
+        return spec
+    if isinstance(kv_cache_tokens, bool) or kv_cache_tokens < 1:
+        raise ValueError(f"kv_cache_tokens must be a positive integer, got {kv_cache_tokens!r}")
+    return dataclasses.replace(
+        spec, engine_flags=(*spec.engine_flags, "--kv-cache-tokens", str(kv_cache_tokens))
+    )
+
+
 @contextlib.contextmanager
 def _parrot_system(
     name: str,
@@ -705,10 +719,12 @@ def start_system(
     latency_cap: int | None = None,
     dtype: str = "float32",
     step_log: bool = False,
+    kv_cache_tokens: int | None = None,
 ) -> Iterator[SystemHandle]:
     """Start system ``name`` serving ``model`` with ``engines`` engines in ``dtype``, yield its
     handle, stop it.  ``latency_cap`` applies to Parrot systems (their manager's ``--latency-cap``);
-    ``step_log``: Parrot's own engines log their steps into the system's log folder.
+    ``step_log``: Parrot's own engines log their steps into the system's log folder;
+    ``kv_cache_tokens``: the KV pool of each of Parrot's own engines (peers keep theirs).
 
     Raises ValueError for an unknown name and :class:`SystemStartError` (or
     ``peers.PeerError``) when it does not come up within ``timeout_s``.
@@ -719,7 +735,7 @@ def start_system(
         raise ValueError("engines must be >= 1")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    spec = SYSTEMS[name]
+    spec = with_kv_pool(SYSTEMS[name], kv_cache_tokens)
     path = model_dir(model)
     log_dir = Path(log_dir) / f"{name}-e{engines}"
     if spec.backend == "parrot":

@@ -104,6 +104,7 @@ in bf16.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -116,6 +117,8 @@ from benchmarks.suite import textgen
 from benchmarks.suite.spec import AppSpec, CallSpec, Criteria, Workload, check_app
 
 __all__ = [
+    "AGENTS_LOAD_KV_TOKENS",
+    "AGENTS_LOAD_RATES",
     "APP_LOAD_MIX",
     "APP_LOAD_RATES",
     "CHAT_RATES",
@@ -126,6 +129,7 @@ __all__ = [
     "INSTRUCTION_TOKENS",
     "Cost",
     "agents_app",
+    "agents_load",
     "all_workloads",
     "app_cost",
     "app_load",
@@ -757,6 +761,36 @@ def app_load(scale: float = 1.0, seed: int = 0) -> list[Workload]:
     return workloads
 
 
+#: agents_load: arrival rates (apps/s) of multi-agent apps, each with a system prompt of its own.
+AGENTS_LOAD_RATES = (0.2, 0.3, 0.4)
+AGENTS_LOAD_KV_TOKENS = 8192
+"""The engine KV pool agents_load is meant for (``python -m benchmarks.suite --kv-cache-tokens``):
+too small to hold the prefixes of every app in flight (each ~670 tokens) beside their work."""
+
+
+def agents_load(scale: float = 1.0, seed: int = 0) -> list[Workload]:
+    """Multi-agent apps (:func:`agents_app`: 4 files, 2 review rounds, 21 calls) arriving by a
+    Poisson process at each of :data:`AGENTS_LOAD_RATES` over 60 s (times ``scale``), each
+    with a 600-token system prompt of its own that all of its calls start with; one engine.
+    Run with a KV pool of :data:`AGENTS_LOAD_KV_TOKENS` tokens: whose prefix an engine keeps
+    while its app waits between rounds decides how much is computed again."""
+    window = 60.0 * scale
+    workloads = []
+    for rate in AGENTS_LOAD_RATES:
+        name = workload_name("agents_load", rate=rate)
+        unit = poisson_arrivals(seeded_rng(seed, "agents_load", "arrivals"), 1.0, window * rate) or [0.0]
+        rng = seeded_rng(seed, name, "apps")
+        apps = []
+        for i, t in enumerate(unit):
+            system = _system_prompt(rng, 600, "one member of a software team: architect, coder or reviewer")
+            app = agents_app(f"{name}/agents{i:03d}", system, textgen.filler(rng, 60), 4, rounds=2)
+            apps.append(dataclasses.replace(app, arrival_s=round(t / rate, 3)))
+        params = {"sweep": "rate", "x": rate, "window_s": window, "apps": len(apps)}
+        params["kv_cache_tokens"] = AGENTS_LOAD_KV_TOKENS
+        workloads.append(finish_workload("agents_load", name, params, apps))
+    return workloads
+
+
 #: instructed_chain: tokens of each step's own constant instructions.
 INSTRUCTION_TOKENS = (400, 800)
 
@@ -809,6 +843,7 @@ FIGURES: dict[str, Callable[..., list[Workload]]] = {
     "fig19": fig19,
     "app_load": app_load,
     "instructed_chain": instructed_chain,
+    "agents_load": agents_load,
 }
 
 
