@@ -17,7 +17,17 @@ import pytest
 
 import parrot as P
 from parrot.protocol.schemas import MAX_BATCH_OPS
-from tests.api_client import WAIT, Bystander, Raw, engine_work, expect_error, healthz_stalls, inp, out
+from tests.api_client import (
+    STALL_LIMIT_S,
+    WAIT,
+    Bystander,
+    Raw,
+    engine_work,
+    expect_error,
+    healthz_stalls,
+    inp,
+    out,
+)
 from tests.conftest import LiveServer
 
 T1 = "Q: {{input:x}} A: {{output:y}}"
@@ -455,7 +465,7 @@ def test_the_largest_batch_holds_the_event_loop_briefly(live: LiveServer) -> Non
             resp = raw.http.post(f"{raw.path}/batch", json={"ops": ops}, headers=raw.auth)
         assert resp.status_code == 200, resp.text[:500]
         assert len(resp.json()["results"]) == MAX_BATCH_OPS
-        assert stalls and max(stalls) < 0.5, max(stalls)
+        assert stalls and max(stalls) < STALL_LIMIT_S, max(stalls)
     finally:
         raw.http.delete(raw.path, headers=raw.auth)
         raw.close()

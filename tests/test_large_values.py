@@ -32,11 +32,10 @@ from parrot.manager.tokens import INLINE_PASS_BYTES, TokenSource
 from parrot.protocol.errors import ContextTooLong, NotFound
 from parrot.protocol.schemas import BatchRequest, SubmitCall
 from parrot.protocol.tokenizer import TextTokenizer
-from tests.api_client import WAIT, expect_error, healthz_stalls, inp, out
+from tests.api_client import STALL_LIMIT_S, WAIT, expect_error, healthz_stalls, inp, out
 from tests.conftest import LiveServer, start_server
 from tests.fake_engine import GatedEngine
 
-STALL_LIMIT_S = 0.5  # the longest /healthz answer allowed while an attack runs
 BIG = 6 * 1024 * 1024  # a value of several MB, under the 8 MiB body limit
 LOW_INLINE = 256  # a threshold low enough that a value near the tiny context goes off the loop
 TEMPLATE = "Q {{input:q}} {{output:y}}"  # fills "Q " + value + " ": len(value) + 3 tokens (tiny)
