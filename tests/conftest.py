@@ -21,6 +21,7 @@ import pytest
 import uvicorn
 from hypothesis import settings
 
+from parrot.engine.latency_probe import MIN_LATENCY_CAP_TOKENS
 from parrot.engine.loader import LoadedModel, load_model
 from parrot.engine.local import LocalEngine
 from parrot.manager.app import create_app
@@ -42,7 +43,10 @@ def tiny_model() -> LoadedModel:
 
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_model: LoadedModel) -> Iterator[LocalEngine]:
-    engine = LocalEngine(tiny_model, max_step_tokens=256)
+    """The tiny engine the session's tests share.  Its latency cap is pinned (to 1,024 tokens,
+    the floor its probe's fit always gave): measured, it would be refitted from every test's
+    traffic, and the scheduling in the live tests would depend on which ran before."""
+    engine = LocalEngine(tiny_model, max_step_tokens=256, latency_cap=MIN_LATENCY_CAP_TOKENS)
     yield engine
     engine.close()
 

@@ -481,8 +481,9 @@ def test_engine_reports_its_latency_cap_and_the_manager_learns_it_at_once(procs:
 def test_servers_answer_a_keep_alive_client_without_nagles_delay(procs: Procs):
     """``parrot serve`` and ``parrot engine`` set TCP_NODELAY on their connections: on a
     reused connection a small answer comes in about a millisecond.  With Nagle's algorithm
-    on (a listening socket made with protocol 0) each one waited ~40 ms for the client's
-    delayed ACK."""
+    on (a listening socket made with protocol 0) every one waited ~40 ms for the client's
+    delayed ACK.  So the fastest of 15 answers tells them apart: a loaded machine only ever
+    adds time (a median under 20 ms did not always hold on a busy 2-core machine)."""
     mgr = procs.manager()
     eng = procs.engine(mgr)
     for url in (mgr.url, eng.url):
@@ -492,4 +493,4 @@ def test_servers_answer_a_keep_alive_client_without_nagles_delay(procs: Procs):
                 started = time.perf_counter()
                 assert http.get("/healthz").status_code == 200
                 took.append(time.perf_counter() - started)
-        assert sorted(took)[len(took) // 2] < 0.02, (url, took)
+        assert min(took) < 0.02, (url, took)
