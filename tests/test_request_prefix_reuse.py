@@ -76,9 +76,15 @@ def test_a_huge_value_gets_a_bounded_number_of_inner_keys():
     huge = "x" * (CHUNK_CHARS * (MAX_CHUNK_KEYS + 50))
     keys = prefix_keys(request(huge))
     assert len(keys) == MAX_CHUNK_KEYS + 1  # the inner keys, then the whole prompt's
-    t0 = time.perf_counter()
-    prefix_keys(request("y" * (8 << 20)))  # 8 MiB: hashed in one piece past the bound
-    assert time.perf_counter() - t0 < 0.1
+    big = request("y" * (8 << 20))  # 8 MiB: hashed in one piece past the bound
+
+    def took() -> float:
+        t0 = time.perf_counter()
+        prefix_keys(big)
+        return time.perf_counter() - t0
+
+    # the fastest of three (a loaded machine only adds time, and one run measured its noise)
+    assert min(took() for _ in range(3)) < 0.1
 
 
 def test_the_index_knows_whether_any_engine_holds_a_key():

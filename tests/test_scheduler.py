@@ -820,8 +820,11 @@ def big_round(n_calls=10_000, n_engines=64, seed=1):
 def test_schedule_10k_calls_over_64_engines_is_fast():
     queue, engines = big_round()
     schedule(queue, engines)
-    t0 = time.perf_counter()
-    out = schedule(queue, engines)
-    elapsed = time.perf_counter() - t0
+    times = []
+    for _ in range(3):  # the fastest of three: a loaded machine only adds time
+        t0 = time.perf_counter()
+        out = schedule(queue, engines)
+        times.append(time.perf_counter() - t0)
     assert len(out) > 4000  # the engines' caps hold about half of the queue's tokens
+    elapsed = min(times)
     assert elapsed < 2.0, f"{len(queue) / elapsed:.0f} calls/s"  # generous; see the report for numbers
