@@ -71,13 +71,34 @@ def test_killing_an_engine_mid_map_reduce_loses_nothing(procs: Procs):
             calls = graph(mgr.url, s)["calls"]
             return [c for c in calls if c["state"] == "running" and c["generated_tokens"] >= 20]
 
+        def still_running(victim_id: str) -> set[str]:
+            calls = graph(mgr.url, s)["calls"]
+            return {c["call_id"] for c in calls if c["state"] == "running" and c["engine_id"] == victim_id}
+
+        def settled(victim_id: str) -> tuple[set[str]] | None:
+            """The victim's running calls, once what it sent before it stopped has reached
+            the manager (two reads agree)."""
+            first = still_running(victim_id)
+            time.sleep(0.3)
+            return (first,) if first == still_running(victim_id) else None
+
         # the victim is an engine running a map well under way: the manager may pack the
         # maps onto either engine (latency packing), so which one is known only now
-        running = wait_until(busy, 60, lambda: f"no call got going: {graph(mgr.url, s)}")
-        victim_id = running[0]["engine_id"]
+        for _ in range(5):
+            running = wait_until(busy, 60, lambda: f"no call got going: {graph(mgr.url, s)}")
+            victim_id = running[0]["engine_id"]
+            victim = by_id[victim_id]
+            victim.signal(signal.SIGSTOP)  # frozen: its calls cannot finish while they are looked at
+            (on_victim_ids,) = wait_until(
+                lambda v=victim_id: settled(v), 30, lambda: f"its calls kept changing: {graph(mgr.url, s)}"
+            )
+            on_victim = [c for c in running if c["call_id"] in on_victim_ids]
+            if on_victim:
+                break
+            victim.signal(signal.SIGCONT)  # its calls finished before it stopped (a loaded machine)
+        else:
+            pytest.fail(f"no engine could be stopped mid-map: {graph(mgr.url, s)}")
         (survivor_id,) = (eid for eid in by_id if eid != victim_id)
-        victim = by_id[victim_id]
-        on_victim = [c for c in running if c["engine_id"] == victim_id]
         victim.signal(signal.SIGKILL)
         killed_at = time.monotonic()
         got = [v.get(timeout=120) for v in maps] + [final.get(timeout=120)]
