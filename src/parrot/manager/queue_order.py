@@ -49,12 +49,12 @@ __all__ = ["SERVICE_LEVEL_TOKENS", "QueueOrder", "service_level"]
 _ORDER_BITS = 64  # an app-FIFO rank is (application's place << _ORDER_BITS) | the call's own order
 _TURN_SHIFT = 192  # a rank is (tenant's turn << _TURN_SHIFT) | the call's rank within its tenant
 _LEVEL_SHIFT = 128  # a program-level rank is (level << _LEVEL_SHIFT) | the app-FIFO rank (< 2**128)
-_PRIORITY_SHIFT = 40  # an engine priority is (level << _PRIORITY_SHIFT) | the application's place
+_PRIORITY_SHIFT = 40  # an engine priority is (level << _PRIORITY_SHIFT) | the place (at most 2**40 - 1)
 _MAX_LEVEL = (ENGINE_PRIORITY_MAX >> _PRIORITY_SHIFT) - 1
 SERVICE_LEVEL_TOKENS = 512
 """The first service level's threshold in tokens; each next one is four times the last
 (512, 2,048, 8,192, ...): a ShareGPT-like chat stays at level 0, a map-reduce of a dozen
-maps passes two thresholds as its maps are placed."""
+maps passes two thresholds as its maps end."""
 _TENANTS_REMEMBERED = 1024  # past this many, tenants owing nothing are forgotten
 
 
@@ -75,7 +75,7 @@ class QueueOrder:
 
     def __init__(self, by_service: bool = False) -> None:
         self.by_service = by_service
-        # session id -> estimated tokens of its calls placed so far (kept while it is active)
+        # session id -> estimated tokens of its calls that ended (kept while it is active)
         self.attained: dict[str, int] = {}
         # session id -> its place in the queue (the arrival of its first call queued since
         # none of its calls was queued or placed), and how many of its calls are
