@@ -343,3 +343,36 @@ def test_latency_packing_is_the_managers_option_in_simulation() -> None:
 
     assert placements(packed) != placements(spread)
     assert simulate(workload, "parrot", COST, tiny, pack_latency=True) == packed
+
+
+def test_the_kv_pool_option_replaces_the_profiles_and_a_smaller_pool_costs_time() -> None:
+    """``kv_cache_tokens`` reaches the simulated engines: agents whose prefixes do not fit
+    a small pool take longer than with the profile's pool (which holds them all)."""
+    import dataclasses
+
+    from benchmarks.sim.driver import simulate_on
+    from benchmarks.suite.workloads import agents_app, finish_workload
+
+    from parrot.sim.cost import CostProfile
+
+    tiny = TextTokenizer.byte_level_tiny()  # a token per byte
+    apps = [
+        dataclasses.replace(
+            agents_app(f"t/a{i}", f"System {i}. " + "rules " * 50, "a task", 2, rounds=1), arrival_s=i
+        )
+        for i in range(4)
+    ]
+    workload = finish_workload("agents_load", "t", {"sweep": "rate", "x": 1.0}, apps)
+    profile = CostProfile("test", COST, kv_cache_tokens=1 << 17)
+    roomy = simulate_on(workload, "parrot-baseline-throughput-apc", profile, tiny)
+    tight = simulate_on(workload, "parrot-baseline-throughput-apc", profile, tiny, kv_cache_tokens=1024)
+    assert all(a.error is None for a in roomy.apps + tight.apps)
+    assert max(a.end_s for a in tight.apps) > max(a.end_s for a in roomy.apps)
+
+
+def test_a_kv_pool_below_one_token_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks.sim import __main__ as sim_cli
+
+    with pytest.raises(SystemExit) as exit_:
+        sim_cli.main(["--figures", "agents_load", "--kv-cache-tokens", "0"])
+    assert exit_.value.code == 2 and "must be at least 1, got 0" in capsys.readouterr().err

@@ -73,6 +73,12 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="the managers' latency packing (parrot serve --[no-]pack-latency; default on, as the server's)",
     )
+    parser.add_argument(
+        "--kv-cache-tokens",
+        type=_positive,
+        default=None,
+        help="every engine's KV pool in tokens, in place of the profile's (the suite's option of that name)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write every run as JSON here")
     parser.add_argument(
         "--compare", type=Path, default=None, metavar="RAW", help="a real run's raw.json to compare against"
@@ -112,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                         repeat=r,
                         latency_cap=args.latency_cap,
                         pack_latency=args.pack_latency,
+                        kv_cache_tokens=args.kv_cache_tokens,
                     )
                     runs.append(run)
                     repeat_means.append(_app_mean(a.latency_s for a in run.apps if a.error is None))

@@ -279,9 +279,11 @@ def simulate_on(
     repeat: int = 0,
     latency_cap: int | None = None,
     pack_latency: bool = True,
+    kv_cache_tokens: int | None = None,
 ) -> RunRecord:
-    """:func:`simulate` on engines of ``profile`` (its step cost and KV pool); the run's
-    ``extra`` names the profile and the wall time the simulation took."""
+    """:func:`simulate` on engines of ``profile`` (its step cost and KV pool, or a pool of
+    ``kv_cache_tokens``); the run's ``extra`` names the profile and the wall time the
+    simulation took."""
     started = time.perf_counter()
     run = simulate(
         workload,
@@ -291,7 +293,7 @@ def simulate_on(
         seed=seed,
         repeat=repeat,
         latency_cap=latency_cap,
-        kv_cache_tokens=profile.kv_cache_tokens,
+        kv_cache_tokens=profile.kv_cache_tokens if kv_cache_tokens is None else kv_cache_tokens,
         pack_latency=pack_latency,
     )
     run.extra.update(cost=profile.name, sim_wall_s=time.perf_counter() - started)

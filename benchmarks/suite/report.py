@@ -208,6 +208,8 @@ _TITLES = {
     "fig18": "Figure 18: multi-agent programming",
     "fig19": "Figure 19: chat + map-reduce",
     "app_load": "Mixed application load: chats, chains and map-reduce arriving by a Poisson process",
+    "agents_load": "Multi-agent apps arriving by a Poisson process, on a KV pool too small for every prefix",
+    "instructed_chain": "Chains whose steps each start with instructions of their own",
 }
 _APP_LATENCY = Metric(
     "latency_s",
@@ -249,7 +251,7 @@ _METRICS: dict[str, tuple[Metric, ...]] = {
 }
 
 
-_METRICS["app_load"] = (
+_METRICS["app_load"] = _METRICS["agents_load"] = (
     _ALL_LATENCY,
     Metric(
         "p99_latency_s",

@@ -311,8 +311,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--no-early-prefill",
         action="store_true",
-        help="do not compute a waiting call's constant prompt start before its inputs exist (for "
-        "ablations)",
+        help="do not compute a waiting call's constant prompt start before its inputs exist (for ablations)",
     )
     serve.add_argument(
         "--session-ttl",
