@@ -125,11 +125,11 @@ class EarlyPrefill:
             opened = True
             await api.fill(ids, context_id, cache_salt=call.cache_salt, priority=priority, retain=True)
             self.prefixes.record(engine.engine_id, (hold.key,))
-            while True:  # calls may join while it waits
-                waiting = [c for c in hold.calls if not _started_or_ended(c)]
-                if not waiting:
+            while True:  # calls may join while it waits; those that started leave the list
+                hold.calls[:] = [c for c in hold.calls if not _started_or_ended(c)]
+                if not hold.calls:
                     break
-                await _until_started_or_ended(waiting[0])
+                await _until_started_or_ended(hold.calls[0])
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # an early fill is an optimisation: the calls run without it
