@@ -33,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -120,13 +121,12 @@ def main(argv: list[str] | None = None) -> int:
         }
         warm = instructions(10_000, 1, 32)  # one untimed agent each: the engines warm
         for name, handle in handles.items():
-            (run_baseline if name.startswith("parrot-baseline") else _parrot_on)(handle, warm, args)
+            _runner(name)(handle, warm, args)
         for r in range(args.repeats):
             order = SYSTEMS[r % len(SYSTEMS) :] + SYSTEMS[: r % len(SYSTEMS)]
             texts = instructions(r, args.steps, args.instruction_tokens)
             for name in order:
-                run = run_baseline if name.startswith("parrot-baseline") else _parrot_on
-                runs[name].append(run(handles[name], texts, args))
+                runs[name].append(_runner(name)(handles[name], texts, args))
                 print(f"repeat {r} {name}: {runs[name][-1]:.2f} s", flush=True)
     tool = args.tool_s * args.steps
     mean = {name: statistics.fmean(v) for name, v in runs.items()}
@@ -143,8 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _parrot_on(handle: SystemHandle, texts: list[str], args: argparse.Namespace) -> float:
-    return run_parrot(handle.base_url, texts, args)
+def _runner(system: str) -> Callable[[SystemHandle, list[str], argparse.Namespace], float]:
+    """How the agent is driven on ``system``: request by request, or through Parrot's client."""
+    if system.startswith("parrot-baseline"):
+        return run_baseline
+    return lambda handle, texts, args: run_parrot(handle.base_url, texts, args)
 
 
 if __name__ == "__main__":

@@ -727,6 +727,13 @@ APP_LOAD_MIX = (("chat", 0.5), ("chain", 0.25), ("map_reduce", 0.25))
 sizes vary several-fold, so the order in which apps are served decides their mean latency."""
 
 
+def _compressed_arrivals(seed: int, figure: str, rate: float, window_s: float) -> list[float]:
+    """Arrivals at ``rate`` per second over ``window_s``: one unit-rate Poisson process per
+    figure and seed, compressed by the rate, so a higher rate has more apps, never fewer."""
+    unit = poisson_arrivals(seeded_rng(seed, figure, "arrivals"), 1.0, window_s * rate) or [0.0]
+    return [round(t / rate, 3) for t in unit]
+
+
 def app_load_app(app_id: str, rng: random.Random, arrival_s: float) -> AppSpec:
     """One app of the mixed load, its kind drawn by :data:`APP_LOAD_MIX`: a ShareGPT-like
     chat; a chain of 2-6 summary steps (chunk 160, output 25); or a map-reduce of 4-12 maps
@@ -750,9 +757,7 @@ def app_load(scale: float = 1.0, seed: int = 0) -> list[Workload]:
     workloads = []
     for rate in APP_LOAD_RATES:
         name = workload_name("app_load", rate=rate)
-        # one unit-rate process compressed by the rate: a higher rate has more apps, never fewer
-        unit = poisson_arrivals(seeded_rng(seed, "app_load", "arrivals"), 1.0, window * rate) or [0.0]
-        arrivals = [round(t / rate, 3) for t in unit]
+        arrivals = _compressed_arrivals(seed, "app_load", rate, window)
         rng = seeded_rng(seed, name, "apps")
         apps = [app_load_app(f"{name}/app{i:04d}", rng, t) for i, t in enumerate(arrivals)]
         kinds = {k: sum(a.kind == k for a in apps) for k, _ in APP_LOAD_MIX}
@@ -778,13 +783,13 @@ def agents_load(scale: float = 1.0, seed: int = 0) -> list[Workload]:
     workloads = []
     for rate in AGENTS_LOAD_RATES:
         name = workload_name("agents_load", rate=rate)
-        unit = poisson_arrivals(seeded_rng(seed, "agents_load", "arrivals"), 1.0, window * rate) or [0.0]
+        arrivals = _compressed_arrivals(seed, "agents_load", rate, window)
         rng = seeded_rng(seed, name, "apps")
         apps = []
-        for i, t in enumerate(unit):
+        for i, t in enumerate(arrivals):
             system = _system_prompt(rng, 600, "one member of a software team: architect, coder or reviewer")
             app = agents_app(f"{name}/agents{i:03d}", system, textgen.filler(rng, 60), 4, rounds=2)
-            apps.append(dataclasses.replace(app, arrival_s=round(t / rate, 3)))
+            apps.append(dataclasses.replace(app, arrival_s=t))
         params = {"sweep": "rate", "x": rate, "window_s": window, "apps": len(apps)}
         params["kv_cache_tokens"] = AGENTS_LOAD_KV_TOKENS
         workloads.append(finish_workload("agents_load", name, params, apps))

@@ -76,7 +76,7 @@ class EarlyPrefill:
         self._holds: dict[str, _Hold] = {}  # prefix key -> its hold (salt and chat mode are in the key)
         self.fills = 0  # early fills started (for tests and metrics)
 
-    def waiting(self, call: Call, priority: int = 0) -> None:
+    def waiting(self, call: Call) -> None:
         """``call`` was submitted and waits for inputs: it joins the hold of its constant
         start, or one is started if the start is worth a fill and an engine can take it."""
         text = _constant_start(call)
@@ -93,7 +93,7 @@ class EarlyPrefill:
         hold = self._holds[key] = _Hold(engine, key, [call])
         self.fills += 1
         task = asyncio.get_running_loop().create_task(
-            self._run(hold, call, text, priority), name=f"early fill of {call.call_id}"
+            self._run(hold, call, text), name=f"early fill of {call.call_id}"
         )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -107,7 +107,7 @@ class EarlyPrefill:
         holding = [h for h in engines if self.prefixes.holds(key, h.engine_id)]
         return min(holding or engines, key=lambda h: (h.stats.token_load, h.engine_id), default=None)
 
-    async def _run(self, hold: _Hold, call: Call, text: str, priority: int) -> None:
+    async def _run(self, hold: _Hold, call: Call, text: str) -> None:
         engine = hold.engine
         api, context_id, opened = engine.api, engine.new_context_id(), False
         try:
@@ -123,7 +123,9 @@ class EarlyPrefill:
             if not ids or len(ids) >= engine.max_seq_len:
                 return
             opened = True
-            await api.fill(ids, context_id, cache_salt=call.cache_salt, priority=priority, retain=True)
+            await api.fill(
+                ids, context_id, cache_salt=call.cache_salt, priority=BACKGROUND_PRIORITY, retain=True
+            )
             self.prefixes.record(engine.engine_id, (hold.key,))
             while True:  # calls may join while it waits; those that started leave the list
                 hold.calls[:] = [c for c in hold.calls if not _started_or_ended(c)]

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from parrot.manager.call_driver import drive
-from parrot.manager.early_prefill import BACKGROUND_PRIORITY, EarlyPrefill
+from parrot.manager.early_prefill import EarlyPrefill
 from parrot.manager.engine_loads import EngineLoads, PlacedShare
 from parrot.manager.engines import EngineHandle, EnginePool
 from parrot.manager.graph import Call, fail_call
@@ -224,7 +224,7 @@ class Executor:
         """``call`` was submitted and waits for inputs: compute its constant start early
         (:mod:`parrot.manager.early_prefill`), behind every call's own work on the engine."""
         if self.early is not None:
-            self.early.waiting(call, BACKGROUND_PRIORITY)
+            self.early.waiting(call)
 
     async def drain(self) -> None:
         if self.early is not None:
