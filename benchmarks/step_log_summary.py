@@ -33,8 +33,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from parrot.engine.core.step_work import StepWork
 from parrot.engine.step_log import read_step_log
-from parrot.engine.step_work import StepWork
 
 BUCKET = 4  # decode sequences per reported bucket
 

@@ -21,7 +21,7 @@ import pytest
 import uvicorn
 from hypothesis import settings
 
-from parrot.engine.latency_probe import MIN_LATENCY_CAP_TOKENS
+from parrot.engine.core.latency_fit import MIN_LATENCY_CAP_TOKENS
 from parrot.engine.loader import LoadedModel, load_model
 from parrot.engine.local import LocalEngine
 from parrot.manager.app import create_app

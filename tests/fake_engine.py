@@ -22,7 +22,7 @@ class GatedEngine:
     lists the context ids in the order their generation began, ``priorities`` the
     priority each of those generations carried.
 
-    Its contexts behave as the real engine's (:class:`~parrot.engine.contexts.ContextTable`,
+    Its contexts behave as the real engine's (:class:`~parrot.engine.core.contexts.ContextTable`,
     the step planner's admission): a fill creates its context (forked from a parent that
     must exist) or extends it; a generate needs its context to exist or a parent to fork
     from; freeing an unknown context fails; the same errors, with the same codes.  Its

@@ -17,10 +17,10 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from parrot.engine.block_pool import BlockPool
-from parrot.engine.contexts import Context, ContextTable
+from parrot.engine.core.block_pool import BlockPool
+from parrot.engine.core.contexts import Context, ContextTable
+from parrot.engine.core.memory import MemoryManager
 from parrot.engine.kv_store import PagedKVCache
-from parrot.engine.memory import MemoryManager
 from parrot.protocol.errors import ContextTooLong
 
 # ---------------------------------------------------------------- the pool

@@ -2,7 +2,7 @@
 
 import pytest
 
-from parrot.engine.contexts import ContextTable
+from parrot.engine.core.contexts import ContextTable
 from parrot.protocol.errors import BadRequest, Conflict, ContextTooLong, NotFound
 
 

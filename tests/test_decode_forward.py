@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from parrot.engine import step_forward
+from parrot.engine.core.step_planner import SeqSlice
 from parrot.engine.kernels import bf16_linear, decode_forward, f32_linear, native
 from parrot.engine.kernels.attention import cpu_kernel
 from parrot.engine.kernels.kernel_set import for_options
@@ -22,7 +23,6 @@ from parrot.engine.loader import LoadedModel
 from parrot.engine.model import LlamaModel, ModelConfig
 from parrot.engine.paged import PagedStepAttention
 from parrot.engine.runner import EngineRunner, Job
-from parrot.engine.step_planner import SeqSlice
 from parrot.protocol.sampling import SamplingParams
 from parrot.protocol.tokenizer import TINY_VOCAB_SIZE, TextTokenizer
 

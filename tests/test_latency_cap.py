@@ -19,7 +19,8 @@ import torch
 
 from parrot.cli import _parser
 from parrot.engine import latency_probe as lp
-from parrot.engine.latency_probe import StepFit, StepLatency, cap_from_fit, fit_or_why, fit_step_times
+from parrot.engine.core import latency_fit as lf
+from parrot.engine.core.latency_fit import StepFit, StepLatency, cap_from_fit, fit_or_why, fit_step_times
 from parrot.engine.loader import LoadedModel
 from parrot.engine.local import LocalEngine
 from parrot.engine.runner import EngineRunner
@@ -81,9 +82,9 @@ def test_cap_is_where_the_step_time_reaches_its_target_within_floor_and_capacity
     assert cap_from_fit(fit, 46_592, target_s=0.040) == 2000
     assert cap_from_fit(fit, 1200) == 1200  # never above the capacity
     steep = StepFit(0.030, 1e-4, 3, 9)  # 75 tokens: the floor
-    assert cap_from_fit(steep, 46_592) == lp.MIN_LATENCY_CAP_TOKENS
+    assert cap_from_fit(steep, 46_592) == lf.MIN_LATENCY_CAP_TOKENS
     assert cap_from_fit(steep, 500) == 500  # the floor never exceeds the capacity
-    assert cap_from_fit(fit, 46_592, target_s=0.020) == lp.MIN_LATENCY_CAP_TOKENS  # below a: floor
+    assert cap_from_fit(fit, 46_592, target_s=0.020) == lf.MIN_LATENCY_CAP_TOKENS  # below a: floor
     assert cap_from_fit(StepFit(0.030, 0.0, 2, 6), 46_592) == 46_592  # no growth: the capacity
     with pytest.raises(ValueError, match="factor"):
         cap_from_fit(fit, 1000, factor=1.0)
@@ -95,19 +96,19 @@ def test_step_latency_refits_from_recorded_steps_and_reports():
     tracker = StepLatency()
     assert tracker.cap(50_000) == 0 and tracker.report(50_000)["latency_cap_source"] == "none"
     rng = random.Random(5)
-    for load, t in line(0.030, 5e-6, [600, 2400], lp.REFIT_EVERY // 2, rng):
+    for load, t in line(0.030, 5e-6, [600, 2400], lf.REFIT_EVERY // 2, rng):
         tracker.record(load, t)
     assert tracker.fit is not None  # refitted after REFIT_EVERY steps
     assert tracker.cap(50_000) == pytest.approx(1500, rel=0.1)
     report = tracker.report(50_000)
-    assert report["latency_cap_source"] == "measured" and report["decode_steps_fitted"] == lp.REFIT_EVERY
+    assert report["latency_cap_source"] == "measured" and report["decode_steps_fitted"] == lf.REFIT_EVERY
     assert report["decode_ms_base"] == pytest.approx(30, rel=0.1)
     assert report["decode_ms_per_1k_tokens"] == pytest.approx(5, rel=0.1)
     assert report["decode_ms_target"] == pytest.approx(37.5, rel=0.1)
     EngineStats(**report)  # the stats schema takes every field
     tracker.record(100, float("nan"))  # ignored
     tracker.record(-1, 0.01)
-    assert sum(len(b) for b in tracker._buckets.values()) == lp.REFIT_EVERY
+    assert sum(len(b) for b in tracker._buckets.values()) == lf.REFIT_EVERY
     fixed = StepLatency(fixed_cap=3000)
     assert fixed.cap(50_000) == 3000 and fixed.cap(2000) == 2000
     assert fixed.report(50_000)["latency_cap_source"] == "fixed"
@@ -121,7 +122,7 @@ def test_prompt_steps_tell_how_many_prompt_tokens_cost_one_decode_step():
     tracker.record_prefill(1000, 0, 0, 0.5)  # before a fit: nothing to compare with
     assert tracker.prefill_tokens_per_decode_step() == 0.0
     rng = random.Random(3)
-    for load, t in line(0.020, 5e-6, [600, 2400], lp.REFIT_EVERY // 2, rng):
+    for load, t in line(0.020, 5e-6, [600, 2400], lf.REFIT_EVERY // 2, rng):
         tracker.record(load, t)
     assert tracker.fit is not None and tracker.report(50_000)["prefill_tokens_per_decode_step"] == 0.0
     base = tracker.fit.base_s
@@ -129,7 +130,7 @@ def test_prompt_steps_tell_how_many_prompt_tokens_cost_one_decode_step():
     tracker.record_prefill(1000, 0, 0, base + 2.0)
     tracker.record_prefill(512, 1200, 4, tracker.fit.step_s(1200) + 512 * 2e-3)
     tracker.record_prefill(600, 0, 0, base + 600 * 1e-3)  # a faster step: the median of three
-    tracker.record_prefill(lp.PREFILL_MIN_TOKENS - 1, 0, 0, 9.0)  # too few prompt tokens: ignored
+    tracker.record_prefill(lf.PREFILL_MIN_TOKENS - 1, 0, 0, 9.0)  # too few prompt tokens: ignored
     tracker.record_prefill(1000, 0, 0, base / 2)  # faster than its decode part: ignored
     tracker.record_prefill(1000, 0, 0, float("inf"))
     want = float(f"{base / 2e-3:.2g}")
@@ -150,15 +151,15 @@ def _probed(a: float, b: float) -> tuple[StepLatency, StepFit]:
 def test_probe_steps_are_kept_apart_and_aged_out_by_real_steps_spanning_an_octave():
     tracker, probe_fit = _probed(0.030, 5e-6)
     # real steps under an octave of load, as the probe saw the machine: its line, refined
-    for load, t in line(0.030, 5e-6, [200, 260], lp.REFIT_EVERY // 2, random.Random(7)):
+    for load, t in line(0.030, 5e-6, [200, 260], lf.REFIT_EVERY // 2, random.Random(7)):
         tracker.record(load, t)
     refined = tracker.fit
-    assert refined is not probe_fit and refined.buckets == 5 and refined.steps == 9 + lp.REFIT_EVERY
+    assert refined is not probe_fit and refined.buckets == 5 and refined.steps == 9 + lf.REFIT_EVERY
     assert refined.base_s == pytest.approx(0.030, rel=0.03)
     assert refined.per_token_s == pytest.approx(5e-6, rel=0.03)
     assert tracker.refits_rejected == 0 and len(tracker._probe_buckets) == 3
     # real steps over an octave: fitted alone, the probe's dropped
-    for load, t in line(0.030, 5e-6, [400, 1200], lp.REFIT_EVERY // 2, random.Random(8)):
+    for load, t in line(0.030, 5e-6, [400, 1200], lf.REFIT_EVERY // 2, random.Random(8)):
         tracker.record(load, t)
     assert tracker._probe_buckets == {} and tracker.fit.buckets == 4
     assert tracker.fit.base_s == pytest.approx(0.030, rel=0.03)
@@ -171,7 +172,7 @@ def test_real_steps_slower_than_the_probe_scale_its_line_instead_of_bending_it()
     about 0 (no fit) or the base doubled (an inflated cap); scaled, the probe's cap stands."""
     tracker, probe_fit = _probed(0.36e-3, 0.16e-6)
     probe_cap = tracker.cap(50_000)
-    for load, t in line(0.65e-3, 0.0, [200, 230, 260], lp.REFIT_EVERY // 2, random.Random(2)):
+    for load, t in line(0.65e-3, 0.0, [200, 230, 260], lf.REFIT_EVERY // 2, random.Random(2)):
         tracker.record(load, t)
     fit = tracker.fit
     assert fit is not probe_fit and tracker.refits_rejected == 0
@@ -184,10 +185,10 @@ def test_a_rejected_refit_keeps_the_fit_logs_why_and_is_counted(caplog):
     """Real steps over an octave of load that do not grow with it (every step dominated by
     something else): no fit; the refit is rejected, not silently."""
     tracker, probe_fit = _probed(0.36e-3, 0.16e-6)
-    with caplog.at_level("DEBUG", logger="parrot.engine.latency_probe"):
-        rows = line(0.65e-3, 0.0, [200, 300, 450], lp.REFIT_EVERY, random.Random(2))
-        for i in range(lp.REFIT_EVERY):  # the three loads in turn
-            for load, t in rows[i :: lp.REFIT_EVERY]:
+    with caplog.at_level("DEBUG", logger="parrot.engine.core.latency_fit"):
+        rows = line(0.65e-3, 0.0, [200, 300, 450], lf.REFIT_EVERY, random.Random(2))
+        for i in range(lf.REFIT_EVERY):  # the three loads in turn
+            for load, t in rows[i :: lf.REFIT_EVERY]:
                 tracker.record(load, t)
     assert tracker.fit is probe_fit
     assert tracker.refits_rejected == 3 and tracker.report(50_000)["latency_refits_rejected"] == 3
@@ -198,7 +199,7 @@ def test_a_rejected_refit_keeps_the_fit_logs_why_and_is_counted(caplog):
     assert EngineStats(**tracker.report(50_000)).latency_refits_rejected == 3
     # without a probe, real steps under an octave cannot fit either
     alone = StepLatency()
-    for load, t in line(0.65e-3, 1e-6, [200, 260], lp.REFIT_EVERY // 2, random.Random(3)):
+    for load, t in line(0.65e-3, 1e-6, [200, 260], lf.REFIT_EVERY // 2, random.Random(3)):
         alone.record(load, t)
     assert alone.fit is None and alone.refits_rejected == 1 and "less than an octave" in alone.rejection
     alone.refit()  # on demand (a backend's first fit): not a periodic refit, never counted
@@ -239,7 +240,7 @@ def test_probe_on_the_tiny_model_gives_a_positive_cap_quickly_without_counting_i
         runner = engine.runner
         assert runner.latency.fit is not None
         assert stats.latency_cap_source == "measured"
-        assert min(lp.MIN_LATENCY_CAP_TOKENS, stats.token_capacity) <= stats.latency_cap_tokens
+        assert min(lf.MIN_LATENCY_CAP_TOKENS, stats.token_capacity) <= stats.latency_cap_tokens
         assert stats.latency_cap_tokens <= stats.token_capacity
         assert engine.latency_cap_tokens == stats.latency_cap_tokens
         assert stats.decode_ms_base > 0 and stats.decode_ms_per_1k_tokens >= 0
@@ -309,7 +310,7 @@ def _generate_beside(engine: LocalEngine, busy: bool) -> tuple[list[int], list[i
         stop = asyncio.Event()
         spinner = asyncio.create_task(spin(stop)) if busy else None
         await engine.fill(list(range(3, 200)), 1)
-        sp = SamplingParams(max_tokens=lp.REFIT_EVERY + 8, temperature=0.0, ignore_eos=True)
+        sp = SamplingParams(max_tokens=lf.REFIT_EVERY + 8, temperature=0.0, ignore_eos=True)
         async for _ in engine.generate(sp, 1):
             pass
         await engine.free_context(1)
@@ -336,14 +337,14 @@ def test_real_decode_steps_are_timed_and_refine_the_fit(tiny_model: LoadedModel,
         assert probed.decode_steps_fitted > 0 and probe_fit is not None
         loads, spins = _generate_beside(engine, busy)
         # every decode step (the first token comes from the prefill's logits), not the prefill
-        assert loads == list(range(198, 198 + lp.REFIT_EVERY + 7))
+        assert loads == list(range(198, 198 + lf.REFIT_EVERY + 7))
         assert spins[0] > (8 if busy else -1)  # the loop really was busy
         stats = asyncio.run(engine.stats())
         # refitted after REFIT_EVERY of them: the real loads with the probe's (under an octave alone)
         assert stats.latency_refits_rejected == 0, engine.runner.latency.rejection
         assert stats.latency_cap_source == "measured"
-        per_bucket = collections.Counter(lp._bucket(load) for load in loads[: lp.REFIT_EVERY])
-        real = sum(min(n, lp.WINDOW) for n in per_bucket.values())  # each bucket keeps its last WINDOW
+        per_bucket = collections.Counter(lf._bucket(load) for load in loads[: lf.REFIT_EVERY])
+        real = sum(min(n, lf.WINDOW) for n in per_bucket.values())  # each bucket keeps its last WINDOW
         assert stats.decode_steps_fitted == probed.decode_steps_fitted + real
         assert engine.runner.latency.fit is not probe_fit
     finally:
@@ -389,7 +390,7 @@ def test_probe_leaves_the_cap_unknown_when_steps_do_not_grow_with_load(
     runner = EngineRunner(tiny_model, kv_cache_tokens=16_384)
     runner.probe_latency()
     assert runner.latency.fit is not None
-    assert runner.latency.cap(runner.token_capacity) >= lp.MIN_LATENCY_CAP_TOKENS
+    assert runner.latency.cap(runner.token_capacity) >= lf.MIN_LATENCY_CAP_TOKENS
 
 
 def test_engines_endpoint_shows_the_cap(tiny_model: LoadedModel):
@@ -414,7 +415,7 @@ def test_engines_endpoint_shows_the_cap(tiny_model: LoadedModel):
 def test_cli_latency_options():
     parser = _parser()
     serve = parser.parse_args(["serve"])
-    assert serve.latency_cap is None and serve.latency_factor == lp.LATENCY_FACTOR
+    assert serve.latency_cap is None and serve.latency_factor == lf.LATENCY_FACTOR
     assert serve.latency_target_ms is None
     engine = parser.parse_args(["engine", "--manager", "http://m", "--latency-cap", "2000"])
     assert engine.latency_cap == 2000

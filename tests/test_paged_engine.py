@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 
 import parrot.engine.paged as paged
 from parrot.engine import prefill_sharing
+from parrot.engine.core.prefix_tree import decode_runs
 from parrot.engine.kernels.attention import cpu_kernel
 from parrot.engine.local import LocalEngine
-from parrot.engine.prefix_tree import decode_runs
 from parrot.engine.runner import StepInfo
 from parrot.protocol.errors import ContextTooLong
 from parrot.protocol.sampling import SamplingParams

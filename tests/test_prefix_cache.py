@@ -14,9 +14,9 @@ import random
 
 import pytest
 
-from parrot.engine.block_pool import BlockPool
+from parrot.engine.core.block_pool import BlockPool
+from parrot.engine.core.prefix_cache import ROOT, PrefixCache, block_digest
 from parrot.engine.local import LocalEngine
-from parrot.engine.prefix_cache import ROOT, PrefixCache, block_digest
 from parrot.engine.runner import StepInfo
 from parrot.protocol.sampling import SamplingParams
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from parrot.engine.jobs import Job
+from parrot.engine.core.jobs import Job
+from parrot.engine.core.step_planner import ENGINE_COUNTERS
 from parrot.engine.loader import LoadedModel
 from parrot.engine.runner import EngineRunner
-from parrot.engine.step_planner import ENGINE_COUNTERS
 from parrot.manager.service import Manager, ManagerConfig
 from parrot.protocol import clock
 from parrot.protocol.sampling import SamplingParams

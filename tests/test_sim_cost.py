@@ -12,9 +12,9 @@ import pytest
 from benchmarks.sim import __main__ as sim_main
 from benchmarks.sim import calibrate
 
-from parrot.engine.block_pool import BlockPool
-from parrot.engine.contexts import ContextTable
-from parrot.engine.step_planner import SeqSlice
+from parrot.engine.core.block_pool import BlockPool
+from parrot.engine.core.contexts import ContextTable
+from parrot.engine.core.step_planner import SeqSlice
 from parrot.protocol.tokenizer import TextTokenizer
 from parrot.sim.cost import PROFILES, CostProfile, StepCost, StepWork, load_profile, step_work
 from parrot.sim.engine import SimEngine
@@ -148,7 +148,7 @@ def test_the_simulated_cap_is_the_one_the_engines_probe_fits_floor_included() ->
     simulated engine, or the simulated latency-centric baseline queues calls the real
     one runs (fig. 19's one-thread profile implies 877 tokens; its engines reported
     1,024 and more)."""
-    from parrot.engine.latency_probe import MIN_LATENCY_CAP_TOKENS, StepFit, cap_from_fit
+    from parrot.engine.core.latency_fit import MIN_LATENCY_CAP_TOKENS, StepFit, cap_from_fit
 
     steep = StepCost(base=0.011, per_prefill_token=5e-4, per_decode_seq=0.002, per_kv_token=4e-6)
     assert 0.25 * (steep.base + steep.per_decode_seq) / steep.per_kv_token < MIN_LATENCY_CAP_TOKENS

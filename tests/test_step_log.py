@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from benchmarks.sim import calibrate
 
+from parrot.engine.core.step_work import StepWork
 from parrot.engine.local import LocalEngine
 from parrot.engine.step_log import StepLog, read_step_log
-from parrot.engine.step_work import StepWork
 from parrot.protocol.engine_api import SamplingParams
 from parrot.sim.cost import load_profile
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from parrot.engine.core.step_work import StepWork
 from parrot.engine.step_log import StepLog
-from parrot.engine.step_work import StepWork
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "benchmarks") not in sys.path:

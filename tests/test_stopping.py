@@ -1,7 +1,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from parrot.engine.stopping import StopStringFilter
+from parrot.engine.core.stopping import StopStringFilter
 
 
 def run(deltas, stop):

@@ -124,7 +124,7 @@ def _fabricate(
     ``pending`` more to compute; ``queue``: a running job computes them in the next step."""
     import torch
 
-    from parrot.engine.jobs import Job
+    from parrot.engine.core.jobs import Job
 
     contexts, vocab = runner.contexts, runner.loaded.config.vocab_size
     ctx = contexts.open(cid, parent)
@@ -217,8 +217,8 @@ def make_runner(model: str, dtype: str, points: list[Point]) -> EngineRunner:
     and KV pool sized for ``points``; no prefix cache, so fabricated tokens never hit it."""
     import torch
 
-    from parrot.engine.block_pool import DEFAULT_BLOCK_SIZE
     from parrot.engine.config import EngineConfig
+    from parrot.engine.core.block_pool import DEFAULT_BLOCK_SIZE
     from parrot.engine.loader import load_model
     from parrot.engine.runner import EngineRunner
 

@@ -19,10 +19,10 @@ if TYPE_CHECKING:
     from parrot.manager.service import ManagerConfig
 
 from parrot.cli_backend import add_backend_args, register_backends
+from parrot.engine.core.latency_fit import LATENCY_FACTOR  # torch-free
+from parrot.engine.core.step_planner import DEFAULT_MAX_STEP_TOKENS  # torch-free
 from parrot.engine.device import add_device_arguments  # torch-free
 from parrot.engine.kernels.options import KernelOptions, add_kernel_arguments  # torch-free
-from parrot.engine.latency_probe import LATENCY_FACTOR  # torch-free
-from parrot.engine.step_planner import DEFAULT_MAX_STEP_TOKENS  # torch-free
 from parrot.protocol.cluster import CLUSTER_SECRET_ENV, client_tls, generate_secret, resolve_secret
 
 DEFAULT_MODEL = "smollm2"

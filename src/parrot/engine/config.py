@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
-from parrot.engine.block_pool import DEFAULT_BLOCK_SIZE
+from parrot.engine.core.block_pool import DEFAULT_BLOCK_SIZE
+from parrot.engine.core.latency_fit import LATENCY_FACTOR
+from parrot.engine.core.step_planner import DEFAULT_MAX_STEP_TOKENS
 from parrot.engine.device import DEVICES
 from parrot.engine.kernels.options import KernelOptions
-from parrot.engine.latency_probe import LATENCY_FACTOR
-from parrot.engine.step_planner import DEFAULT_MAX_STEP_TOKENS
 
 __all__ = ["DECODE_ATTENTION", "EngineConfig"]
 

@@ -5,7 +5,7 @@ are allocated once (``torch.empty``: the OS commits pages only when a block is
 first written, and the block pool reuses recently freed blocks first, so the
 resident size follows the blocks actually used; on Linux the tensors ask for
 2 MiB pages, :mod:`parrot.engine.hugepages`, so it grows in 2 MiB steps).  Which block belongs to
-which context is decided by :mod:`parrot.engine.contexts`; this module only
+which context is decided by :mod:`parrot.engine.core.contexts`; this module only
 moves data: writing a step's new K/V into their slots and copying blocks for
 copy-on-write.
 
@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from parrot.engine import hugepages
+from parrot.engine.core.block_pool import BlockPool
 from parrot.engine.model import ModelConfig
 
 DEFAULT_KV_CACHE_BYTES = 2 << 30
@@ -61,6 +62,40 @@ def kv_cache_blocks(
     if blocks < 1:
         raise ValueError(f"a KV cache of {tokens} tokens holds no block of {block_size} tokens")
     return blocks
+
+
+def build_kv_cache(
+    config: ModelConfig,
+    block_size: int,
+    param: torch.Tensor,
+    *,
+    kv_dtype: torch.dtype | None = None,
+    kv_cache_tokens: int | None = None,
+    kv_cache_bytes: int | None = None,
+    huge_pages: bool = True,
+) -> tuple[BlockPool, PagedKVCache]:
+    """The block pool and the paged KV cache of the size asked (:func:`kv_cache_blocks`),
+    in ``kv_dtype`` (None: the weights' dtype, that of ``param``) on ``param``'s device;
+    the prefix cache may keep a quarter of the pool in released blocks (see BlockPool).
+    Raises ValueError on a KV dtype other than float32, bfloat16 or the weights'."""
+    dtype = param.dtype if kv_dtype is None else kv_dtype
+    if dtype not in (torch.float32, torch.bfloat16, param.dtype):
+        raise ValueError(f"kv_dtype must be float32, bfloat16 or the weights' dtype, not {dtype}")
+    num_blocks = kv_cache_blocks(
+        config, block_size, kv_cache_tokens=kv_cache_tokens, kv_cache_bytes=kv_cache_bytes, dtype=dtype
+    )
+    pool = BlockPool(num_blocks, block_size, max_cached=num_blocks // 4)
+    cache = PagedKVCache(
+        config.num_layers,
+        num_blocks,
+        block_size,
+        config.num_kv_heads,
+        config.head_dim,
+        dtype,
+        str(param.device),
+        huge_pages=huge_pages,
+    )
+    return pool, cache
 
 
 class PagedKVCache:

@@ -1,44 +1,21 @@
-"""How an engine's decode step time grows with its token load, and the latency cap that follows.
+"""The start-up latency probe's plan, and the clock that times the engine's steps.
 
-The manager keeps latency-sensitive work on an engine only while the engine's
-token load is under its *latency cap* (``cap_L`` in
-:mod:`parrot.manager.scheduler`).  The paper used one figure, 6,144 tokens for
-LLaMA-13B on an A100, which kept per-output-token latency within about
-20-25 % of its unloaded value.  What load does that depends on the model and
-the machine, so each engine measures its own cap:
+The probe itself is :meth:`parrot.engine.runner.EngineRunner.probe_latency`; what
+it measures is fitted by :mod:`parrot.engine.core.latency_fit`.  This module holds
+what the probe decides without touching the runner: how long its fabricated
+sequences are, which load it steps next and when it stops, the token ids it
+makes up, and how a fabricated context gets KV without prefilling.
 
-- *Model.*  A decode step makes one output token for every running sequence,
-  so its duration is the per-output-token latency of the running requests.
-  It grows with the token load (the KV tokens the step's attention reads,
-  and the sequences that come with them): ``step(load) ~= a + b * load``.
-- *Measurement.*  :class:`StepLatency` keeps the durations of pure decode
-  steps (one new token per sequence, no prompt chunk) by load, in
-  quarter-octave buckets (the last :data:`WINDOW` steps of each).  The fit
-  (:func:`fit_step_times`) takes each bucket's median load and lower-quartile
-  time (the minimum of up to four steps: other processes on the cores only
-  ever add time, so the low end is the engine's own), the Theil-Sen slope
-  over the buckets (the median of pairwise slopes, clamped at 0: step time
-  never falls as load grows) and the intercept as the median of
-  ``time - b * load``.  It needs buckets with at least
-  :data:`MIN_BUCKET_SAMPLES` steps each spanning an octave of load, and a
-  step time that grows measurably across them (:data:`MIN_GROWTH`).  Scaling every step's time alike
-  (a uniformly busier machine) scales ``a`` and ``b`` alike and leaves the
-  cap unchanged.
-- *Probe.*  :func:`probe` gives the first fit at start-up without prefilling
+- *Probe.*  The probe gives the first fit at start-up without prefilling
   anything: it fabricates contexts whose KV blocks are allocated, zeroed (so
   the memory the attention reads is real, not the kernel's shared zero page)
-  and marked computed, runs decode steps through the engine's own forward at
-  three loads (one, four and eight sequences of up to
-  :data:`PROBE_SEQ_TOKENS` tokens: the probe assumes calls of about that
-  size), three rounds or more while the machine is noisy, then frees them.
-  Real decode steps keep refining the fit (it is redone every
-  :data:`REFIT_EVERY` of them).  The probe's steps are kept apart from
-  real ones, never pooled: a refit fits the real steps alone when their
-  loads span an octave (the probe's steps are then dropped: aged out),
-  else scales the probe's line to the real steps' times
-  (:meth:`StepLatency._fit`).  A refit that cannot fit keeps the previous
-  fit, logs why and is counted (``latency_refits_rejected`` in the
-  engine's stats).
+  and marked computed (:func:`fabricate_context`), runs decode steps through
+  the engine's own forward at three loads (one, four and eight sequences of up
+  to :data:`PROBE_SEQ_TOKENS` tokens: the probe assumes calls of about that
+  size), three rounds or more while the machine is noisy
+  (:class:`DecodeRounds`), then frees them.  It then computes
+  :data:`PROBE_PREFILL_STEPS` fabricated prompts of :data:`PROBE_PREFILL_TOKENS`
+  for a first figure of what a prompt token costs.
 - *Clock.*  A step's time on the CPU is the engine thread's CPU time over
   the step (:func:`step_start`, :func:`step_seconds`), not the wall clock:
   the C forward and PyTorch's ops release the GIL, and another thread of
@@ -49,72 +26,28 @@ the machine, so each engine measures its own cap:
   its share and waits for theirs spinning, so its CPU time covers a
   parallel region's duration.)  On CUDA the wall clock after
   synchronising.
-- *Prompt tokens.*  Steps that compute at least :data:`PREFILL_MIN_TOKENS`
-  prompt tokens give what one prompt token costs: the step's time less the
-  fitted time of its decode rows (none: the unloaded step), over its prompt
-  tokens; the median of the last :data:`WINDOW` such steps.  With the fit's
-  unloaded step it says how many prompt tokens cost one decode step
-  (``prefill_tokens_per_decode_step``, two significant digits), the figure the
-  manager's saturation batching sizes its batches by
-  (:mod:`parrot.manager.saturation`).  The probe computes
-  :data:`PROBE_PREFILL_STEPS` fabricated prompts of :data:`PROBE_PREFILL_TOKENS`
-  for a first figure.
-- *Cap.*  The load at which the fitted step time reaches the target:
-  ``target = factor * a`` (default :data:`LATENCY_FACTOR` = 1.25, the
-  paper's "within 20-25 %") or an absolute ``target_ms``;
-  ``cap = (target - a) / b``, clamped to ``[min(MIN_LATENCY_CAP_TOKENS,
-  capacity), capacity]`` where capacity is the engine's token capacity (the
-  floor keeps room for one typical call: below it latency work could not
-  batch at all).  No growth measured (``b == 0``): the capacity.  An
-  operator's fixed cap replaces the fitted one (the fit is still reported).
 
-Threading: :meth:`StepLatency.record`, :meth:`StepLatency.refit` and
-:func:`probe` run on the engine's worker thread; other threads may call
-:meth:`StepLatency.cap` (it reads :attr:`StepLatency.fit`, a frozen object
-replaced whole).
+Everything here runs on the engine's worker thread.
 """
 
 from __future__ import annotations
 
-import logging
-import math
-import statistics
 import time
-from collections import deque
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
+from parrot.engine.core.latency_fit import PREFILL_MIN_TOKENS, StepLatency
+from parrot.engine.core.step_planner import KVLoad, SeqSlice
+
 if TYPE_CHECKING:
-    from parrot.engine.runner import EngineRunner
-
-log = logging.getLogger(__name__)
-
-LATENCY_FACTOR = 1.25
-"""Default target: a decode step may take this many times its unloaded time (the paper's 6,144
-tokens kept LLaMA-13B's per-output-token latency within about 20-25 % of unloaded)."""
-
-MIN_LATENCY_CAP_TOKENS = 1024
-"""The measured cap is never below this (or the token capacity, if smaller): one typical call of
-the evaluation's workloads (a prompt of a few hundred tokens and its output) must fit."""
-
-MIN_GROWTH = 0.05
-"""A fit must show the step time growing by at least this fraction across the loads it saw, which
-must span an octave at least: otherwise the timings cannot place the cap (it would lie far beyond
-them) and nothing is fitted.  Flat timings also mean something else dominated every step (a
-busy process sharing the cores makes every step slow whatever its load)."""
-
-WINDOW = 32
-"""Decode steps kept per load bucket (the most recent)."""
-
-MIN_BUCKET_SAMPLES = 3
-"""A load bucket enters the fit once it holds this many steps."""
-
-REFIT_EVERY = 64
-"""Real decode steps between two refits."""
+    from parrot.engine.core.contexts import ContextTable
+    from parrot.engine.kv_store import PagedKVCache
 
 PROBE_SEQ_TOKENS = 512
 """Tokens of each fabricated sequence of the start-up probe."""
+
+PROBE_MIN_SEQ_TOKENS = 16
+"""The probe is skipped when its sequences would be shorter than this (a tiny context or KV pool)."""
 
 PROBE_SEQS = (1, 4, 8)
 """Sequences stepped together at each of the probe's loads."""
@@ -135,10 +68,6 @@ PROBE_BUDGET_S = 3.0
 """The probe stops stepping once it has run this long (the engine's start waits for it): on a
 machine oversubscribed by other processes a step can take seconds.  What it measured is fitted."""
 
-PREFILL_MIN_TOKENS = 256
-"""A step computes at least this many prompt tokens to tell what one costs (a few tokens would
-measure the step's fixed costs)."""
-
 PROBE_PREFILL_TOKENS = 512
 """Tokens of each fabricated prompt the probe computes (fewer where the engine's step, context
 or free KV memory is smaller)."""
@@ -150,10 +79,7 @@ two: the first may pay one-time costs)."""
 _PROBE_CONTEXT_BASE = -1_000_000  # probe contexts get ids below this; clients use their own ids
 
 
-REJECTION_LOG_EVERY_S = 60.0
-"""A rejected refit logs a warning at most this often (a debug line otherwise)."""
-
-
+# ------------------------------------------------------------------ the clock
 def _on_cuda(device: str) -> bool:
     return str(device).startswith("cuda")
 
@@ -180,295 +106,107 @@ def step_seconds(started: float, device: str) -> float:
     return time.thread_time() - started
 
 
-@dataclass(frozen=True, slots=True)
-class StepFit:
-    """``step_time(load) ~= base_s + per_token_s * load``.
+class StepClock:
+    """The clock of one step on ``device``, started (before the step's work is queued) when
+    made; :meth:`seconds` reads it once the work has finished (on CUDA it synchronises)."""
 
-    Invariants: ``base_s > 0``, ``per_token_s >= 0``, ``buckets >= 2``.
-    """
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.started = step_start(device)
 
-    base_s: float
-    per_token_s: float
-    buckets: int  # load buckets the fit used
-    steps: int  # decode steps in those buckets
-
-    def step_s(self, load: float) -> float:
-        return self.base_s + self.per_token_s * load
+    def seconds(self) -> float:
+        return step_seconds(self.started, self.device)
 
 
-def _bucket(load: int) -> int:
-    """Quarter-octave load bucket (load 0 has a bucket of its own)."""
-    return -1 if load <= 0 else int(4 * math.log2(load))
+def record_prefill_step(
+    latency: StepLatency, slices: Sequence[SeqSlice], num_tokens: int, block_size: int, clock: StepClock
+) -> None:
+    """Give ``latency`` a step's time when it computed enough prompt tokens to tell what one
+    costs (:meth:`StepLatency.record_prefill`), with the KV its decode rows read; ``slices``
+    are the step's, computed (their contexts' ``computed_len`` counts them); the clock is
+    read only then."""
+    decodes = [s for s in slices if s.n == 1]
+    if num_tokens - len(decodes) < PREFILL_MIN_TOKENS:
+        return
+    decoding = KVLoad.of(block_size, (s.ctx for s in decodes))
+    latency.record_prefill(num_tokens - len(decodes), decoding.total, len(decodes), clock.seconds())
 
 
-def _lower_quartile(values: list[float]) -> float:
-    """The lower quartile (nearest rank below): the minimum of up to four values."""
-    return sorted(values)[(len(values) - 1) // 4]
+def record_decode_step(
+    latency: StepLatency, slices: Sequence[SeqSlice], block_size: int, clock: StepClock, *, probe: bool
+) -> None:
+    """Give ``latency`` a pure decode step's time (each sequence's time per token) at the KV
+    load its (computed) ``slices`` read; ``probe``: a step of the start-up probe."""
+    read = KVLoad.of(block_size, (s.ctx for s in slices))
+    latency.record(read.total, clock.seconds(), probe=probe)
 
 
-def fit_step_times(samples: Iterable[tuple[int, float]], min_samples: int = 1) -> StepFit | None:
-    """Fit ``a + b * load`` to ``(load, seconds)`` decode-step samples, robustly.
-
-    Samples are grouped by quarter-octave load bucket; a bucket with fewer
-    than ``min_samples`` samples is ignored; each remaining bucket gives one
-    point (median load, lower-quartile time).  The slope is the Theil-Sen estimate
-    over those points (median of the slopes of all pairs), clamped at 0 (a
-    step never gets faster with more load); the intercept is the median of
-    ``time - slope * load``, at least 1 microsecond.  Returns None when the
-    points do not span an octave of load (largest >= 2 x smallest) or the
-    fitted time grows by less than ``MIN_GROWTH`` across them (such timings
-    cannot place the cap), or when there are no points at all
-    (:func:`fit_or_why` says which).  Raises ValueError on a negative load or a
-    time that is not a positive finite number.
-    """
-    return fit_or_why(samples, min_samples)[0]
+# ------------------------------------------------------------------ the plan
+def over_budget(started: float) -> bool:
+    """Whether a probe begun at ``started`` (a :func:`time.perf_counter` reading) has spent
+    its :data:`PROBE_BUDGET_S`."""
+    return time.perf_counter() - started > PROBE_BUDGET_S
 
 
-def fit_or_why(samples: Iterable[tuple[int, float]], min_samples: int = 1) -> tuple[StepFit | None, str]:
-    """:func:`fit_step_times`, with why there is no fit ("" when there is one)."""
-    return _fit_points(*_points(samples, min_samples))
+def decode_seq_tokens(max_seq_len: int, free_blocks: int, block_size: int) -> int:
+    """Tokens of each fabricated decode sequence: :data:`PROBE_SEQ_TOKENS`, shrunk so that
+    the largest load (with the tokens its steps append) fits the context length and half
+    the free KV pool.  Under :data:`PROBE_MIN_SEQ_TOKENS`: no probe."""
+    grows = len(PROBE_SEQS) * PROBE_MAX_STEPS  # the most tokens one fabricated context gains
+    seq = min(PROBE_SEQ_TOKENS, max_seq_len - grows - 1)
+    return min(seq, (free_blocks * block_size // 2) // max(PROBE_SEQS) - grows - block_size)
 
 
-_Point = tuple[int, float, int]  # a load bucket's median load, lower-quartile time, steps
+def prefill_prompt_tokens(max_step_tokens: int, max_seq_len: int, free_blocks: int, block_size: int) -> int:
+    """Tokens of each fabricated prompt: :data:`PROBE_PREFILL_TOKENS`, at most one step's,
+    a context's and half the free KV pool's."""
+    return min(PROBE_PREFILL_TOKENS, max_step_tokens, max_seq_len - 1, free_blocks * block_size // 2)
 
 
-def _points(samples: Iterable[tuple[int, float]], min_samples: int) -> tuple[dict[int, _Point], int]:
-    """The fit's points by load bucket (buckets of at least ``min_samples`` samples), and
-    how many samples there were in all."""
-    groups: dict[int, list[tuple[int, float]]] = {}
-    for load, seconds in samples:
-        if load < 0:
-            raise ValueError(f"load must be >= 0, got {load}")
-        if not (math.isfinite(seconds) and seconds > 0):
-            raise ValueError(f"step time must be a positive finite number of seconds, got {seconds!r}")
-        groups.setdefault(_bucket(load), []).append((load, seconds))
-    points = {
-        b: (statistics.median(load for load, _ in g), _lower_quartile([s for _, s in g]), len(g))
-        for b, g in groups.items()
-        if len(g) >= min_samples
-    }
-    return points, sum(len(g) for g in groups.values())
+def decode_context_id(i: int) -> int:
+    """The id of the ``i``-th fabricated decode context (below any client's)."""
+    return _PROBE_CONTEXT_BASE - i
 
 
-def _fit_points(by_bucket: dict[int, _Point], samples: int) -> tuple[StepFit | None, str]:
-    points = [(x, t) for x, t, _ in by_bucket.values()]
-    if not points:
-        few = f"{samples} decode steps, too few in any load bucket" if samples else "no decode steps"
-        return None, few
-    lo, hi = min(x for x, _ in points), max(x for x, _ in points)
-    if hi < 2 * max(lo, 1):
-        return None, f"loads {lo:g}-{hi:g} span less than an octave"
-    slopes = [
-        (t2 - t1) / (x2 - x1) for i, (x1, t1) in enumerate(points) for x2, t2 in points[i + 1 :] if x2 != x1
-    ]
-    median = statistics.median(slopes) if slopes else 0.0
-    slope = max(0.0, median)
-    base = max(1e-6, statistics.median(t - slope * x for x, t in points))
-    if slope * (hi - lo) < MIN_GROWTH * (base + slope * lo):
-        grown = slope * (hi - lo) / (base + slope * lo)
-        return None, (
-            f"the step time grows {grown:.1%} (slope {median * 1e6:.4g} ms per 1,000 tokens) across loads "
-            f"{lo:g}-{hi:g}, under the {MIN_GROWTH:.0%} a fit needs"
-        )
-    steps = sum(n for _, _, n in by_bucket.values())
-    return StepFit(base, slope, len(points), steps), ""
+def prefill_context_id(step: int) -> int:
+    """The id of the fabricated prompt of prefill step ``step``."""
+    return _PROBE_CONTEXT_BASE - 1000 - step
 
 
-def cap_from_fit(
-    fit: StepFit,
-    capacity: int,
-    *,
-    factor: float = LATENCY_FACTOR,
-    target_s: float | None = None,
-    floor: int = MIN_LATENCY_CAP_TOKENS,
-) -> int:
-    """The load at which ``fit`` reaches the target step time, within ``[min(floor, capacity), capacity]``.
-
-    The target is ``target_s`` if given, else ``factor * fit.base_s``.
-    Raises ValueError on a capacity below 1, a factor not above 1, or a
-    target that is not positive.
-    """
-    if capacity < 1:
-        raise ValueError(f"capacity must be >= 1, got {capacity}")
-    if not factor > 1:
-        raise ValueError(f"latency factor must be > 1, got {factor}")
-    if target_s is not None and not target_s > 0:
-        raise ValueError(f"latency target must be > 0, got {target_s}")
-    target = factor * fit.base_s if target_s is None else target_s
-    lo = min(floor, capacity)
-    if fit.per_token_s <= 0:
-        return capacity
-    raw = (target - fit.base_s) / fit.per_token_s  # the largest load whose step keeps to the target
-    return max(lo, min(capacity, math.floor(raw + 1e-6))) if raw > 0 else lo  # (+1e-6: rounding)
+def decode_tokens(i: int, seq: int, vocab: int) -> list[int]:
+    """The made-up token ids of the ``i``-th fabricated decode context."""
+    return [(7 * i + p) % vocab for p in range(seq)]
 
 
-class StepLatency:
-    """An engine's decode-step timings, their fit, and its latency cap (see the module docstring).
+def next_token(i: int, length: int, vocab: int) -> int:
+    """The token the ``i``-th fabricated context appends at ``length`` to be stepped again."""
+    return (3 * i + length) % vocab
 
-    ``factor``: the target is ``factor`` times the fitted unloaded step time;
-    ``target_ms``: an absolute target instead; ``fixed_cap``: report this cap
-    whatever is measured (the fit is still kept and reported).
-    """
 
-    def __init__(
-        self,
-        *,
-        factor: float = LATENCY_FACTOR,
-        target_ms: float | None = None,
-        fixed_cap: int | None = None,
-        floor: int = MIN_LATENCY_CAP_TOKENS,
-    ) -> None:
-        if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 1):
-            raise ValueError(f"latency factor must be a finite number > 1, got {factor!r}")
-        if target_ms is not None and not (math.isfinite(target_ms) and target_ms > 0):
-            raise ValueError(f"latency target must be a positive number of milliseconds, got {target_ms!r}")
-        if fixed_cap is not None and (
-            isinstance(fixed_cap, bool) or not isinstance(fixed_cap, int) or fixed_cap < 1
-        ):
-            raise ValueError(f"latency cap must be a positive integer, got {fixed_cap!r}")
-        if floor < 1:
-            raise ValueError(f"floor must be >= 1, got {floor}")
-        self.factor = float(factor)
-        self.target_s = None if target_ms is None else target_ms / 1000
-        self.fixed_cap = fixed_cap
-        self.floor = floor
-        self.fit: StepFit | None = None
-        self.probe_s: float | None = None  # how long the start-up probe took
-        self.last: tuple[int, float] | None = None  # the last step recorded
-        self.refits_rejected = 0  # periodic refits that could not fit (the previous fit kept)
-        self.rejection: str = ""  # why the last of them could not
-        self._rejection_logged_at: float | None = None
-        self._buckets: dict[int, deque[tuple[int, float]]] = {}  # real decode steps
-        self._probe_buckets: dict[int, deque[tuple[int, float]]] = {}  # the start-up probe's
-        self._prompt_token_s: deque[float] = deque(maxlen=WINDOW)  # per step with prompt tokens
-        self._since_refit = 0
+def prompt_tokens(step: int, n: int, vocab: int) -> list[int]:
+    """The ``n`` made-up token ids of prefill step ``step``'s prompt: tokens of their own
+    (no prefix-cache hit from the previous step's prompt)."""
+    return [(11 * p + 5 * step + 1) % vocab for p in range(n)]
 
-    def record(self, load: int, seconds: float, *, probe: bool = False) -> None:
-        """One pure decode step of ``seconds`` at token ``load`` (worker thread); ``probe``:
-        a step of the start-up probe (kept apart from real steps, never triggers a refit)."""
-        if not (seconds > 0 and math.isfinite(seconds)) or load < 0:
-            return
-        buckets = self._probe_buckets if probe else self._buckets
-        bucket = buckets.get(_bucket(load))
-        if bucket is None:
-            bucket = buckets[_bucket(load)] = deque(maxlen=WINDOW)
-        bucket.append((load, seconds))
-        self.last = (load, seconds)
-        if probe:
-            return
-        self._since_refit += 1
-        if self._since_refit >= REFIT_EVERY:
-            self._since_refit = 0
-            fit, why = self._fit(MIN_BUCKET_SAMPLES)
-            if fit is None:
-                self._rejected(why)
-            else:
-                self.fit = fit
 
-    def record_prefill(self, prompt_tokens: int, decode_load: int, decodes: int, seconds: float) -> None:
-        """A step that computed ``prompt_tokens`` prompt tokens and ``decodes`` decode rows
-        reading ``decode_load`` KV tokens, in ``seconds`` (worker thread).  Steps of fewer
-        than :data:`PREFILL_MIN_TOKENS` prompt tokens, and any before a fit, are ignored."""
-        fit = self.fit
-        if fit is None or prompt_tokens < PREFILL_MIN_TOKENS or not (seconds > 0 and math.isfinite(seconds)):
-            return
-        rest = seconds - (fit.step_s(decode_load) if decodes else fit.base_s)
-        if rest > 0:
-            self._prompt_token_s.append(rest / prompt_tokens)
+def fabricate_context(
+    contexts: ContextTable, cache: PagedKVCache, context_id: int, tokens: list[int]
+) -> bool:
+    """Open context ``context_id`` holding ``tokens`` with KV blocks for all but the last
+    token, zeroed (committed memory) and marked computed; the last token is pending.
+    False when the blocks cannot be reserved (the context is left open: the caller
+    frees it)."""
+    import torch
 
-    def prefill_tokens_per_decode_step(self) -> float:
-        """How many prompt tokens cost one unloaded decode step (two significant digits);
-        0 while unknown."""
-        fit = self.fit
-        if fit is None or not self._prompt_token_s:
-            return 0.0
-        ratio = fit.base_s / statistics.median(self._prompt_token_s)
-        return float(f"{ratio:.2g}")
-
-    def refit(self, min_samples: int = MIN_BUCKET_SAMPLES) -> StepFit | None:
-        """Fit the kept steps again (real steps' buckets of at least ``min_samples`` steps;
-        see :meth:`_fit`); keeps the previous fit when there is too little to fit."""
-        self._since_refit = 0
-        fit, _ = self._fit(min_samples)
-        if fit is not None:
-            self.fit = fit
-        return self.fit
-
-    def _fit(self, min_samples: int) -> tuple[StepFit | None, str]:
-        """The fit of the kept steps, with why there is none ("" when there is one).
-
-        Real steps (their buckets of at least ``min_samples`` steps) are fitted alone; when
-        that fits, the probe's steps are dropped (aged out: they were timed on another
-        occasion, and are no longer needed).  When the real steps' loads span less than
-        an octave they cannot give a slope, and they are never pooled with the probe's
-        (steps timed under other conditions, a busier machine say, would bend a pooled
-        line: the median slope falls to 0 or the base doubles): the probe's own line is
-        scaled by the median ratio of the real buckets' times to it (the module
-        docstring: a uniformly busier machine scales base and slope alike), which keeps
-        the probe's cap under a relative target.  Without real steps: the probe's fit."""
-        real, n_real = _points((s for b in self._buckets.values() for s in b), min_samples)
-        fit, why = _fit_points(real, n_real)
-        if fit is not None:
-            self._probe_buckets.clear()
-            return fit, ""
-        if not self._probe_buckets:
-            return None, why
-        probe, why_probe = _fit_points(*_points((s for b in self._probe_buckets.values() for s in b), 1))
-        if not real:
-            return probe, why_probe
-        lo, hi = min(x for x, _, _ in real.values()), max(x for x, _, _ in real.values())
-        if probe is None or hi >= 2 * max(lo, 1):  # real steps over an octave are believed over the probe
-            return None, why
-        scale = statistics.median(t / probe.step_s(x) for x, t, _ in real.values())
-        steps = probe.steps + sum(n for _, _, n in real.values())
-        return StepFit(probe.base_s * scale, probe.per_token_s * scale, probe.buckets + len(real), steps), ""
-
-    def _rejected(self, why: str) -> None:
-        self.refits_rejected += 1
-        self.rejection = why
-        now = time.monotonic()
-        last = self._rejection_logged_at
-        if last is None or now - last >= REJECTION_LOG_EVERY_S:
-            self._rejection_logged_at = now
-            level = logging.WARNING
-        else:
-            level = logging.DEBUG
-        fit = self.fit
-        kept = (
-            "unknown"
-            if fit is None
-            else f"{fit.base_s * 1e3:.4g} ms + {fit.per_token_s * 1e6:.4g} ms per 1,000 tokens"
-        )
-        log.log(
-            level, "latency refit rejected (%d so far): %s; the fit stays %s", self.refits_rejected, why, kept
-        )
-
-    def cap(self, capacity: int) -> int:
-        """The latency cap for an engine of token ``capacity``: the fixed cap, else the
-        fitted one; 0 while nothing is fitted.  Never above ``capacity``."""
-        if self.fixed_cap is not None:
-            return min(self.fixed_cap, capacity)
-        fit = self.fit
-        if fit is None:
-            return 0
-        return cap_from_fit(fit, capacity, factor=self.factor, target_s=self.target_s, floor=self.floor)
-
-    def target_s_for(self, fit: StepFit) -> float:
-        return fit.base_s * self.factor if self.target_s is None else self.target_s
-
-    def report(self, capacity: int) -> dict[str, float | int | str]:
-        """The fields of :class:`~parrot.protocol.schemas.EngineStats` this describes."""
-        fit = self.fit
-        return {
-            "latency_cap_tokens": self.cap(capacity),
-            "latency_cap_source": "fixed" if self.fixed_cap is not None else ("measured" if fit else "none"),
-            "decode_ms_base": 0.0 if fit is None else round(fit.base_s * 1e3, 6),
-            "decode_ms_per_1k_tokens": 0.0 if fit is None else round(fit.per_token_s * 1e6, 6),
-            "decode_ms_target": 0.0 if fit is None else round(self.target_s_for(fit) * 1e3, 6),
-            "decode_steps_fitted": 0 if fit is None else fit.steps,
-            "prefill_tokens_per_decode_step": self.prefill_tokens_per_decode_step(),
-            "latency_refits_rejected": self.refits_rejected,
-        }
+    ctx = contexts.open(context_id, None)
+    contexts.append(ctx, tokens)
+    if contexts.reserve(ctx, len(tokens) - 1) is None:
+        return False
+    ctx.computed_len = len(tokens) - 1  # its KV (zeros) counts as computed
+    blocks = torch.tensor(ctx.block_table, dtype=torch.long, device=cache.device)
+    cache.k.index_fill_(1, blocks, 0.0)
+    cache.v.index_fill_(1, blocks, 0.0)
+    return True
 
 
 def _settled(times: dict[int, list[float]]) -> bool:
@@ -482,132 +220,29 @@ def _settled(times: dict[int, list[float]]) -> bool:
     return True
 
 
-def probe(runner: EngineRunner) -> StepFit | None:
-    """Measure decode steps at a few loads on fabricated contexts; fit them (worker thread, idle engine).
-    One sequence of steps (fabricate, step, clean up in a ``finally``), kept in one
-    function so that the clean-up sees everything made.
+class DecodeRounds:
+    """Which load (sequences stepped together) the probe steps next, and when it stops.
 
-    Nothing is prefilled: each fabricated context gets token ids, KV blocks
-    for all but its last token (zeroed, so they are committed memory) and is
-    marked computed up to there; each step then computes one pending token
-    per stepped context through :meth:`EngineRunner._forward` (timed as any
-    decode step, recorded into ``runner.latency`` as the probe's), and appends the
-    next.  The loads are 1, 4 and 8 sequences of ``PROBE_SEQ_TOKENS`` tokens,
-    shrunk to fit half the free KV pool and the engine's context length,
-    stepped in turn: ``PROBE_STEPS`` rounds, then more (up to
-    ``PROBE_MAX_STEPS``) until the two fastest steps of every load agree
-    within ``PROBE_SETTLED``; never past ``PROBE_BUDGET_S``.  Then the steps
-    are fitted (buckets of one step count); timings that cannot place the cap
-    (see :func:`fit_step_times`) leave it unknown.  The probe is skipped when
-    the sequences would be under 16 tokens or the engine is busy.
-    With a fit, :func:`_probe_prefill` then times a few fabricated prompts (what one
-    prompt token costs).  Everything is freed afterwards; the runner's counters are
-    left as they were and its ``on_step`` hook does not see these steps.  Returns
-    ``runner.latency.fit``.
+    The loads of :data:`PROBE_SEQS` are taken in turn, so that anything else running on
+    the machine meanwhile slows every load alike: :data:`PROBE_STEPS` rounds, then more
+    (up to :data:`PROBE_MAX_STEPS`) until the two fastest steps of every load agree
+    within :data:`PROBE_SETTLED`; never past :data:`PROBE_BUDGET_S` from ``started``.
     """
-    started = time.perf_counter()
-    latency = runner.latency
-    if runner.has_work():
-        return latency.fit
-    most = max(PROBE_SEQS)
-    pool, contexts, cache = runner.pool, runner.contexts, runner.cache
-    bs = pool.block_size
-    grows = len(PROBE_SEQS) * PROBE_MAX_STEPS  # the most tokens one fabricated context gains
-    seq = min(PROBE_SEQ_TOKENS, runner.max_seq_len - grows - 1)
-    seq = min(seq, (pool.num_free * bs // 2) // most - grows - bs)
-    if seq < 16:
-        return latency.fit
-    counters = dict(runner.counters)
-    runner._probing = True  # its steps are not the engine's: no on_step for them
-    times: dict[int, list[float]] = {n: [] for n in PROBE_SEQS}
-    made: list[int] = []
-    vocab = runner.loaded.config.vocab_size
-    try:
-        import torch
 
-        from parrot.engine.jobs import Job
+    def __init__(self, started: float) -> None:
+        self.started = started
+        self.times: dict[int, list[float]] = {n: [] for n in PROBE_SEQS}
 
-        for i in range(most):
-            cid = _PROBE_CONTEXT_BASE - i
-            ctx = contexts.open(cid, None)
-            made.append(cid)
-            contexts.append(ctx, [(7 * i + p) % vocab for p in range(seq)])
-            if contexts.reserve(ctx, seq - 1) is None:
-                return latency.fit
-            ctx.computed_len = seq - 1  # its KV (zeros) counts as computed; the last token is pending
-            blocks = torch.tensor(ctx.block_table, dtype=torch.long, device=cache.device)
-            cache.k.index_fill_(1, blocks, 0.0)
-            cache.v.index_fill_(1, blocks, 0.0)
-        # The loads in turn, so that anything else running on the machine meanwhile slows
-        # every load alike; more rounds while the fastest steps of a load disagree.
+    def loads(self) -> Iterator[int]:
+        """The load of each step in turn (reads the times :meth:`record` adds meanwhile)."""
         for step in range(len(PROBE_SEQS) * PROBE_MAX_STEPS):
             n = PROBE_SEQS[step % len(PROBE_SEQS)]
-            if time.perf_counter() - started > PROBE_BUDGET_S:
-                break
-            if n == PROBE_SEQS[0] and step >= len(PROBE_SEQS) * PROBE_STEPS and _settled(times):
-                break
-            for i in range(n):
-                ctx = contexts.get(made[i])
-                if not ctx.num_pending:
-                    contexts.append(ctx, [(3 * i + ctx.length) % vocab])
-                ctx.busy = True
-                runner.planner.running.append(Job(ctx.context_id, None, internal=True, ctx=ctx))
-            latency.last = None
-            runner._forward()
-            if latency.last is not None:
-                times[n].append(latency.last[1])
-            if runner.planner.running:  # not expected: every fabricated job finishes in its step
-                runner.planner.take_all()
-                return latency.fit
-    finally:
-        for cid in made:
-            if cid in contexts:
-                contexts.free(cid)
-        runner.counters.update(counters)
-        runner._probing = False
-    fit = latency.refit(min_samples=1)
-    if fit is not None:
-        _probe_prefill(runner, started)
-    latency.probe_s = time.perf_counter() - started
-    return fit
+            if over_budget(self.started):
+                return
+            if n == PROBE_SEQS[0] and step >= len(PROBE_SEQS) * PROBE_STEPS and _settled(self.times):
+                return
+            yield n
 
-
-def _probe_prefill(runner: EngineRunner, started: float) -> None:
-    """Compute :data:`PROBE_PREFILL_STEPS` fabricated prompts of up to
-    :data:`PROBE_PREFILL_TOKENS` tokens, one a step (their steps recorded as any step
-    with prompt tokens: :meth:`StepLatency.record_prefill`), within the probe's budget,
-    then free them; nothing when a prompt would be under :data:`PREFILL_MIN_TOKENS`."""
-    contexts, vocab = runner.contexts, runner.loaded.config.vocab_size
-    n = min(
-        PROBE_PREFILL_TOKENS,
-        runner.planner.max_step_tokens,
-        runner.max_seq_len - 1,
-        runner.pool.num_free * runner.pool.block_size // 2,
-    )
-    if n < PREFILL_MIN_TOKENS:
-        return
-    from parrot.engine.jobs import Job
-
-    counters = dict(runner.counters)
-    runner._probing = True
-    try:
-        for step in range(PROBE_PREFILL_STEPS):
-            if time.perf_counter() - started > PROBE_BUDGET_S:
-                break
-            cid = _PROBE_CONTEXT_BASE - 1000 - step
-            ctx = contexts.open(cid, None)
-            try:
-                # tokens of their own (no prefix-cache hit from the previous step's prompt)
-                contexts.append(ctx, [(11 * p + 5 * step + 1) % vocab for p in range(n)])
-                ctx.busy = True
-                runner.planner.running.append(Job(cid, None, internal=True, ctx=ctx))
-                runner._forward()
-                if runner.planner.running:  # not expected: the prompt fits one step
-                    runner.planner.take_all()
-                    return
-            finally:
-                if cid in contexts:
-                    contexts.free(cid)
-    finally:
-        runner.counters.update(counters)
-        runner._probing = False
+    def record(self, n: int, seconds: float) -> None:
+        """A step of ``n`` sequences took ``seconds``."""
+        self.times[n].append(seconds)

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from parrot.engine.config import EngineConfig
-from parrot.engine.jobs import check_token_ids, reused_of
+from parrot.engine.core.jobs import check_token_ids, reused_of
 from parrot.engine.loader import LoadedModel
 from parrot.engine.runner import EngineRunner, Job
 from parrot.protocol.errors import ParrotError

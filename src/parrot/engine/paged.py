@@ -9,7 +9,7 @@ computed once in the constructor and reused by all layers:
   writes all its new K and V with one ``index_copy_`` each;
 - for the decode slices, the prefix tree of their block tables as
   :class:`~parrot.engine.kernels.attention.Segment` s (shared runs once, private tails
-  per sequence; see :mod:`parrot.engine.prefix_tree`), read by
+  per sequence; see :mod:`parrot.engine.core.prefix_tree`), read by
   :func:`~parrot.engine.kernels.attention.paged_decode_attention`, and on CPU their
   :class:`~parrot.engine.kernels.attention.DecodePlan` (token indices, padding; built
   by the first layer that runs, since it needs the layer's shapes); with the
@@ -43,14 +43,14 @@ from dataclasses import dataclass
 
 import torch
 
+from parrot.engine.core.prefix_tree import decode_runs
+from parrot.engine.core.step_planner import SeqSlice
 from parrot.engine.kernels.attention import DecodePlan, Segment, paged_decode_attention, plan_decode_attention
 from parrot.engine.kernels.attention.triton_kernel import TritonDecodePlan, plan_triton_decode
 from parrot.engine.kernels.prefill_bf16 import ChunkSpec, PrefillPlan
 from parrot.engine.kv_store import PagedKVCache
 from parrot.engine.prefill_attention import prefill_attention
 from parrot.engine.prefill_sharing import SharedPrefill, plan_shared_prefill
-from parrot.engine.prefix_tree import decode_runs
-from parrot.engine.step_planner import SeqSlice
 
 KERNEL_SHARING_BREAK_EVEN_ROWS = 32.0
 """Where the C prompt kernel takes over from the shared prefill: the mean query rows a chunk

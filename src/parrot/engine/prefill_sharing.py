@@ -4,7 +4,7 @@ When several sequences forked from one context are prefilled in the same step
 (32 questions under one system prompt, say), every chunk's queries read the same
 prefix keys.  Chunk by chunk, that prefix would be gathered and read once per
 chunk.  Instead the step's chunks are grouped by the physical blocks their pasts
-share (the prefix tree of :func:`~parrot.engine.prefix_tree.decode_runs`, built
+share (the prefix tree of :func:`~parrot.engine.core.prefix_tree.decode_runs`, built
 on the chunks' block tables), and per layer:
 
 * each shared run is attended once by the query rows of all the chunks under it,
@@ -33,11 +33,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from parrot.engine.core.prefix_tree import decode_runs
 from parrot.engine.kernels.attention import cpu_kernel
 from parrot.engine.kernels.attention.merge import merge_partials
 from parrot.engine.kernels.attention.torch_impl import cpu_flash_attention
 from parrot.engine.prefill_attention import fused_prefill_available, prefill_partial
-from parrot.engine.prefix_tree import decode_runs
 
 __all__ = ["SharedPrefill", "plan_shared_prefill"]
 

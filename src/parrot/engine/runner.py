@@ -7,7 +7,7 @@ locks guard them; other threads talk to it only through :meth:`EngineRunner.call
 
 Each step:
 1-3. admit waiting jobs, plan the step's slices and reserve their KV blocks
-   (:mod:`parrot.engine.step_planner`: first-come first-served under a token
+   (:mod:`parrot.engine.core.step_planner`: first-come first-served under a token
    capacity and free KV memory, cache hits taken at planning time, decodes
    first, then prompt chunks up to ``max_step_tokens``, preempting the newest
    work when memory runs out);
@@ -26,45 +26,46 @@ A request that fits the KV pool at all is never failed for lack of memory (it
 waits or is preempted); a context longer than the whole pool is rejected
 (``kv_capacity_exceeded``).
 
-Length (about 570 lines): the worker thread's step loop and its request
-handling; planning (step_planner), the forward (step_forward), finishing jobs
-(jobs) and grammar masks (grammar) live apart.
+Apart: the thread (:mod:`parrot.engine.worker`), planning, jobs and the latency
+fit (:mod:`parrot.engine.core`), the forward (:mod:`parrot.engine.step_forward`),
+what a sampled token does (:mod:`parrot.engine.generate`) and the latency probe's
+plan (:mod:`parrot.engine.latency_probe`; the probe is :meth:`EngineRunner.probe_latency`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import queue
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from parrot.engine import step_forward
-from parrot.engine.block_pool import BlockPool
+from parrot.engine import latency_probe, step_forward
 from parrot.engine.config import EngineConfig
-from parrot.engine.contexts import Context, ContextTable
+from parrot.engine.core.contexts import Context, ContextTable
+from parrot.engine.core.jobs import ChunkCallback, FinishCallback, Job, finish_job
+from parrot.engine.core.latency_fit import PREFILL_MIN_TOKENS, StepFit, StepLatency
+from parrot.engine.core.memory import MemoryManager
+from parrot.engine.core.step_planner import ENGINE_COUNTERS, SeqSlice, StepPlanner
+from parrot.engine.core.step_work import StepWork, step_work
 from parrot.engine.device import place_model, placement
+from parrot.engine.generate import Ending, advance, start_generate
 from parrot.engine.grammar import GrammarCache
-from parrot.engine.grammar import advance as advance_grammar
-from parrot.engine.jobs import ChunkCallback, FinishCallback, Job, finish_job
 from parrot.engine.kernels import kernel_set
-from parrot.engine.kv_store import PagedKVCache, kv_cache_blocks
-from parrot.engine.latency_probe import PREFILL_MIN_TOKENS, StepLatency, probe, step_seconds, step_start
+from parrot.engine.kv_store import build_kv_cache
 from parrot.engine.loader import LoadedModel
-from parrot.engine.memory import MemoryManager
-from parrot.engine.sampler import logprobs_of, make_generator, sample
+from parrot.engine.sampler import logprobs_of, sample
 from parrot.engine.step_log import StepLog
-from parrot.engine.step_planner import ENGINE_COUNTERS, KVLoad, SeqSlice, StepPlanner
-from parrot.engine.step_work import StepWork, step_work
-from parrot.engine.stopping import StopStringFilter
+from parrot.engine.worker import Worker
 from parrot.protocol.errors import BadRequest, ParrotError
 from parrot.protocol.schemas import EngineStats, GenerateChunk, TokenLogprob
 
 log = logging.getLogger(__name__)
+
+_STATS_COUNTERS = ("preemptions", "fills", "filled_tokens", "generates", "generated_tokens", "cached_tokens")
 
 __all__ = ["ChunkCallback", "EngineRunner", "FinishCallback", "Job", "StepInfo"]
 
@@ -80,76 +81,38 @@ class StepInfo:
     kv_blocks_used: int
 
 
-def _kv_cache(
-    loaded: LoadedModel, cfg: EngineConfig, param: torch.Tensor, huge_pages: bool
-) -> tuple[BlockPool, PagedKVCache]:
-    """The block pool and the paged KV cache of ``cfg``'s size, in ``cfg.kv_dtype`` (None:
-    the weights' dtype, that of ``param``) on ``param``'s device; the prefix cache may
-    keep a quarter of the pool in released blocks (see BlockPool)."""
-    mcfg = loaded.config
-    kv_dtype = param.dtype if cfg.kv_dtype is None else cfg.kv_dtype
-    if kv_dtype not in (torch.float32, torch.bfloat16, param.dtype):
-        raise ValueError(f"kv_dtype must be float32, bfloat16 or the weights' dtype, not {kv_dtype}")
-    num_blocks = kv_cache_blocks(
-        mcfg,
-        cfg.block_size,
-        kv_cache_tokens=cfg.kv_cache_tokens,
-        kv_cache_bytes=cfg.kv_cache_bytes,
-        dtype=kv_dtype,
-    )
-    pool = BlockPool(num_blocks, cfg.block_size, max_cached=num_blocks // 4)
-    cache = PagedKVCache(
-        mcfg.num_layers,
-        num_blocks,
-        cfg.block_size,
-        mcfg.num_kv_heads,
-        mcfg.head_dim,
-        kv_dtype,
-        str(param.device),
-        huge_pages=huge_pages,
-    )
-    return pool, cache
-
-
-class EngineRunner:
+class EngineRunner(Worker):
     """The worker of one engine over ``loaded``, configured by an
     :class:`~parrot.engine.config.EngineConfig` (``config``, with keyword ``options``
     naming its fields replacing them)."""
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, **options: Any):
+        super().__init__()
         self.config = cfg = EngineConfig.of(config, options)
-        max_step_tokens, weight_dtype = cfg.max_step_tokens, cfg.weight_dtype
-        block_size = cfg.block_size
         self.loaded = loaded
-        # The device (CUDA: a copy of the model there, no C kernels, no packing: device.py)
-        self.placement = place = placement(cfg)
-        self.model = place_model(loaded.model, place.device, place.dtype)
-        # The kernels this engine uses, chosen once; on the CPU their build of the C ops
-        # becomes the one this process's attention and fused ops find (a process
-        # resource: see native.select).  Then oneDNN-packed weights on CPU (faster
-        # projections: packed_linear).  Packing changes the model object, so every engine
-        # sharing it runs packed, with these kernels, from now on.
-        self.kernels = kernel_set.for_options(place.kernels)
-        if place.device == "cpu":
-            self.kernels.select()
-        log.info("engine on %s (%s): %s", place.device, place.dtype, self.kernels.describe())
-        self.packed = self.model.prepack(weight_dtype, self.kernels) if place.prepack else False
-        if weight_dtype is not None and not self.packed:
-            raise ValueError(f"cannot pack weights as {weight_dtype} here (needs CPU oneDNN)")
         self.tokenizer = loaded.tokenizer
+        self._place_model(cfg)
         mcfg = loaded.config
         self.grammars = GrammarCache(self.tokenizer, mcfg.vocab_size)  # compiled constraints
         self.grammars.prepare()  # holds the GIL for up to half a second: before serving
-        self.pool, self.cache = _kv_cache(loaded, cfg, next(self.model.parameters()), place.kernels.hugepages)
-        num_blocks = self.pool.num_blocks
+        self.pool, self.cache = build_kv_cache(
+            mcfg,
+            cfg.block_size,
+            next(self.model.parameters()),
+            kv_dtype=cfg.kv_dtype,
+            kv_cache_tokens=cfg.kv_cache_tokens,
+            kv_cache_bytes=cfg.kv_cache_bytes,
+            huge_pages=self.placement.kernels.hugepages,
+        )
+        kv_tokens = self.pool.num_blocks * cfg.block_size
         self.contexts = ContextTable(
             mcfg.max_seq_len, on_release=self._on_release, pool=self.pool, prefix_cache=cfg.prefix_cache
         )
         self.memory = MemoryManager(self.contexts)
-        self.max_seq_len = min(mcfg.max_seq_len, num_blocks * block_size)  # the longest context it can hold
-        self.max_step_tokens = max_step_tokens
+        self.max_seq_len = min(mcfg.max_seq_len, kv_tokens)  # the longest context it can hold
+        self.max_step_tokens = cfg.max_step_tokens
         self.token_capacity = self._check_capacity(
-            cfg.token_capacity or max(mcfg.max_seq_len, 4 * max_step_tokens, num_blocks * block_size)
+            cfg.token_capacity or max(mcfg.max_seq_len, 4 * cfg.max_step_tokens, kv_tokens)
         )
         self.share_prefix = cfg.share_prefix
         self.on_step: Callable[[StepInfo], None] | None = None  # called on the worker after each forward
@@ -157,15 +120,10 @@ class EngineRunner:
         self.latency = StepLatency(
             factor=cfg.latency_factor, target_ms=cfg.latency_target_ms, fixed_cap=cfg.latency_cap
         )
-        self._probing = False  # the latency probe is stepping fabricated contexts
-        self._stepping = False  # inside _step: see after_step
-        self._after_step: list[Callable[[], None]] = []
+        self._probing = False  # probe_latency is stepping fabricated contexts
         self.step_log = StepLog(cfg.step_log) if cfg.step_log else None
         self._step_work: StepWork | None = None  # the logged step's work, set by _forward
         self._arrivals = 0
-        self._inbox: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._stopped = False
         self.counters = dict.fromkeys(ENGINE_COUNTERS, 0)
         self.step_forward = step_forward.choose(self.model, self.cache, self.kernels, cfg.decode_attention)
         log.info("engine steps: %s", self.step_forward.name)
@@ -174,73 +132,32 @@ class EngineRunner:
             self.contexts,
             self.memory,
             self.cache.copy_blocks,
-            max_step_tokens=max_step_tokens,
+            max_step_tokens=cfg.max_step_tokens,
             counters=self.counters,
         )
 
-    # ------------------------------------------------------------ threading
-    @classmethod
-    def start_on_own_thread(cls, make: Callable[[], EngineRunner]) -> EngineRunner:
-        """Run ``make`` (e.g. load the model and build the runner) on a new thread that then
-        runs the runner's loop; returns the runner once built, or raises what ``make`` raised.
-
-        All of the engine's torch work then happens on one thread, so PyTorch's OpenMP
-        runtime keeps one thread team (it keeps one per thread that starts parallel
-        work) instead of a second one left behind by the thread that loaded the model.
-        """
-        built: list[EngineRunner] = []
-        failed: list[BaseException] = []
-        ready = threading.Event()
-
-        def main() -> None:
-            try:
-                runner = make()
-                runner._thread = threading.current_thread()
-                built.append(runner)
-            except BaseException as exc:  # handed to the caller below
-                failed.append(exc)
-                return
-            finally:
-                ready.set()
-            runner._loop()
-
-        threading.Thread(target=main, name="parrot-engine", daemon=True).start()
-        ready.wait()
-        if failed:
-            raise failed[0]
-        return built[0]
-
-    def stop(self) -> None:
-        self._stopped = True
-        self._inbox.put(None)
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-
-    def call(self, fn: Callable[[], Any], done: Callable[[Any, BaseException | None], None]) -> None:
-        """Run ``fn`` on the worker thread; ``done(result, error)`` is called there."""
-
-        def command() -> None:
-            try:
-                result = fn()
-            except BaseException as exc:  # delivered to the caller, never kills the worker
-                done(None, exc)
-            else:
-                done(result, None)
-
-        self._inbox.put(command)
+    def _place_model(self, cfg: EngineConfig) -> None:
+        """Set ``placement``, ``model``, ``kernels`` and ``packed``: the device (CUDA: a copy
+        of the model there, no C kernels, no packing: device.py) and the kernels this
+        engine uses, chosen once.  On the CPU their build of the C ops becomes the one this
+        process's attention and fused ops find (a process resource: see native.select),
+        then the weights are packed for oneDNN (faster projections: packed_linear).
+        Packing changes the model object, so every engine sharing it runs packed, with
+        these kernels, from now on."""
+        self.placement = place = placement(cfg)
+        self.model = place_model(self.loaded.model, place.device, place.dtype)
+        self.kernels = kernel_set.for_options(place.kernels)
+        if place.device == "cpu":
+            self.kernels.select()
+        log.info("engine on %s (%s): %s", place.device, place.dtype, self.kernels.describe())
+        weight_dtype = cfg.weight_dtype
+        self.packed = self.model.prepack(weight_dtype, self.kernels) if place.prepack else False
+        if weight_dtype is not None and not self.packed:
+            raise ValueError(f"cannot pack weights as {weight_dtype} here (needs CPU oneDNN)")
 
     def submit(self, job: Job) -> None:
-        self._inbox.put(lambda: self._enqueue(job))
-
-    def after_step(self, fn: Callable[[], None]) -> bool:
-        """Worker thread: run ``fn`` once the step in progress has ended (after its
-        tokens are sampled and its time recorded) and return True; False, and nothing
-        queued, outside a step.  How :class:`~parrot.engine.local.LocalEngine` wakes an
-        event loop once per step for all the tokens it streams there."""
-        if not self._stepping:
-            return False
-        self._after_step.append(fn)
-        return True
+        """Queue ``job`` (any thread); it is admitted at a step of the worker thread."""
+        self.post(lambda: self._enqueue(job))
 
     # --------------------------------------------------- worker-only methods
     def _enqueue(self, job: Job) -> None:
@@ -271,16 +188,10 @@ class EngineRunner:
         self._reap_cancelled()
         self.contexts.free(context_id)
 
-    def probe_latency(self) -> None:
-        """Time a few decode steps on fabricated contexts to fit the latency model at once
-        (:func:`~parrot.engine.latency_probe.probe`; worker thread, idle engine, no prefill)."""
-        with torch.inference_mode():
-            probe(self)
-
     def token_load(self) -> int:
         """KV tokens the running work reads, a block shared by several running contexts
         once (shared-prefix attention reads it once per step); see
-        :class:`~parrot.engine.step_planner.KVLoad`."""
+        :class:`~parrot.engine.core.step_planner.KVLoad`."""
         return self.planner.load().total
 
     def has_work(self) -> bool:
@@ -301,12 +212,7 @@ class EngineRunner:
             kv_blocks_total=self.pool.num_blocks,
             kv_blocks_cached=self.pool.num_cached,
             kv_block_size=bs,
-            preemptions=self.counters["preemptions"],
-            fills=self.counters["fills"],
-            filled_tokens=self.counters["filled_tokens"],
-            generates=self.counters["generates"],
-            generated_tokens=self.counters["generated_tokens"],
-            cached_tokens=self.counters["cached_tokens"],
+            **{k: self.counters[k] for k in _STATS_COUNTERS},
             decode_path=self.step_forward.name,
             **self.latency.report(self.token_capacity),
         )
@@ -316,59 +222,15 @@ class EngineRunner:
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
-        while not self._stopped:
-            idle = not self.has_work()
-            try:
-                command = self._inbox.get() if idle else self._inbox.get_nowait()
-            except queue.Empty:
-                command = None
-                if not self._stopped:
-                    self._step_safely()
-                continue
-            if command is None:
-                continue
-            command()
-            while True:  # drain everything queued before stepping
-                try:
-                    more = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    break
-                more()
-            if not self._stopped and self.has_work():
-                self._step_safely()
-        self._fail_all(ParrotError("engine stopped", code="engine_stopped"))
+        super()._loop()
         if self.step_log is not None:
             self.step_log.close()
-
-    def _step_safely(self) -> None:
-        try:
-            self._step()
-        except ParrotError as exc:
-            self._fail_all(exc)
-        except Exception as exc:  # a bug or OOM in the step: fail the batch, keep serving
-            log.exception("engine step failed")
-            self._fail_all(ParrotError(f"engine step failed: {exc}", code="engine_error"))
 
     def _fail_all(self, error: ParrotError) -> None:
         for job in self.planner.take_all():
             self._finish(job, error)
 
     # ------------------------------------------------------------- stepping
-    def _step(self) -> None:
-        self._stepping = True
-        try:
-            self._step_once()
-        finally:
-            self._stepping = False
-            deferred, self._after_step = self._after_step, []
-            for fn in deferred:
-                try:
-                    fn()
-                except Exception:  # one caller's closed loop must not keep the others waiting
-                    log.exception("after-step callback failed")
-
     def _step_once(self) -> None:
         started = time.perf_counter()
         self._reap_cancelled()
@@ -392,9 +254,6 @@ class EngineRunner:
         for job in self.planner.take_cancelled():
             self._finish(job, None, finish_reason="cancelled")
 
-    def _release_ctx(self, ctx: Context) -> None:
-        self.planner.release(ctx)
-
     # ------------------------------------------------------------ admission
     def _admit(self) -> list[tuple[Job, torch.Tensor]]:
         """Admit waiting jobs (:meth:`StepPlanner.admit`): set up the sampling state of
@@ -406,21 +265,15 @@ class EngineRunner:
             try:
                 self._start_generate(job)
             except ParrotError as exc:  # a constraint that does not compile fails its job only
-                self._end_generate(job, [], "error", error=exc)
+                self._end_generate(job, Ending([], "error", error=exc))
                 failed.add(id(job))
         for job, error in admission.rejected:
             self._finish(job, error)
         return [(j, lg) for j, lg in admission.ready if id(j) not in failed]
 
     def _start_generate(self, job: Job) -> None:
-        assert job.sampling is not None and job.ctx is not None
         self.counters["generates"] += 1
-        job.generator = make_generator(job.sampling.seed)
-        job.decoder = self.tokenizer.incremental_decoder()
-        job.stops = StopStringFilter(job.sampling.stop)
-        job.counts = {} if job.sampling.penalized else None
-        if job.sampling.constraint is not None:
-            job.matcher = self.grammars.matcher(job.sampling.constraint)
+        start_generate(job, self.tokenizer, self.grammars)
 
     # -------------------------------------------------------------- forward
     def _forward(self) -> tuple[list[Job], torch.Tensor | None]:
@@ -431,20 +284,11 @@ class EngineRunner:
         plan = self.planner.reserve(self.planner.plan())
         if not plan:
             return [], None
-        started = step_start(self.cache.device)  # the engine thread's CPU time on the CPU
+        clock = latency_probe.StepClock(self.cache.device)  # the engine thread's CPU time on the CPU
         if self.step_log is not None and not self._probing:
             self._step_work = step_work((s for _, s in plan), self.pool.block_size, self.share_prefix)
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        for _, s in plan:
-            ids.extend(s.ctx.tokens(s.start, s.start + s.n))
-            positions.extend(range(s.start, s.start + s.n))
-            slots.extend(self.contexts.slots(s.ctx, s.start, s.n))
-        device = self.cache.device
-        input_ids = torch.tensor(ids, dtype=torch.long, device=device)
-        pos = torch.tensor(positions, dtype=torch.long, device=device)
         slices = [s for _, s in plan]
+        input_ids, pos, slots = step_forward.step_inputs(slices, self.contexts, self.cache.device)
         try:
             with torch.inference_mode():
                 attn = self.step_forward.attention(self.cache, slices, slots, share_prefix=self.share_prefix)
@@ -453,22 +297,14 @@ class EngineRunner:
             for s in slices:  # give back the blocks reserved for this step
                 self.contexts.truncate(s.ctx, s.ctx.computed_len)
             raise
-        return self._after_forward(plan, hidden, len(ids), started)
-
-    def _record_prefill(self, plan: list[tuple[Job, SeqSlice]], num_tokens: int, started: float) -> None:
-        """Give the latency fit a step's time when it computed enough prompt tokens to tell
-        what one costs (:meth:`StepLatency.record_prefill`), with the KV its decode rows read."""
-        decodes = [s for _, s in plan if s.n == 1]
-        if num_tokens - len(decodes) < PREFILL_MIN_TOKENS:
-            return
-        decoding = KVLoad(self.pool.block_size)
-        for s in decodes:
-            decoding.add(s.ctx.block_table, s.ctx.computed_len, s.ctx.num_pending)
-        seconds = step_seconds(started, self.cache.device)
-        self.latency.record_prefill(num_tokens - len(decodes), decoding.total, len(decodes), seconds)
+        return self._after_forward(plan, hidden, len(slots), clock)
 
     def _after_forward(
-        self, plan: list[tuple[Job, SeqSlice]], hidden: torch.Tensor, num_tokens: int, started: float
+        self,
+        plan: list[tuple[Job, SeqSlice]],
+        hidden: torch.Tensor,
+        num_tokens: int,
+        clock: latency_probe.StepClock,
     ) -> tuple[list[Job], torch.Tensor | None]:
         """Account a step that ran: its KV is computed (and indexed), its decode time is
         recorded, finished fills end; returns the generates to sample, with their logits."""
@@ -487,17 +323,17 @@ class EngineRunner:
                     len(plan), num_tokens, len(self.planner.running), self.token_load(), self.pool.num_used
                 )
             )
-        if num_tokens > len(plan):  # prompt tokens in it: what one costs (latency_probe)
-            self._record_prefill(plan, num_tokens, started)
+        bs = self.pool.block_size
+        if num_tokens > len(plan):  # prompt tokens in it: what one costs
+            latency_probe.record_prefill_step(self.latency, [s for _, s in plan], num_tokens, bs, clock)
         if not finishing:
             return [], None
         with torch.inference_mode():
             logits = self.model.compute_logits(hidden[[r for _, r in finishing]])
         if num_tokens == len(plan):  # a pure decode step: its time is each sequence's time per token
-            read = KVLoad(self.pool.block_size)
-            for _, s in plan:
-                read.add(s.ctx.block_table, s.ctx.computed_len, s.ctx.num_pending)
-            self.latency.record(read.total, step_seconds(started, self.cache.device), probe=self._probing)
+            latency_probe.record_decode_step(
+                self.latency, [s for _, s in plan], bs, clock, probe=self._probing
+            )
         generates: list[Job] = []
         rows: list[int] = []
         for i, ((job, _), lg) in enumerate(zip(finishing, logits, strict=True)):
@@ -515,9 +351,111 @@ class EngineRunner:
 
     def _complete_fill(self, job: Job, error: ParrotError | None) -> None:
         assert job.ctx is not None
-        self._release_ctx(job.ctx)
+        self.planner.release(job.ctx)
         self.planner.running.remove(job)
         self._finish(job, error)
+
+    # ------------------------------------------------------------ the latency probe
+    def probe_latency(self) -> StepFit | None:
+        """Time decode steps at a few loads on fabricated contexts, fit them (buckets of one
+        step) so that the latency cap is known at once, then time a few fabricated prompts
+        (what a prompt token costs); worker thread, idle engine (else skipped), nothing
+        prefilled.  The plan and its constants: :mod:`parrot.engine.latency_probe`.  Each
+        step runs through :meth:`_forward`, timed and recorded into ``self.latency`` as
+        the probe's; everything is freed afterwards, the counters are left as they were,
+        and :attr:`on_step` and the step log do not see these steps.  Returns
+        ``self.latency.fit`` (None: timings that cannot place the cap)."""
+        started = time.perf_counter()
+        if self.has_work():
+            return self.latency.fit
+        seq = latency_probe.decode_seq_tokens(self.max_seq_len, self.pool.num_free, self.pool.block_size)
+        if seq < latency_probe.PROBE_MIN_SEQ_TOKENS:
+            return self.latency.fit
+        with torch.inference_mode():
+            if not self._probe_decode(seq, started):
+                return self.latency.fit
+            fit = self.latency.refit(min_samples=1)
+            if fit is not None:
+                self._probe_prefill(started)
+        self.latency.probe_s = time.perf_counter() - started
+        return fit
+
+    @contextlib.contextmanager
+    def _probe_steps(self) -> Iterator[list[int]]:
+        """Steps of the probe inside: not the engine's (``_probing``: no :attr:`on_step`, no
+        step log; the counters restored on exit); the ids of the fabricated contexts it
+        made, which the yielded list collects, are freed on exit, whatever happened."""
+        made: list[int] = []
+        counters = dict(self.counters)
+        self._probing = True
+        try:
+            yield made
+        finally:
+            for cid in made:
+                if cid in self.contexts:
+                    self.contexts.free(cid)
+            self.counters.update(counters)
+            self._probing = False
+
+    def _probe_job(self, ctx: Context) -> None:
+        """Compute ``ctx``'s pending tokens in the next :meth:`_forward` (an internal job)."""
+        ctx.busy = True
+        self.planner.running.append(Job(ctx.context_id, None, internal=True, ctx=ctx))
+
+    def _probe_decode(self, seq: int, started: float) -> bool:
+        """The probe's decode steps over fabricated contexts of ``seq`` tokens; False when
+        they could not run as planned (KV blocks not reserved, or a job outliving its
+        step: not expected), the timings then left unfitted."""
+        rounds = latency_probe.DecodeRounds(started)
+        vocab = self.loaded.config.vocab_size
+        with self._probe_steps() as made:
+            for i in range(max(latency_probe.PROBE_SEQS)):
+                made.append(cid := latency_probe.decode_context_id(i))
+                tokens = latency_probe.decode_tokens(i, seq, vocab)
+                if not latency_probe.fabricate_context(self.contexts, self.cache, cid, tokens):
+                    return False
+            for n in rounds.loads():
+                for i in range(n):
+                    ctx = self.contexts.get(made[i])
+                    if not ctx.num_pending:
+                        self.contexts.append(ctx, [latency_probe.next_token(i, ctx.length, vocab)])
+                    self._probe_job(ctx)
+                self.latency.last = None
+                self._forward()
+                if self.latency.last is not None:
+                    rounds.record(n, self.latency.last[1])
+                if self.planner.running:  # not expected: every fabricated job finishes in its step
+                    self.planner.take_all()
+                    return False
+        return True
+
+    def _probe_prefill(self, started: float) -> None:
+        """Compute :data:`~parrot.engine.latency_probe.PROBE_PREFILL_STEPS` fabricated
+        prompts, one a step (recorded as any step with prompt tokens:
+        :meth:`StepLatency.record_prefill`), within the probe's budget, each freed after
+        its step; nothing when a prompt would be under ``PREFILL_MIN_TOKENS``."""
+        pool, vocab = self.pool, self.loaded.config.vocab_size
+        n = latency_probe.prefill_prompt_tokens(
+            self.planner.max_step_tokens, self.max_seq_len, pool.num_free, pool.block_size
+        )
+        if n < PREFILL_MIN_TOKENS:
+            return
+        with self._probe_steps():
+            for step in range(latency_probe.PROBE_PREFILL_STEPS):
+                if latency_probe.over_budget(started):
+                    break
+                cid = latency_probe.prefill_context_id(step)
+                ctx = self.contexts.open(cid, None)
+                try:
+                    self.contexts.append(ctx, latency_probe.prompt_tokens(step, n, vocab))
+                    self._probe_job(ctx)
+                    self._forward()
+                    if self.planner.running:  # not expected: the prompt fits one step
+                        self.planner.take_all()
+                        return
+                finally:
+                    if cid in self.contexts:
+                        self.contexts.free(cid)
 
     # ------------------------------------------------------------- sampling
     def _sample(self, jobs: list[Job], logits: torch.Tensor) -> None:
@@ -533,60 +471,29 @@ class EngineRunner:
             self._advance(job, int(token), eos, lp)
 
     def _advance(self, job: Job, token: int, eos: set[int], lp: TokenLogprob | None = None) -> None:
-        sp, ctx = job.sampling, job.ctx
-        assert sp is not None and ctx is not None and job.decoder is not None and job.stops is not None
-        job.generated += 1
+        """``token`` is ``job``'s next (:func:`~parrot.engine.generate.advance`); end the
+        generate when it says so."""
         self.counters["generated_tokens"] += 1
-        if job.counts is not None:
-            job.counts[token] = job.counts.get(token, 0) + 1
-        lps = None if lp is None else [lp]
-        if token in sp.stop_token_ids or (token in eos and (not sp.ignore_eos or job.matcher is not None)):
-            self._end_generate(job, [token], "stop", logprobs=lps)
-            return
-        ctx.own_tokens.append(token)
-        grammar = None if job.matcher is None else advance_grammar(job.matcher, token)
-        if grammar == "error":
-            error = ParrotError(
-                f"constrained decoding failed: {job.matcher.get_error()}", code="grammar_error"
-            )
-            self._end_generate(job, [], "error", error=error)
-            return
-        text = job.stops.push(job.decoder.feed(token))
-        if job.stops.stopped:
-            self._end_generate(job, [token], "stop", text, lps)
-        elif grammar == "stop":  # the grammar admits nothing more: the output is complete
-            rest = job.stops.push(job.decoder.flush()) + job.stops.flush()
-            self._end_generate(job, [token], "stop", text + rest, lps)
-        elif job.generated >= sp.max_tokens or ctx.length >= self.max_seq_len:
-            rest = job.stops.push(job.decoder.flush()) + job.stops.flush()
-            self._end_generate(job, [token], "length", text + rest, lps)
-        elif job.on_chunk is not None:
-            job.on_chunk(GenerateChunk(token_ids=[token], text=text, logprobs=lps))
+        end = advance(job, token, eos, self.max_seq_len, lp)
+        if end is not None:
+            self._end_generate(job, end)
 
-    def _end_generate(
-        self,
-        job: Job,
-        token_ids: list[int],
-        reason: str,
-        text: str = "",
-        logprobs: list[TokenLogprob] | None = None,
-        error: ParrotError | None = None,
-    ) -> None:
-        """End a running generate: its last chunk (none when it failed with ``error``),
-        then its caller hears it finished."""
+    def _end_generate(self, job: Job, end: Ending) -> None:
+        """End a running generate as ``end`` says: its last chunk (none when it failed with
+        ``end.error``), then its caller hears it finished."""
         assert job.ctx is not None
-        self._release_ctx(job.ctx)
+        self.planner.release(job.ctx)
         self.planner.running.remove(job)
-        if error is not None:
-            self._finish(job, error)
-            return
-        if job.on_chunk is not None:
-            job.on_chunk(
-                GenerateChunk(
-                    token_ids=token_ids, text=text, done=True, finish_reason=reason, logprobs=logprobs
-                )
+        if end.error is None and job.on_chunk is not None:
+            chunk = GenerateChunk(
+                token_ids=end.token_ids,
+                text=end.text,
+                done=True,
+                finish_reason=end.reason,
+                logprobs=end.logprobs,
             )
-        self._finish(job, None)
+            job.on_chunk(chunk)
+        self._finish(job, end.error)
 
     def _finish(self, job: Job, error: ParrotError | None, finish_reason: str | None = None) -> None:
         finish_job(job, error, finish_reason)

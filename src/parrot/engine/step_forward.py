@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from parrot.engine.core.contexts import ContextTable
+from parrot.engine.core.step_planner import SeqSlice
 from parrot.engine.kernels import decode_forward, fused
 from parrot.engine.kernels.attention import triton_available
 from parrot.engine.kernels.attention.triton_kernel import interpret_requested
@@ -52,9 +54,29 @@ from parrot.engine.kernels.kernel_set import KernelSet, for_options
 from parrot.engine.kv_store import PagedKVCache
 from parrot.engine.model import LlamaModel
 from parrot.engine.paged import PagedStepAttention
-from parrot.engine.step_planner import SeqSlice
 
-__all__ = ["StepForward", "choose"]
+__all__ = ["StepForward", "choose", "step_inputs"]
+
+
+def step_inputs(
+    slices: list[SeqSlice], contexts: ContextTable, device: str
+) -> tuple[Tensor, Tensor, list[int]]:
+    """A step's token ids and positions [T] on ``device``, and the KV cache rows
+    (:meth:`ContextTable.slots`) their keys and values go to: slice after slice, each
+    slice's ``n`` tokens from its ``start`` (their blocks already reserved)."""
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    for s in slices:
+        ids.extend(s.ctx.tokens(s.start, s.start + s.n))
+        positions.extend(range(s.start, s.start + s.n))
+        slots.extend(contexts.slots(s.ctx, s.start, s.n))
+    as_tensor = torch.tensor
+    return (
+        as_tensor(ids, dtype=torch.long, device=device),
+        as_tensor(positions, dtype=torch.long, device=device),
+        slots,
+    )
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ FILE``), it appends one JSON line per step that ran a forward::
     {"prefill_tokens": 412, "decode_seqs": 9, "kv_tokens_read": 5120,
      "prefill_pairs": 61234, "seconds": 0.183, "at": 1796201234.512}
 
-The quantities are :func:`~parrot.engine.step_work.step_work`'s for the step as
+The quantities are :func:`~parrot.engine.core.step_work.step_work`'s for the step as
 planned; ``seconds`` runs from the start of the step (reaping, admission,
 planning) to the end of its sampling, so it holds everything the worker does per
 step in a served run, with the rest of the server sharing the cores; ``at`` is
@@ -31,7 +31,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import IO
 
-from parrot.engine.step_work import StepWork
+from parrot.engine.core.step_work import StepWork
 
 log = logging.getLogger(__name__)
 

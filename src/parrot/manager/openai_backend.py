@@ -56,7 +56,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from parrot.engine.latency_probe import StepLatency  # stdlib only: the fit Parrot's engine uses too
+from parrot.engine.core.latency_fit import StepLatency  # stdlib only: the fit Parrot's engine uses too
 from parrot.manager.openai_stream import FINISH_REASONS, MalformedAnswer, parse_sse_line
 from parrot.protocol.constraint import Constraint
 from parrot.protocol.errors import BadRequest, CallFailed, ContextTooLong, EngineError, NotFound, ParrotError

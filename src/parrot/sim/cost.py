@@ -1,6 +1,6 @@
 """How long one engine step takes, as a function of what the step computes.
 
-A step (:mod:`parrot.engine.step_planner`) computes some prompt tokens (prefill)
+A step (:mod:`parrot.engine.core.step_planner`) computes some prompt tokens (prefill)
 and one token for each decoding sequence, and its attention reads KV tokens.  The
 model is linear in those quantities::
 
@@ -23,7 +23,7 @@ model is linear in those quantities::
   whose fixed cost per step is higher.  Without it, served steps mixing prompt
   chunks with decodes came out at 0.82x of their time (``docs/simulation.md``).
 
-:func:`~parrot.engine.step_work.step_work` computes the four quantities from a
+:func:`~parrot.engine.core.step_work.step_work` computes the four quantities from a
 planned step, the same way for the simulated engine, for the calibration that
 times the real one (``python -m benchmarks.sim.calibrate``) and for the real
 engine's step log (:mod:`parrot.engine.step_log`).  A :class:`CostProfile` is one
@@ -42,8 +42,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from parrot.engine.latency_probe import StepFit, cap_from_fit
-from parrot.engine.step_work import StepWork, step_work
+from parrot.engine.core.latency_fit import StepFit, cap_from_fit
+from parrot.engine.core.step_work import StepWork, step_work
 
 __all__ = ["SMOLLM2_BF16_XEON2", "CostProfile", "StepCost", "StepWork", "load_profile", "step_work"]
 
@@ -85,7 +85,7 @@ class StepCost:
 
     def prefill_tokens_per_decode_step(self) -> float:
         """How many prompt tokens cost one unloaded decode step of one sequence (two
-        significant digits, as the engine reports it: :mod:`parrot.engine.latency_probe`);
+        significant digits, as the engine reports it: :mod:`parrot.engine.core.latency_fit`);
         0 when prompt tokens cost nothing here."""
         if self.per_prefill_token <= 0:
             return 0.0
@@ -94,7 +94,7 @@ class StepCost:
     def latency_cap(self, factor: float, capacity: int) -> int:
         """The KV load at which a decode step of one sequence takes ``factor`` times its
         unloaded time: the cap the built-in engine's probe would fit to these step
-        times, through the same :func:`~parrot.engine.latency_probe.cap_from_fit` (so
+        times, through the same :func:`~parrot.engine.core.latency_fit.cap_from_fit` (so
         within ``[min(MIN_LATENCY_CAP_TOKENS, capacity), capacity]``, as the engine's)."""
         fit = StepFit(self.base + self.per_decode_seq, max(0.0, self.per_kv_token), buckets=2, steps=0)
         return cap_from_fit(fit, capacity, factor=factor)

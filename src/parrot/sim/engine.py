@@ -3,10 +3,10 @@ the forward pass.
 
 :class:`SimEngine` implements the engine interface the manager programs against
 (:class:`~parrot.protocol.engine_api.EngineAPI`).  It keeps contexts in a real
-:class:`~parrot.engine.contexts.ContextTable` over a real
-:class:`~parrot.engine.block_pool.BlockPool` (paged KV, forks sharing blocks,
+:class:`~parrot.engine.core.contexts.ContextTable` over a real
+:class:`~parrot.engine.core.block_pool.BlockPool` (paged KV, forks sharing blocks,
 copy-on-write, the prefix cache) and plans every step with the real
-:class:`~parrot.engine.step_planner.StepPlanner` (admission under the token
+:class:`~parrot.engine.core.step_planner.StepPlanner` (admission under the token
 capacity and KV memory, cache hits taken at planning time, decodes first, prompt
 chunks up to ``max_step_tokens``, preemption): memory limits, preemption, forks
 and capacity behave as in the built-in engine.  Its step loop is the runner's
@@ -29,12 +29,12 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 
-from parrot.engine import latency_probe
-from parrot.engine.block_pool import DEFAULT_BLOCK_SIZE, BlockPool
-from parrot.engine.contexts import ContextTable
-from parrot.engine.jobs import Job, check_token_ids, finish_job, reused_of
-from parrot.engine.memory import MemoryManager
-from parrot.engine.step_planner import DEFAULT_MAX_STEP_TOKENS, ENGINE_COUNTERS, StepPlanner
+from parrot.engine.core import latency_fit
+from parrot.engine.core.block_pool import DEFAULT_BLOCK_SIZE, BlockPool
+from parrot.engine.core.contexts import ContextTable
+from parrot.engine.core.jobs import Job, check_token_ids, finish_job, reused_of
+from parrot.engine.core.memory import MemoryManager
+from parrot.engine.core.step_planner import DEFAULT_MAX_STEP_TOKENS, ENGINE_COUNTERS, StepPlanner
 from parrot.protocol.errors import BadRequest, ParrotError
 from parrot.protocol.sampling import SamplingParams
 from parrot.protocol.schemas import EngineStats, GenerateChunk
@@ -47,9 +47,9 @@ DEFAULT_KV_CACHE_TOKENS = 1 << 17
 """A simulated engine's KV pool when none is given (``kv_cache_tokens=None``: a cost
 profile without a pool of its own)."""
 
-LATENCY_FACTOR = latency_probe.LATENCY_FACTOR
+LATENCY_FACTOR = latency_fit.LATENCY_FACTOR
 """The simulated engine reports the latency cap its cost model implies at this factor
-(the built-in engine's default, :mod:`parrot.engine.latency_probe`)."""
+(the built-in engine's default, :mod:`parrot.engine.core.latency_fit`)."""
 
 
 class StepRecord(tuple):

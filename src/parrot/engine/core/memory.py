@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Container
 
-from parrot.engine.contexts import Context, ContextTable
+from parrot.engine.core.contexts import Context, ContextTable
 
 
 class MemoryManager:

@@ -6,8 +6,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from parrot.engine.contexts import Context
-from parrot.engine.stopping import StopStringFilter
+from parrot.engine.core.contexts import Context
+from parrot.engine.core.stopping import StopStringFilter
 from parrot.protocol.errors import BadRequest, ParrotError
 from parrot.protocol.sampling import SamplingParams
 from parrot.protocol.schemas import GenerateChunk
@@ -42,7 +42,7 @@ class Job:
     # service and place); jobs of equal priority keep first-come first-served order
     priority: int = 0
     # a fill creating its context marks it retained: kept for a call that will read it
-    # (its KV is evicted only after every other idle context's; parrot.engine.memory)
+    # (its KV is evicted only after every other idle context's; parrot.engine.core.memory)
     retain: bool = False
     preempted: bool = False  # waiting again after preemption (``ctx`` still set and busy)
     # generate state

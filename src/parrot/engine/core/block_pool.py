@@ -11,7 +11,7 @@ Invariants:
   (refcount >= 1);
 - a *retained* block keeps its content when its last reference goes: it
   becomes cached instead of free (the prefix cache retains the blocks it
-  indexes, :mod:`parrot.engine.prefix_cache`).  Cached blocks count as
+  indexes, :mod:`parrot.engine.core.prefix_cache`).  Cached blocks count as
   obtainable: ``num_free`` includes them, and :meth:`allocate` takes free
   blocks first, then evicts cached ones, least recently cached first, telling
   ``on_evict`` so their owner forgets them; :meth:`incref` of a cached block

@@ -1,6 +1,6 @@
 """What one engine step computes, in the terms of the simulator's cost model.
 
-A step (:mod:`parrot.engine.step_planner`) computes some prompt tokens (prefill)
+A step (:mod:`parrot.engine.core.step_planner`) computes some prompt tokens (prefill)
 and one token for each decoding sequence, and its attention reads KV tokens:
 
 * ``kv_tokens_read`` counts the KV tokens of the step's sequences; with
@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from parrot.engine.step_planner import KVLoad
+from parrot.engine.core.step_planner import KVLoad
 
 __all__ = ["StepWork", "step_work"]
 
@@ -38,7 +38,7 @@ class StepWork:
 
 
 class _Slice(Protocol):
-    """A planned slice (:class:`~parrot.engine.step_planner.SeqSlice`)."""
+    """A planned slice (:class:`~parrot.engine.core.step_planner.SeqSlice`)."""
 
     start: int
     n: int

@@ -7,7 +7,7 @@ parent's first ``prefix_len`` tokens (and, recursively, the parent's own
 ancestors) without copying them, then appends tokens of its own.  The parent
 may keep growing after the fork; the child never sees those later tokens.
 
-KV lives in fixed-size blocks of a :class:`~parrot.engine.block_pool.BlockPool`.
+KV lives in fixed-size blocks of a :class:`~parrot.engine.core.block_pool.BlockPool`.
 Every context has its own *block table* covering all its computed tokens from
 position 0: token ``p`` lives in block ``block_table[p // bs]`` at row ``p % bs``.
 A fork copies the parent's table entries for the prefix and increfs them (no
@@ -26,7 +26,7 @@ Invariants:
   step :meth:`ContextTable.reserve` may extend it to cover the step's writes.
 - A block's refcount equals the number of block-table entries naming it, over
   all contexts in the table.  Blocks shared by two tables arise from a fork
-  or from a prefix-cache hit (:mod:`parrot.engine.prefix_cache`; a hit is
+  or from a prefix-cache hit (:mod:`parrot.engine.core.prefix_cache`; a hit is
   taken, and a block indexed, only right after the indexed block before it),
   hold the same tokens
   at the same positions and form a common prefix of both tables, so along one
@@ -51,8 +51,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from parrot.engine.block_pool import BlockPool
-from parrot.engine.prefix_cache import ROOT, PrefixCache, block_digest, salted_root
+from parrot.engine.core.block_pool import BlockPool
+from parrot.engine.core.prefix_cache import ROOT, PrefixCache, block_digest, salted_root
 from parrot.protocol.errors import BadRequest, Conflict, ContextTooLong, NotFound
 
 

@@ -21,7 +21,7 @@ no sampling (those are the runner's, :mod:`parrot.engine.runner`):
    tokens (a fill's prompt, the last sampled token of a generate, or KV to
    recompute).  Pending tokens whose KV the prefix cache already holds are
    taken from it first (whole blocks, by their tokens:
-   :mod:`parrot.engine.prefix_cache`); then all one-token (decode) slices go
+   :mod:`parrot.engine.core.prefix_cache`); then all one-token (decode) slices go
    in, then prompt chunks up to ``max_step_tokens``, in the jobs' order (so a
    prompt of a higher priority is computed first: prefill, which batching does
    not make cheaper, is where the order decides latency).  Taking cache hits at
@@ -30,7 +30,7 @@ no sampling (those are the runner's, :mod:`parrot.engine.runner`):
    arrival order) and the others find its blocks;
 3. **reservation** (:meth:`StepPlanner.reserve`) — KV blocks for the plan in
    the jobs' order; when the pool is short, make room
-   (:mod:`parrot.engine.memory`): evict idle contexts' KV, then preempt the
+   (:mod:`parrot.engine.core.memory`): evict idle contexts' KV, then preempt the
    last running jobs in that order (their private blocks go back to the pool; their KV is
    recomputed from their tokens when they resume).
 
@@ -45,14 +45,14 @@ No torch: the simulator (:mod:`parrot.sim`) plans its steps with the same class.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from parrot.engine.block_pool import BlockPool
-from parrot.engine.contexts import Context, ContextTable
-from parrot.engine.jobs import Job
-from parrot.engine.memory import MemoryManager
+from parrot.engine.core.block_pool import BlockPool
+from parrot.engine.core.contexts import Context, ContextTable
+from parrot.engine.core.jobs import Job
+from parrot.engine.core.memory import MemoryManager
 from parrot.protocol.errors import BadRequest, ParrotError
 
 if TYPE_CHECKING:
@@ -127,11 +127,7 @@ class StepPlanner:
 
     def load(self) -> KVLoad:
         """The distinct KV tokens the running work reads (see :class:`KVLoad`)."""
-        load = KVLoad(self.pool.block_size)
-        for job in self.running:
-            if job.ctx is not None:
-                load.add(job.ctx.block_table, job.ctx.computed_len, job.ctx.num_pending)
-        return load
+        return KVLoad.of(self.pool.block_size, (job.ctx for job in self.running if job.ctx is not None))
 
     def enqueue(self, job: Job) -> None:
         """A new job (its arrival already stamped, later than every other's) waits in order."""
@@ -436,6 +432,14 @@ class KVLoad:
         self.block_size = block_size
         self.rows: dict[int, int] = {}  # block -> filled rows
         self.total = 0
+
+    @classmethod
+    def of(cls, block_size: int, contexts: Iterable[Context]) -> KVLoad:
+        """The KV tokens ``contexts`` read (each as it stands: its computed and pending tokens)."""
+        load = cls(block_size)
+        for ctx in contexts:
+            load.add(ctx.block_table, ctx.computed_len, ctx.num_pending)
+        return load
 
     def _rows(self, blocks: list[int], computed: int) -> Iterator[tuple[int, int]]:
         bs = self.block_size

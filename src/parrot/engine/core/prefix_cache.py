@@ -28,9 +28,9 @@ Invariants:
 - a hit never covers a context's last token: the step that computes it gives
   the logits the next token is sampled from.
 
-Each :class:`~parrot.engine.contexts.Context` keeps the digests of its full
+Each :class:`~parrot.engine.core.contexts.Context` keeps the digests of its full
 computed blocks (``block_hashes``), maintained by
-:class:`~parrot.engine.contexts.ContextTable`, so extending the chain costs
+:class:`~parrot.engine.core.contexts.ContextTable`, so extending the chain costs
 one hash per new block.
 """
 
@@ -40,7 +40,7 @@ import hashlib
 from array import array
 from collections.abc import Callable, Sequence
 
-from parrot.engine.block_pool import BlockPool
+from parrot.engine.core.block_pool import BlockPool
 
 ROOT = b"parrot-prefix-cache/1"
 
