@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated
 
 import httpx
@@ -39,9 +39,27 @@ log = logging.getLogger(__name__)
 def create_engine_app(
     engine: LocalEngine, *, cluster_secret: str | None, max_body_bytes: int = 64 * 1024 * 1024
 ) -> FastAPI:
-    """The engine's app.  ``cluster_secret`` None leaves the engine API open: only for an
-    engine that nothing but its own process can reach (``parrot engine`` always has one).
-    Its length is its routes, each a few lines."""
+    """The engine's app: ``/healthz`` open, every other route behind the cluster secret.
+    ``cluster_secret`` None leaves the engine API open: only for an engine that nothing
+    but its own process can reach (``parrot engine`` always has one)."""
+    app = FastAPI(title="Parrot engine", version="0.1.0")
+    app.router.route_class = OffLoopJsonRoute
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"ok": True, "model": engine.model_name}
+
+    protected = APIRouter(dependencies=[Depends(_secret_check(cluster_secret))], route_class=OffLoopJsonRoute)
+    _add_context_routes(protected, engine)
+    _add_engine_routes(protected, engine)
+    app.include_router(protected)
+    return app
+
+
+def _secret_check(cluster_secret: str | None) -> Callable[..., Awaitable[None]]:
+    """The dependency that refuses (401) a request without ``cluster_secret`` (None: none needed)."""
 
     async def require_secret(
         presented: Annotated[str | None, Header(alias=CLUSTER_SECRET_HEADER)] = None,
@@ -51,25 +69,14 @@ def create_engine_app(
                 f"this engine answers only its manager: {CLUSTER_SECRET_HEADER} missing or wrong"
             )
 
-    app = FastAPI(title="Parrot engine", version="0.1.0")
-    app.router.route_class = OffLoopJsonRoute
-    protected = APIRouter(dependencies=[Depends(require_secret)], route_class=OffLoopJsonRoute)
-    install_error_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    return require_secret
 
-    @app.get("/healthz")
-    async def healthz() -> dict:
-        return {"ok": True, "model": engine.model_name}
 
-    @protected.get("/tokenizer")
-    async def tokenizer() -> dict:
-        return {
-            "model": engine.model_name,
-            "max_seq_len": engine.max_seq_len,
-            "tokenizer": engine.tokenizer.to_dict(),
-        }
+def _add_context_routes(router: APIRouter, engine: LocalEngine) -> None:
+    """The routes that work on contexts: ``/fill``, ``/generate`` (an NDJSON stream of
+    chunks; a failure mid-stream is its last chunk) and ``/free_context``."""
 
-    @protected.post("/fill")
+    @router.post("/fill")
     async def fill(body: FillRequest) -> dict:
         reused = await engine.fill(
             body.tokens,
@@ -81,7 +88,7 @@ def create_engine_app(
         )
         return {"ok": True, "cached_tokens": reused}
 
-    @protected.post("/generate", response_class=StreamingResponse)
+    @router.post("/generate", response_class=StreamingResponse)
     async def generate(body: GenerateRequest) -> StreamingResponse:
         sampling = SamplingParams.from_dict(body.sampling)
         stream = engine.generate(sampling, body.context_id, body.parent_context_id, priority=body.priority)
@@ -98,23 +105,32 @@ def create_engine_app(
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
-    @protected.post("/free_context")
+    @router.post("/free_context")
     async def free_context(body: FreeContextRequest) -> dict:
         await engine.free_context(body.context_id)
         return {"ok": True}
 
-    @protected.post("/token_capacity", response_model=EngineStats)
+
+def _add_engine_routes(router: APIRouter, engine: LocalEngine) -> None:
+    """The routes about the engine as a whole: ``/tokenizer``, ``/token_capacity``, ``/stats``."""
+
+    @router.get("/tokenizer")
+    async def tokenizer() -> dict:
+        return {
+            "model": engine.model_name,
+            "max_seq_len": engine.max_seq_len,
+            "tokenizer": engine.tokenizer.to_dict(),
+        }
+
+    @router.post("/token_capacity", response_model=EngineStats)
     async def token_capacity(body: TokenCapacityRequest) -> EngineStats:
         """Switch the engine's token capacity at run time; answers with the new stats."""
         await engine.set_token_capacity(body.token_capacity)
         return await engine.stats()
 
-    @protected.get("/stats", response_model=EngineStats)
+    @router.get("/stats", response_model=EngineStats)
     async def stats() -> EngineStats:
         return await engine.stats()
-
-    app.include_router(protected)
-    return app
 
 
 async def register_and_heartbeat(

@@ -111,6 +111,20 @@ def decode_segments(
     return [Segment(b, r.start, r.length, s) for r, b, s in zip(runs, blocks, seqs, strict=True)]
 
 
+def _prompt_chunks(slices: list[SeqSlice], first_row: int, block_size: int, device: str) -> list[_Chunk]:
+    """The step's prompt chunks, one per slice in order, their rows following one another
+    from ``first_row`` (after the decode rows); each with the blocks holding its
+    sequence's positions up to the chunk's end."""
+    chunks: list[_Chunk] = []
+    row = first_row
+    for s in slices:
+        total = s.start + s.n
+        blocks = torch.tensor(s.ctx.block_table[: -(-total // block_size)], dtype=torch.long, device=device)
+        chunks.append(_Chunk(slice(row, row + s.n), blocks, total, s.start))
+        row += s.n
+    return chunks
+
+
 def _kernel_prefill_plan(
     chunks: list[_Chunk],
     chunk_slices: list[SeqSlice],
@@ -171,23 +185,10 @@ class PagedStepAttention:
             else []
         )
         self._plan: DecodePlan | TritonDecodePlan | None = None  # built by the first layer, reused
-        self.chunks: list[_Chunk] = []
-        row = self.num_decode
-        for s in slices[self.num_decode :]:
-            total = s.start + s.n
-            blocks = s.ctx.block_table[: -(-total // bs)]
-            self.chunks.append(
-                _Chunk(
-                    slice(row, row + s.n),
-                    torch.tensor(blocks, dtype=torch.long, device=device),
-                    total,
-                    s.start,
-                )
-            )
-            row += s.n
+        chunk_slices = slices[self.num_decode :]
+        self.chunks = _prompt_chunks(chunk_slices, self.num_decode, bs, device)
         # Chunks whose pasts share blocks attend to the shared runs once for all of them;
         # the plan is made by the first layer (it needs the queries' dtype and device).
-        chunk_slices = slices[self.num_decode :]
         self._prefill_tables = [(s.ctx.block_table, s.start, s.start + s.n) for s in chunk_slices]
         self._shared_prefill: SharedPrefill | None = None
         self._prefill_planned = not share_prefix or len(self.chunks) < 2

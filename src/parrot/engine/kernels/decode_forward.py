@@ -182,6 +182,50 @@ def c_forward_mode(model: LlamaModel, cache: PagedKVCache, lib: ctypes.CDLL | No
     return "amx-bf16" if weights.bf16 == "amx" else weights.bf16
 
 
+def _step_weights(
+    model: LlamaModel,
+    input_ids: Tensor,
+    attn: PagedStepAttention,
+    cache: PagedKVCache,
+    lib: ctypes.CDLL | None,
+) -> tuple[_Weights, ctypes.CDLL] | None:
+    """The model's layer table and the library to run the step on, when the step is one the
+    C forward takes (decode tokens only, within the kernels' row limit, a contiguous fp32
+    or bf16 cache on CPU, no autograd; see the module docstring); else None."""
+    if attn.chunks or not attn.num_decode or input_ids.numel() != attn.num_decode:
+        return None
+    k, v = cache.k, cache.v
+    if k.dtype not in (torch.float32, torch.bfloat16) or k.device.type != "cpu":
+        return None
+    if not (k.is_contiguous() and v.is_contiguous()) or input_ids.requires_grad:
+        return None
+    weights = _weights(model)
+    lib = lib or native.library()
+    if weights is None or lib is None or input_ids.numel() > weights.max_rows:
+        return None
+    return weights, lib
+
+
+def _shape(model: LlamaModel, weights: _Weights, tokens: int, kv_dtype: torch.dtype) -> _Shape:
+    """The C side's description of the step: the model's sizes, its final norm, the
+    weights' kernel (fp32 or the bf16 backend) and the KV cache's dtype."""
+    c = model.config
+    return _Shape(
+        tokens=tokens,
+        hidden=c.hidden_size,
+        heads=c.num_heads,
+        kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        inter=c.intermediate_size,
+        scale=1.0 / math.sqrt(c.head_dim),
+        final_eps=weights.final_eps,
+        final_norm=weights.final_norm,
+        weights_bf16=int(weights.bf16 is not None),
+        bf16_backend=0 if weights.bf16 is None else bf16_linear.BACKENDS.index(weights.bf16),
+        kv_bf16=int(kv_dtype == torch.bfloat16),
+    )
+
+
 def run(
     model: LlamaModel,
     input_ids: Tensor,
@@ -192,20 +236,12 @@ def run(
 ) -> Tensor | None:
     """The step's final hidden states [T, D] through the C forward of ``lib`` (default:
     the selected library), or None when it does not apply (see the module docstring);
-    ``attn`` is the step's attention backend and ``cache`` its KV cache.  Its length is
-    the applicability checks and the C call's arguments, in order."""
-    if attn.chunks or not attn.num_decode or input_ids.numel() != attn.num_decode:
+    ``attn`` is the step's attention backend and ``cache`` its KV cache."""
+    found = _step_weights(model, input_ids, attn, cache, lib)
+    if found is None:
         return None
-    k, v, t = cache.k, cache.v, input_ids.numel()
-    if k.dtype not in (torch.float32, torch.bfloat16) or k.device.type != "cpu":
-        return None
-    if not (k.is_contiguous() and v.is_contiguous()) or input_ids.requires_grad:
-        return None
-    weights = _weights(model)
-    lib = lib or native.library()
-    if weights is None or lib is None or t > weights.max_rows:
-        return None
-    c = model.config
+    weights, lib = found
+    c, t, k, v = model.config, input_ids.numel(), cache.k, cache.v
     model.check_inputs(input_ids, positions)
     plan = attn.decode_plan(torch.empty(t, c.num_heads, c.head_dim))
     if not isinstance(plan, TorchDecodePlan):
@@ -217,21 +253,7 @@ def run(
     cos, sin = (x.contiguous() for x in rope_cos_sin(model._inv_freq, positions))  # [T, Dh] each
     h = model.model.embed_tokens(input_ids).contiguous()  # [T, D], the residual stream
     out = torch.empty(t, c.hidden_size)
-    shape = _Shape(
-        tokens=t,
-        hidden=c.hidden_size,
-        heads=c.num_heads,
-        kv_heads=c.num_kv_heads,
-        head_dim=c.head_dim,
-        inter=c.intermediate_size,
-        scale=1.0 / math.sqrt(c.head_dim),
-        final_eps=weights.final_eps,
-        final_norm=weights.final_norm,
-        weights_bf16=int(weights.bf16 is not None),
-        bf16_backend=0 if weights.bf16 is None else bf16_linear.BACKENDS.index(weights.bf16),
-        kv_bf16=int(k.dtype == torch.bfloat16),
-    )
-    layer_stride = k[0].numel()
+    shape = _shape(model, weights, t, k.dtype)
     code = lib.parrot_decode_forward(
         weights.table,
         len(weights.table),
@@ -242,7 +264,7 @@ def run(
         sin.data_ptr(),
         k.data_ptr(),
         v.data_ptr(),
-        layer_stride,
+        k[0].numel(),  # the stride between layers
         attn.slots.data_ptr(),
         ctypes.byref(table),
         torch.get_num_threads(),

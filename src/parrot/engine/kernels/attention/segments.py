@@ -62,7 +62,7 @@ def _is_index_tensor(t: object) -> bool:
 
 def validate_segments(segments: Sequence[Segment], batch_size: int, num_blocks: int, block_size: int) -> None:
     """Raise ValueError unless ``segments`` describe a well-formed decode batch (one
-    check after another, each with its own message: long, not deep).
+    check after another, each with its own message).
 
     Checks every structural invariant of :class:`Segment` (types, ``0 <= start <
     block_size``, ``length >= 1``, ``nb == ceil((start + length) / block_size)``,
@@ -75,6 +75,21 @@ def validate_segments(segments: Sequence[Segment], batch_size: int, num_blocks: 
     reductions over all block ids and all seq ids (one host transfer each on
     CUDA), independent of the number of tokens.
     """
+    _check_sizes(batch_size, num_blocks, block_size)
+    if not isinstance(segments, Sequence):
+        raise ValueError(f"segments must be a sequence of Segment, got {type(segments).__name__}")
+    if not segments:
+        if batch_size:
+            raise ValueError(f"no segments for a batch of {batch_size} sequences")
+        return
+    for i, seg in enumerate(segments):
+        _check_segment(i, seg, block_size)
+    _check_block_ids(segments, num_blocks)
+    _check_seqs(segments, batch_size)
+
+
+def _check_sizes(batch_size: int, num_blocks: int, block_size: int) -> None:
+    """The batch's sizes are ints, ``batch_size >= 0``, ``num_blocks >= 1``, ``block_size >= 1``."""
     for name, val in (("batch_size", batch_size), ("num_blocks", num_blocks), ("block_size", block_size)):
         if not _is_int(val):
             raise ValueError(f"{name} must be an int, got {type(val).__name__}")
@@ -83,41 +98,46 @@ def validate_segments(segments: Sequence[Segment], batch_size: int, num_blocks: 
             f"need batch_size >= 0, num_blocks >= 1, block_size >= 1; "
             f"got {batch_size}, {num_blocks}, {block_size}"
         )
-    if not isinstance(segments, Sequence):
-        raise ValueError(f"segments must be a sequence of Segment, got {type(segments).__name__}")
-    if not segments:
-        if batch_size:
-            raise ValueError(f"no segments for a batch of {batch_size} sequences")
-        return
 
-    for i, seg in enumerate(segments):
-        if not isinstance(seg, Segment):
-            raise ValueError(f"segment {i}: expected Segment, got {type(seg).__name__}")
-        if not _is_int(seg.start) or not _is_int(seg.length):
-            raise ValueError(f"segment {i}: start and length must be ints")
-        if not 0 <= seg.start < block_size:
-            raise ValueError(f"segment {i}: start={seg.start} outside [0, block_size={block_size})")
-        if seg.length < 1:
-            raise ValueError(f"segment {i}: length={seg.length} must be >= 1")
-        if not _is_index_tensor(seg.block_ids):
-            raise ValueError(f"segment {i}: block_ids must be a 1-D integer tensor")
-        if not _is_index_tensor(seg.seqs):
-            raise ValueError(f"segment {i}: seqs must be a 1-D integer tensor")
-        nb = -(-(seg.start + seg.length) // block_size)
-        if seg.block_ids.numel() != nb:
-            raise ValueError(
-                f"segment {i}: start={seg.start}, length={seg.length}, block_size={block_size} "
-                f"needs exactly {nb} blocks, got {seg.block_ids.numel()}"
-            )
-        if seg.seqs.numel() == 0:
-            raise ValueError(f"segment {i}: seqs is empty (a segment must be read by >= 1 query)")
 
+def _check_segment(i: int, seg: object, block_size: int) -> None:
+    """Segment ``i`` on its own: a :class:`Segment` of int start and length, ``0 <= start <
+    block_size``, ``length >= 1``, 1-D integer index tensors, exactly the blocks its run
+    spans and at least one query."""
+    if not isinstance(seg, Segment):
+        raise ValueError(f"segment {i}: expected Segment, got {type(seg).__name__}")
+    if not _is_int(seg.start) or not _is_int(seg.length):
+        raise ValueError(f"segment {i}: start and length must be ints")
+    if not 0 <= seg.start < block_size:
+        raise ValueError(f"segment {i}: start={seg.start} outside [0, block_size={block_size})")
+    if seg.length < 1:
+        raise ValueError(f"segment {i}: length={seg.length} must be >= 1")
+    if not _is_index_tensor(seg.block_ids):
+        raise ValueError(f"segment {i}: block_ids must be a 1-D integer tensor")
+    if not _is_index_tensor(seg.seqs):
+        raise ValueError(f"segment {i}: seqs must be a 1-D integer tensor")
+    nb = -(-(seg.start + seg.length) // block_size)
+    if seg.block_ids.numel() != nb:
+        raise ValueError(
+            f"segment {i}: start={seg.start}, length={seg.length}, block_size={block_size} "
+            f"needs exactly {nb} blocks, got {seg.block_ids.numel()}"
+        )
+    if seg.seqs.numel() == 0:
+        raise ValueError(f"segment {i}: seqs is empty (a segment must be read by >= 1 query)")
+
+
+def _check_block_ids(segments: Sequence[Segment], num_blocks: int) -> None:
+    """Every block id of every segment is in ``[0, num_blocks)`` (one concatenation)."""
     blocks = torch.cat([s.block_ids.detach().to("cpu", torch.int64) for s in segments])
     lo, hi = int(blocks.min()), int(blocks.max())
     if lo < 0 or hi >= num_blocks:
         bad = lo if lo < 0 else hi
         raise ValueError(f"block id {bad} outside [0, num_blocks={num_blocks})")
 
+
+def _check_seqs(segments: Sequence[Segment], batch_size: int) -> None:
+    """Every segment's seqs are in ``[0, batch_size)``, strictly increasing, and together
+    they list every sequence of the batch."""
     seqs = torch.cat([s.seqs.detach().to("cpu", torch.int64) for s in segments])
     lo, hi = int(seqs.min()), int(seqs.max())
     if lo < 0 or hi >= batch_size:

@@ -28,9 +28,12 @@ and are never stored.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -69,132 +72,32 @@ def interpret_requested() -> bool:
 
 
 def _kernels() -> dict[str, Any]:
-    """Import triton and define the kernels (once per interpreter mode).  Long on purpose:
-    the kernels are defined inside it so that triton is imported only when a kernel
-    is first used, never when the package is."""
+    """The kernels for the current interpreter mode, loaded the first time one is used
+    (:func:`_load_kernels`), so that triton is never imported with the package."""
     mode = interpret_requested()
-    if mode in _KERNELS:
-        return _KERNELS[mode]
+    if mode not in _KERNELS:
+        _KERNELS[mode] = _load_kernels(mode)
+    return _KERNELS[mode]
+
+
+def _load_kernels(mode: bool) -> dict[str, Any]:
+    """The kernels of :mod:`~parrot.engine.kernels.attention.triton_jit`, that file executed
+    as a module of its own for interpreter mode ``mode`` (so that each mode's kernels and
+    their helpers are decorated under it); :class:`TritonUnavailableError` without triton."""
     try:
-        import triton
-        import triton.language as tl
+        import triton.language  # noqa: F401  (imports triton itself too)
     except ImportError as exc:
         raise TritonUnavailableError(
             "backend='triton' needs the 'triton' package (pip install triton); "
             "use backend='torch' or 'auto' without it"
         ) from exc
-
-    # One kernel, written as the module docstring describes it: its length is its
-    # argument list and one tiled loop.
-    @triton.jit
-    def _segment_partials(
-        q_ptr, sqb, sqh, sqd,
-        k_ptr, skb, skt, skh, skd,
-        v_ptr, svb, svt, svh, svd,
-        block_table, seqs_cat,
-        p_bt_off, p_start, p_len, p_q_off, p_m, p_slot0,
-        w_piece, w_row0,
-        part_out, part_lse,
-        scale, heads, dim,
-        GROUP: tl.constexpr, BS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    ):  # fmt: skip
-        wid = tl.program_id(0)
-        kvh = tl.program_id(1)
-        p = tl.load(w_piece + wid)
-        row0 = tl.load(w_row0 + wid)
-        bt_off = tl.load(p_bt_off + p)
-        start = tl.load(p_start + p)
-        length = tl.load(p_len + p)
-        q_off = tl.load(p_q_off + p)
-        m = tl.load(p_m + p)
-        slot0 = tl.load(p_slot0 + p)
-
-        rows = row0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < m * GROUP
-        j = rows // GROUP
-        head = kvh * GROUP + rows % GROUP
-        seq = tl.load(seqs_cat + q_off + j, mask=row_ok, other=0).to(tl.int64)
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < dim
-        q = tl.load(
-            q_ptr + seq[:, None] * sqb + head[:, None] * sqh + d[None, :] * sqd,
-            mask=row_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
-
-        m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-        for n0 in range(0, length, BLOCK_N):
-            t = n0 + tl.arange(0, BLOCK_N)
-            t_ok = t < length
-            pos = start + t
-            blk = tl.load(block_table + bt_off + pos // BS, mask=t_ok, other=0).to(tl.int64)
-            off = (pos % BS).to(tl.int64)
-            kv_ok = t_ok[:, None] & d_ok[None, :]
-            k = tl.load(
-                k_ptr + blk[:, None] * skb + off[:, None] * skt + kvh * skh + d[None, :] * skd,
-                mask=kv_ok,
-                other=0.0,
-            )
-            v = tl.load(
-                v_ptr + blk[:, None] * svb + off[:, None] * svt + kvh * svh + d[None, :] * svd,
-                mask=kv_ok,
-                other=0.0,
-            )
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-            s = tl.where(t_ok[None, :], s * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            pr = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(pr, 1)
-            acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
-
-        out = acc / l_i[:, None]
-        lse = m_i + tl.log(l_i)
-        slot = (slot0 + j).to(tl.int64)
-        tl.store(
-            part_out + (slot[:, None] * heads + head[:, None]) * dim + d[None, :],
-            out,
-            mask=row_ok[:, None] & d_ok[None, :],
-        )
-        tl.store(part_lse + slot * heads + head, lse, mask=row_ok)
-
-    @triton.jit
-    def _merge(
-        part_out, part_lse, seq_ptr, seq_slots,
-        o_ptr, sob, soh, sod,
-        heads, dim,
-        BLOCK_D: tl.constexpr,
-    ):  # fmt: skip
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        beg = tl.load(seq_ptr + b)
-        end = tl.load(seq_ptr + b + 1)
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < dim
-        # Running max / denominator kept per lane (all lanes equal): plain [BLOCK_D]
-        # vectors keep loop-carried types simple for the compiler.
-        m = tl.full((BLOCK_D,), float("-inf"), dtype=tl.float32)
-        den = tl.zeros((BLOCK_D,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-        for i in range(beg, end):
-            s = tl.load(seq_slots + i).to(tl.int64)
-            lse = tl.load(part_lse + s * heads + h)
-            o = tl.load(part_out + (s * heads + h) * dim + d, mask=d_ok, other=0.0)
-            m_new = tl.maximum(m, lse)
-            a = tl.exp(m - m_new)
-            w = tl.exp(lse - m_new)
-            acc = acc * a + w * o
-            den = den * a + w
-            m = m_new
-        res = acc / den
-        tl.store(o_ptr + b * sob + h * soh + d * sod, res.to(o_ptr.dtype.element_ty), mask=d_ok)
-
-    _KERNELS[mode] = {"partials": _segment_partials, "merge": _merge}
-    return _KERNELS[mode]
+    name = f"{__package__}._triton_jit_{'interpreted' if mode else 'compiled'}"
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("triton_jit.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # where inspect (triton reads the kernels' source) finds it
+    spec.loader.exec_module(module)
+    return {"partials": module.segment_partials, "merge": module.merge}
 
 
 def _next_pow2(x: int) -> int:
