@@ -24,7 +24,7 @@ from hypothesis import settings
 from parrot.engine.core.latency_fit import MIN_LATENCY_CAP_TOKENS
 from parrot.engine.loader import LoadedModel, load_model
 from parrot.engine.local import LocalEngine
-from parrot.manager.app import create_app
+from parrot.manager.api.app import create_app
 from parrot.manager.service import Manager, ManagerConfig
 from tests.api_client import Bystander, Raw
 

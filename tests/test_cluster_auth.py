@@ -17,7 +17,7 @@ from parrot import cli
 from parrot.engine.http_app import create_engine_app
 from parrot.engine.loader import LoadedModel
 from parrot.engine.local import LocalEngine
-from parrot.manager.engines import EngineHandle
+from parrot.manager.backends.pool import EngineHandle
 from parrot.manager.service import Manager, ManagerConfig
 from parrot.protocol.cluster import CLUSTER_SECRET_ENV, CLUSTER_SECRET_HEADER, resolve_secret
 from parrot.protocol.sampling import SamplingParams

@@ -201,7 +201,7 @@ def test_a_call_reads_done_as_soon_as_its_value_is_ready(tiny_engine):
     engine context (an await): a client that reads the value and then the call (or the
     session's graph) never sees the producer still running.  Served without Nagle's
     delay, as ``parrot serve`` is, so the second request comes right after the first."""
-    from parrot.manager.app import create_app
+    from parrot.manager.api.app import create_app
     from parrot.manager.service import Manager
     from tests.conftest import LiveServer, serve_asgi
 

@@ -1,4 +1,4 @@
-"""The manager's load accounting per engine (parrot.manager.engine_loads): a shared
+"""The manager's load accounting per engine (parrot.manager.sched.engine_loads): a shared
 prefix counts once while a call with it runs there, and the load returns to exactly
 zero however the calls that share it estimated its tokens and in whatever order they
 end (a negative load made every scheduling round fail, so calls waited for ever)."""
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import itertools
 
-from parrot.manager.engine_loads import EngineLoads, PlacedShare
-from parrot.manager.engines import EnginePool
-from parrot.manager.prefix import PrefixIndex
+from parrot.manager.backends.pool import EnginePool
+from parrot.manager.dag.prefix import PrefixIndex
+from parrot.manager.sched.engine_loads import EngineLoads, PlacedShare
 from parrot.protocol.tokenizer import TextTokenizer
 
 
@@ -50,7 +50,7 @@ def test_a_load_below_zero_is_logged_and_scheduled_as_zero(caplog):
     handle = loads.pool.register(_Idle())
     loads.account(handle.engine_id, PlacedShare(5, None, "latency", None), +1)
     loads.account(handle.engine_id, PlacedShare(10, None, "latency", None), -1)  # a mismatched share
-    with caplog.at_level("ERROR", logger="parrot.manager.engine_loads"):
+    with caplog.at_level("ERROR", logger="parrot.manager.sched.engine_loads"):
         snap = loads.snapshot(handle)
     assert snap.token_load == 0 and "fell to -5" in caplog.text
 

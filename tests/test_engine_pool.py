@@ -4,7 +4,7 @@ of the pool per round, are computed again only then (a pool of a thousand engine
 
 from __future__ import annotations
 
-from parrot.manager.engines import EnginePool
+from parrot.manager.backends.pool import EnginePool
 from parrot.protocol.schemas import EngineStats
 from parrot.protocol.tokenizer import TextTokenizer
 from tests.fake_engine import GatedEngine

@@ -11,7 +11,7 @@ import pytest
 
 from parrot.engine.loader import LoadedModel
 from parrot.engine.local import LocalEngine
-from parrot.manager.engines import EngineHandle
+from parrot.manager.backends.pool import EngineHandle
 from parrot.manager.service import Manager, ManagerConfig
 from tests.conftest import LiveServer, start_server
 

@@ -48,7 +48,7 @@ from hypothesis import strategies as st
 from parrot.engine.http_app import create_engine_app
 from parrot.engine.loader import LoadedModel
 from parrot.engine.local import LocalEngine
-from parrot.manager.app import create_app
+from parrot.manager.api.app import create_app
 from parrot.manager.service import Manager, ManagerConfig
 from parrot.protocol.asgi import install_error_handlers
 from parrot.protocol.cluster import CLUSTER_SECRET_HEADER

@@ -2,7 +2,7 @@
 
 import pytest
 
-from parrot.manager.graph import (
+from parrot.manager.dag.graph import (
     Call,
     OutputSpec,
     Variable,

@@ -181,7 +181,7 @@ def test_prefix_figures_are_unknown_when_the_engine_does_not_say():
 
 def test_graph_text_is_capped_for_the_whole_answer(live, monkeypatch):
     """Past the answer's budget of text, later variables' text is cut (and says so)."""
-    monkeypatch.setattr("parrot.manager.sessions_api.MAX_GRAPH_TEXT_CHARS", 25)
+    monkeypatch.setattr("parrot.manager.api.sessions.MAX_GRAPH_TEXT_CHARS", 25)
     with P.connect(live.url) as s:
         made = [s.variable(value=c * 10) for c in "abc"]
         texts = {v["var_id"]: (v["text"], v["text_truncated"]) for v in s.graph(value_chars=100)["variables"]}

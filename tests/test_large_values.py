@@ -26,9 +26,9 @@ import httpx
 import pytest
 
 from parrot.engine.local import LocalEngine
-from parrot.manager.batch import apply_batch
+from parrot.manager.api.batch import apply_batch
+from parrot.manager.dag.tokens import INLINE_PASS_BYTES, TokenSource
 from parrot.manager.service import Manager, ManagerConfig
-from parrot.manager.tokens import INLINE_PASS_BYTES, TokenSource
 from parrot.protocol.errors import ContextTooLong, NotFound
 from parrot.protocol.schemas import BatchRequest, SubmitCall
 from parrot.protocol.tokenizer import TextTokenizer

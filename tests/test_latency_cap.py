@@ -24,7 +24,7 @@ from parrot.engine.core.latency_fit import StepFit, StepLatency, cap_from_fit, f
 from parrot.engine.loader import LoadedModel
 from parrot.engine.local import LocalEngine
 from parrot.engine.runner import EngineRunner
-from parrot.manager.scheduler import DEFAULT_LATENCY_CAP_TOKENS
+from parrot.manager.sched.scheduler import DEFAULT_LATENCY_CAP_TOKENS
 from parrot.manager.service import Manager, ManagerConfig
 from parrot.protocol.sampling import SamplingParams
 from parrot.protocol.schemas import EngineStats, PlaceholderBinding, SubmitCall

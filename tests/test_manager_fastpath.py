@@ -18,9 +18,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parrot.manager.engine_loads import PlacedShare
-from parrot.manager.objectives import CallObjective
-from parrot.manager.scheduler import (
+from parrot.manager.dag.objectives import CallObjective
+from parrot.manager.sched.engine_loads import PlacedShare
+from parrot.manager.sched.scheduler import (
     POLICIES,
     EngineSnapshot,
     QueuedCall,

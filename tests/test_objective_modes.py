@@ -6,7 +6,7 @@ with ``get``, ``aget``, ``stream`` or ``astream``.  An engine held busy by
 another session's call keeps every call of the DAG queued until all the reads
 have told the manager their criteria; the objectives the calls are then placed
 with (their kind and the partition of task groups) must be those of
-:func:`parrot.manager.objectives.deduce` over the whole DAG, whatever the mode.
+:func:`parrot.manager.dag.objectives.deduce` over the whole DAG, whatever the mode.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import parrot as P
 import parrot.manager.executor as executor_module
-from parrot.manager.objectives import CallNode, deduce
+from parrot.manager.dag.objectives import CallNode, deduce
 from parrot.manager.service import Manager, ManagerConfig
 from tests.conftest import LiveServer, start_server
 from tests.fake_engine import GatedEngine, GatedServer

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parrot.manager.graph import Call, OutputSpec, Variable, link_call
-from parrot.manager.objectives import (
+from parrot.manager.dag.graph import Call, OutputSpec, Variable, link_call
+from parrot.manager.dag.objectives import (
     DEFAULT_REASON,
     CallNode,
     CallObjective,

@@ -19,9 +19,9 @@ import pytest
 import parrot as P
 import tests.conftest as conftest
 from parrot.engine.local import LocalEngine
-from parrot.manager.app import create_app
-from parrot.manager.engines import EngineHandle
-from parrot.manager.openai_api import openai_router
+from parrot.manager.api.app import create_app
+from parrot.manager.backends.pool import EngineHandle
+from parrot.manager.openai.completions import openai_router
 from parrot.manager.service import Manager, ManagerConfig
 from parrot.protocol.sampling import SamplingParams
 from parrot.protocol.tokenizer import ChatFormat

@@ -1,4 +1,4 @@
-"""External OpenAI-compatible engines (:mod:`parrot.manager.openai_backend`).
+"""External OpenAI-compatible engines (:mod:`parrot.manager.backends.openai_backend`).
 
 The backend is a real Parrot server on loopback (its ``/v1/completions`` takes text
 prompts only, so the adapter runs in ``openai`` text mode): a chained application run
@@ -24,8 +24,8 @@ import httpx
 import pytest
 
 import parrot as P
-from parrot.manager.backend_connect import BackendSetupError, connect_backend
-from parrot.manager.openai_backend import BackendOptions, OpenAIBackend
+from parrot.manager.backends.connect import BackendSetupError, connect_backend
+from parrot.manager.backends.openai_backend import BackendOptions, OpenAIBackend
 from parrot.manager.service import Manager, ManagerConfig
 from parrot.protocol.tokenizer import TextTokenizer
 from tests.conftest import LiveServer, start_server
@@ -219,7 +219,7 @@ def test_request_bodies_follow_the_backend_kind(live):
     sampling = P.SamplingParams(max_tokens=5, top_k=3, stop=("x",), ignore_eos=True)
     vllm = OpenAIBackend(live.url, BackendOptions(kind="vllm", model="m"), "m", 100, TINY)
     plain = OpenAIBackend(live.url, BackendOptions(kind="openai", model="m"), "m", 100, TINY)
-    from parrot.manager.openai_backend import _Context
+    from parrot.manager.backends.openai_backend import _Context
 
     v = vllm._body(_Context(ctx_ids, "salt"), sampling, 5, stream=True)
     assert v["prompt"] == ctx_ids and v["cache_salt"] == "salt" and v["return_token_ids"] is True
@@ -349,7 +349,7 @@ def test_warming_sends_a_long_prefix_with_max_tokens_1_only_when_asked():
 
 
 def test_the_tokenizer_check_passes_when_the_backend_agrees():
-    from parrot.manager.backend_connect import PROBE_TEXTS
+    from parrot.manager.backends.connect import PROBE_TEXTS
 
     agree = start_misbehaving(Script(mode="ok"))
     try:
@@ -429,7 +429,7 @@ def test_priorities_reach_a_vllm_backend_only_when_asked_and_then_lift_its_laten
     """With ``send_priority`` every completion request carries the generation's priority and
     the adapter reports its whole capacity as the latency cap (source "priority"); without
     it no request has the field.  Only vLLM has it: other kinds refuse the option."""
-    from parrot.manager.openai_backend import NO_CAPACITY_CAP
+    from parrot.manager.backends.openai_backend import NO_CAPACITY_CAP
 
     bad = start_misbehaving(Script(mode="ok"))
     try:

@@ -206,7 +206,7 @@ def test_an_abandoned_n_request_frees_every_fork(
     # each engine step slowed by 10 ms: 1,500 steps take at least 15 s, far longer than the
     # client's patience (0.5 s) plus the server's disconnect poll, even on a loaded machine
     slow_each_step(monkeypatch, tiny_engine, 0.01)
-    caplog.set_level(logging.INFO, logger="parrot.manager.openai_response")
+    caplog.set_level(logging.INFO, logger="parrot.manager.openai.response")
     before = stats(live, tiny_engine).generated_tokens  # the engine is shared with earlier tests
     client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=0.5)
     started = time.monotonic()

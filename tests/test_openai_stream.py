@@ -1,11 +1,11 @@
-"""Reading a backend's SSE completion stream (:mod:`parrot.manager.openai_stream`):
+"""Reading a backend's SSE completion stream (:mod:`parrot.manager.backends.openai_stream`):
 valid chunks parse to pieces; anything else raises MalformedAnswer saying what."""
 
 from __future__ import annotations
 
 import pytest
 
-from parrot.manager.openai_stream import MalformedAnswer, StreamPiece, parse_sse_line
+from parrot.manager.backends.openai_stream import MalformedAnswer, StreamPiece, parse_sse_line
 
 VOCAB = 100
 

@@ -7,9 +7,9 @@ import time
 
 import parrot as P
 from parrot.engine.local import LocalEngine
-from parrot.manager.graph import Call, OutputSpec, Variable
-from parrot.manager.prefix import PrefixIndex, prefix_keys
-from parrot.manager.render import render
+from parrot.manager.dag.graph import Call, OutputSpec, Variable
+from parrot.manager.dag.prefix import PrefixIndex, prefix_keys
+from parrot.manager.dag.render import render
 from parrot.manager.service import Manager, ManagerConfig
 from parrot.protocol.sampling import SamplingParams
 from parrot.protocol.template import parse_template

@@ -11,8 +11,8 @@ import pytest
 import parrot as P
 import tests.test_app_fifo as fifo
 from parrot.cli import _parser, manager_config
-from parrot.manager.graph import Call
-from parrot.manager.queue_order import SERVICE_LEVEL_TOKENS, QueueOrder, service_level
+from parrot.manager.dag.graph import Call
+from parrot.manager.sched.queue_order import SERVICE_LEVEL_TOKENS, QueueOrder, service_level
 from parrot.manager.service import ManagerConfig
 from parrot.protocol.schemas import ENGINE_PRIORITY_MAX, FillRequest, GenerateRequest
 from parrot.protocol.tokenizer import TextTokenizer

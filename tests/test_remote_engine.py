@@ -23,8 +23,8 @@ import pytest
 import parrot as P
 from parrot.engine.loader import LoadedModel
 from parrot.engine.local import LocalEngine
-from parrot.manager.engines import EngineHandle
-from parrot.manager.remote_engine import RemoteEngine
+from parrot.manager.backends.pool import EngineHandle
+from parrot.manager.backends.remote_engine import RemoteEngine
 from parrot.protocol.schemas import TokenLogprob
 from parrot.protocol.tokenizer import TextTokenizer
 from tests.procs import OPERATOR, TEST_CLUSTER_SECRET, Proc, Procs, engine_by_url, engines, wait_until

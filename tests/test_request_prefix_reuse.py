@@ -1,6 +1,6 @@
 """Request-level prompts that share a long start (one system prompt, different
-questions, sent as plain completions): inner chunk keys (parrot.manager.prefix),
-the start counted once per engine (parrot.manager.shared_start), and the effect on
+questions, sent as plain completions): inner chunk keys (parrot.manager.dag.prefix),
+the start counted once per engine (parrot.manager.dag.shared_start), and the effect on
 placement under a binding latency cap, through the real OpenAI endpoint."""
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from parrot.manager.graph import Call
-from parrot.manager.openai_response import COMPLETION_TEMPLATE
-from parrot.manager.prefix import (
+from parrot.manager.dag.graph import Call
+from parrot.manager.dag.prefix import (
     CHUNK_CHARS,
     CHUNK_IDS,
     MAX_CHUNK_KEYS,
@@ -22,8 +21,9 @@ from parrot.manager.prefix import (
     key_shares,
     prefix_keys,
 )
+from parrot.manager.dag.shared_start import SharedStarts
+from parrot.manager.openai.response import COMPLETION_TEMPLATE
 from parrot.manager.service import Manager, ManagerConfig
-from parrot.manager.shared_start import SharedStarts
 from tests.conftest import start_server
 from tests.fake_engine import GatedEngine, GatedServer
 from tests.test_prefix_sharing import make_call

@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 
 import parrot as P
-from parrot.manager.graph import Call, OutputSpec, Variable
-from parrot.manager.render import FillStep, GenerateStep, render
+from parrot.manager.dag.graph import Call, OutputSpec, Variable
+from parrot.manager.dag.render import FillStep, GenerateStep, render
 from parrot.protocol.errors import BindingError, InvalidTemplate
 from parrot.protocol.sampling import SamplingParams
 from parrot.protocol.tokenizer import ChatFormat, TextTokenizer
@@ -94,7 +94,7 @@ def test_render_refuses_what_one_request_cannot_do():
 def test_the_constant_prefix_cache_keeps_digests_not_texts() -> None:
     """Long templates do not pile up in memory: the cache of leading-text token counts holds
     a 16-byte digest per entry and at most its entry count."""
-    from parrot.manager import render as R
+    from parrot.manager.dag import render as R
     from parrot.protocol.tokenizer import TextTokenizer
 
     tok = TextTokenizer.byte_level_tiny()

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parrot.manager import saturation
-from parrot.manager.objectives import CallObjective
-from parrot.manager.scheduler import (
+from parrot.manager.dag.objectives import CallObjective
+from parrot.manager.sched import saturation
+from parrot.manager.sched.scheduler import (
     DEFAULT_LATENCY_CAP_TOKENS,
     POLICIES,
     EngineSnapshot,

@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 import parrot as P
-from parrot.manager.scheduler import SchedulerConfig
+from parrot.manager.sched.scheduler import SchedulerConfig
 from parrot.manager.service import ManagerConfig
 
 N_MAP = 3

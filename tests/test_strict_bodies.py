@@ -14,7 +14,7 @@ import pytest
 from fastapi import HTTPException
 
 from parrot.engine.local import LocalEngine  # noqa: F401  (the engine's objects, as in a server)
-from parrot.manager.app import create_app  # noqa: F401
+from parrot.manager.api.app import create_app  # noqa: F401
 from parrot.protocol.asgi import (
     MAX_JSON_ITEMS,
     collector_paused,

@@ -20,8 +20,8 @@ from parrot.engine.grammar import GrammarCache
 from parrot.engine.http_app import create_engine_app
 from parrot.engine.loader import LoadedModel
 from parrot.engine.local import LocalEngine
-from parrot.manager.openai_backend import BackendOptions, OpenAIBackend, _Context
-from parrot.manager.remote_engine import RemoteEngine
+from parrot.manager.backends.openai_backend import BackendOptions, OpenAIBackend, _Context
+from parrot.manager.backends.remote_engine import RemoteEngine
 from parrot.protocol import constraint as C
 from parrot.protocol.constraint import Constraint, InvalidConstraint, check_compiles
 from parrot.protocol.errors import BadRequest, InvalidSampling

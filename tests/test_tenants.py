@@ -18,8 +18,8 @@ import parrot as P
 from parrot.cli import _parser
 from parrot.cli import manager_config as config_of_cli
 from parrot.engine.local import LocalEngine
-from parrot.manager.graph import Call
-from parrot.manager.prefix import prefix_keys
+from parrot.manager.dag.graph import Call
+from parrot.manager.dag.prefix import prefix_keys
 from parrot.manager.service import Manager, ManagerConfig
 from parrot.manager.tenants import ANONYMOUS, ApiKeys, Quotas, TenantBook, load_api_keys, parse_api_keys
 from parrot.protocol.errors import QuotaExceeded, Unauthorized
@@ -359,7 +359,7 @@ def test_the_tenant_book_forgets_finished_calls_so_a_finished_flood_frees_the_qu
 def test_a_tenant_idle_while_others_were_served_gains_no_credit():
     """Alice had five calls placed while bob was idle; bob's first call then ranks ahead
     of alice's next one but his second does not jump her queue: one call each in turn."""
-    from parrot.manager.engines import EnginePool
+    from parrot.manager.backends.pool import EnginePool
     from parrot.manager.executor import Executor
 
     executor = Executor(EnginePool())

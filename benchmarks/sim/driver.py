@@ -34,7 +34,7 @@ from typing import Any
 from benchmarks.suite.clients import Delay, render_prompt
 from benchmarks.suite.spec import AppRecord, AppSpec, CallRecord, RunRecord, Workload
 
-from parrot.manager.openai_response import Completion
+from parrot.manager.openai.response import Completion
 from parrot.manager.service import Manager, ManagerConfig
 from parrot.protocol.sampling import SamplingParams
 from parrot.protocol.schemas import PlaceholderBinding, SubmitCall

@@ -286,7 +286,7 @@ def _parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="while latency calls queue for an engine, let it batch them past its latency cap up "
-        "to the size that finishes them soonest on average (parrot.manager.saturation; on by "
+        "to the size that finishes them soonest on average (parrot.manager.sched.saturation; on by "
         "default); --no-saturation-batching keeps the cap always, the paper's rule",
     )
     serve.add_argument(
@@ -455,7 +455,7 @@ def manager_config(args: argparse.Namespace) -> ManagerConfig:
 def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from parrot.manager.app import create_app
+    from parrot.manager.api.app import create_app
     from parrot.manager.service import Manager
     from parrot.protocol.asgi import startup_objects_frozen
 

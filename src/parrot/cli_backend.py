@@ -1,7 +1,7 @@
 """``parrot serve --backend ...``: external OpenAI-compatible servers as the engines.
 
-One engine per ``--backend-url`` (see :mod:`parrot.manager.openai_backend`), set up
-before the server starts (:func:`parrot.manager.backend_connect.connect_backend`);
+One engine per ``--backend-url`` (see :mod:`parrot.manager.backends.openai_backend`), set up
+before the server starts (:func:`parrot.manager.backends.connect.connect_backend`);
 ``--backend`` replaces the embedded engine.
 """
 
@@ -12,10 +12,10 @@ import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from parrot.manager.openai_backend import OpenAIBackend
+    from parrot.manager.backends.openai_backend import OpenAIBackend
     from parrot.manager.service import Manager
 
-BACKEND_KINDS = ("vllm", "sglang", "openai")  # parrot.manager.openai_backend's, kept import-free here
+BACKEND_KINDS = ("vllm", "sglang", "openai")  # those of manager.backends.openai_backend, import-free
 
 
 def add_backend_args(p: argparse.ArgumentParser) -> None:
@@ -76,8 +76,8 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
 def register_backends(args: argparse.Namespace, manager: Manager) -> list[OpenAIBackend]:
     """Connect every ``--backend-url`` and register it; raises SystemExit with the
     reason when an option or a backend does not fit."""
-    from parrot.manager.backend_connect import BackendSetupError, connect_backend, load_tokenizer
-    from parrot.manager.openai_backend import BackendOptions
+    from parrot.manager.backends.connect import BackendSetupError, connect_backend, load_tokenizer
+    from parrot.manager.backends.openai_backend import BackendOptions
 
     if not args.backend_url:
         raise SystemExit("parrot serve: --backend needs at least one --backend-url")

@@ -21,10 +21,10 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 
-from parrot.manager.engines import EngineHandle
-from parrot.manager.graph import Call, OutputSpec, materialise
+from parrot.manager.backends.pool import EngineHandle
+from parrot.manager.dag.graph import Call, OutputSpec, materialise
+from parrot.manager.dag.render import FillStep, Rendered
 from parrot.manager.metrics import ManagerMetrics
-from parrot.manager.render import FillStep, Rendered
 from parrot.protocol import clock
 from parrot.protocol.errors import CallFailed
 from parrot.protocol.transforms import TransformFailed

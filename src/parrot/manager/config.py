@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from parrot.manager.dag.tokens import INLINE_TOKENIZE_BYTES
 from parrot.manager.tenants import Quotas
-from parrot.manager.tokens import INLINE_TOKENIZE_BYTES
 
 __all__ = ["ManagerConfig"]
 
@@ -47,7 +47,7 @@ class ManagerConfig:
     # (POST /v1/engines with a kind) whose model no registered engine serves
     backend_tokenizer: str | None = None
     # while latency calls queue, batch them past the latency cap up to the size that finishes
-    # them soonest on average (parrot.manager.saturation), given how many prompt tokens cost
+    # them soonest on average (parrot.manager.sched.saturation), given how many prompt tokens cost
     # one unloaded decode step on the engines (None: what each engine measured, else 24);
     # False: the paper's rule (the cap binds always)
     saturation_batching: bool = True
@@ -62,7 +62,7 @@ class ManagerConfig:
     # arrival, as the request-level baseline policies always do
     app_fifo: bool = True
     # program-level scheduling (with app_fifo): a queued call ranks first by its application's
-    # attained service, least first (parrot.manager.queue_order), and its fills and
+    # attained service, least first (parrot.manager.sched.queue_order), and its fills and
     # generations carry that order to the engines.  Off by default: it shortens short apps
     # behind long ones but lengthens the long ones more (docs/scheduling.md)
     program_scheduling: bool = False
@@ -77,5 +77,5 @@ class ManagerConfig:
     quotas: Quotas = field(default_factory=Quotas)
     prefix_sharing: str = "tenant"
     # text of at most this many UTF-8 bytes is tokenized on the event loop, longer text in a
-    # worker thread (parrot.manager.tokens); None: everything on the loop
+    # worker thread (parrot.manager.dag.tokens); None: everything on the loop
     inline_tokenize_bytes: int | None = INLINE_TOKENIZE_BYTES

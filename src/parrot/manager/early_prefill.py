@@ -37,9 +37,9 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 
-from parrot.manager.engines import EngineHandle, EnginePool
-from parrot.manager.graph import Call
-from parrot.manager.prefix import PrefixIndex, leading_text_key, user_pieces
+from parrot.manager.backends.pool import EngineHandle, EnginePool
+from parrot.manager.dag.graph import Call
+from parrot.manager.dag.prefix import PrefixIndex, leading_text_key, user_pieces
 from parrot.protocol.template import Text
 
 __all__ = ["BACKGROUND_PRIORITY", "EarlyPrefill"]

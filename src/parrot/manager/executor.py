@@ -40,19 +40,19 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from parrot.manager.backends.pool import EngineHandle, EnginePool
 from parrot.manager.call_driver import drive
+from parrot.manager.dag.graph import Call, fail_call
+from parrot.manager.dag.objective_cache import ObjectiveCache
+from parrot.manager.dag.prefix import PrefixIndex, prefix_keys
+from parrot.manager.dag.render import Rendered, render
+from parrot.manager.dag.shared_start import SharedStarts
+from parrot.manager.dag.tokens import INLINE_TOKENIZE_BYTES, NeedsTokenizing, TokenSource
 from parrot.manager.early_prefill import EarlyPrefill
-from parrot.manager.engine_loads import EngineLoads, PlacedShare
-from parrot.manager.engines import EngineHandle, EnginePool
-from parrot.manager.graph import Call, fail_call
 from parrot.manager.metrics import ManagerMetrics
-from parrot.manager.objective_cache import ObjectiveCache
-from parrot.manager.prefix import PrefixIndex, prefix_keys
-from parrot.manager.queue_order import QueueOrder
-from parrot.manager.render import Rendered, render
-from parrot.manager.scheduler import EngineSnapshot, QueuedCall, SchedulerConfig
-from parrot.manager.shared_start import SharedStarts
-from parrot.manager.tokens import INLINE_TOKENIZE_BYTES, NeedsTokenizing, TokenSource
+from parrot.manager.sched.engine_loads import EngineLoads, PlacedShare
+from parrot.manager.sched.queue_order import QueueOrder
+from parrot.manager.sched.scheduler import EngineSnapshot, QueuedCall, SchedulerConfig
 from parrot.protocol import clock
 from parrot.protocol.errors import CallFailed, ContextTooLong, EngineError, NoEngine, ParrotError, Timeout
 

@@ -1,4 +1,4 @@
-"""The manager's Prometheus metrics (``GET /metrics``, :mod:`parrot.manager.metrics_api`).
+"""The manager's Prometheus metrics (``GET /metrics``, :mod:`parrot.manager.api.metrics`).
 
 Two kinds, in one :class:`~prometheus_client.CollectorRegistry` per
 :class:`ManagerMetrics` (so several managers in one process never share a
@@ -29,7 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from parrot.manager.engines import EngineHandle
+    from parrot.manager.backends.pool import EngineHandle
     from parrot.manager.service import Manager
 
 __all__ = ["CALL_STATES", "ManagerMetrics", "StateCollector", "status_class"]

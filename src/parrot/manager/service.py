@@ -8,7 +8,7 @@ reported as not found.
 The operations are synchronous: nothing else runs between a request's first
 check and its last change.  Long text they must tokenize (a value's length, a
 prompt rendered at submit) is tokenized off the event loop when they are run
-through :meth:`Manager.run_tokenized` (see :mod:`parrot.manager.tokens`); called
+through :meth:`Manager.run_tokenized` (see :mod:`parrot.manager.dag.tokens`); called
 directly they tokenize everything themselves.
 
 (Over 500 lines: one class of operations on sessions, variables and calls that
@@ -27,10 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from parrot.manager.backends.pool import EngineHandle, EnginePool
 from parrot.manager.config import ManagerConfig
-from parrot.manager.engines import EngineHandle, EnginePool
-from parrot.manager.executor import Executor
-from parrot.manager.graph import (
+from parrot.manager.dag.graph import (
     Call,
     Criteria,
     OutputSpec,
@@ -44,12 +43,13 @@ from parrot.manager.graph import (
     materialise,
     new_id,
 )
+from parrot.manager.dag.prefix import PrefixIndex
+from parrot.manager.dag.render import check_chat_shape, check_starts_with_text, render
+from parrot.manager.dag.tokens import NeedsTokenizing, TokenSource, utf8_len
+from parrot.manager.executor import Executor
 from parrot.manager.metrics import ManagerMetrics
-from parrot.manager.prefix import PrefixIndex
-from parrot.manager.render import check_chat_shape, check_starts_with_text, render
-from parrot.manager.scheduler import SchedulerConfig
+from parrot.manager.sched.scheduler import SchedulerConfig
 from parrot.manager.tenants import ANONYMOUS, ApiKeys, TenantBook, cache_salt
-from parrot.manager.tokens import NeedsTokenizing, TokenSource, utf8_len
 from parrot.protocol import clock
 from parrot.protocol.errors import (
     BindingError,
@@ -444,7 +444,7 @@ class Manager:
         variable in it are left untouched (outputs that need a fresh variable get
         one in ``StagedCall.new_vars``, outside the session).  ``prompt_ids``: the
         prompt as token ids, filled in place of the template's text; ``samples``: how
-        many samples of its last output (:func:`~parrot.manager.graph.add_forks`)."""
+        many samples of its last output (:func:`~parrot.manager.dag.graph.add_forks`)."""
         template, bindings = _bound_template(req)
         names = template.names
         check_starts_with_text(template)

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from parrot.manager.graph import Call
+from parrot.manager.dag.graph import Call
 from parrot.protocol.errors import QuotaExceeded, Unauthorized
 
 ANONYMOUS = "anonymous"

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from parrot.manager.graph import Variable
+from parrot.manager.dag.graph import Variable
 from parrot.manager.views import error_info
 
 WAIT_SLICE_S = 30.0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from parrot.manager.graph import Call, Variable
+from parrot.manager.dag.graph import Call, Variable
 from parrot.protocol.errors import ParrotError
 from parrot.protocol.schemas import CallInfo, ErrorInfo, VariableInfo
 

@@ -1,7 +1,7 @@
 """The engine interface the manager programs against (the paper's primitives).
 
 Implemented in-process by :class:`parrot.engine.local.LocalEngine` and over
-HTTP by :class:`parrot.manager.remote_engine.RemoteEngine`.
+HTTP by :class:`parrot.manager.backends.remote_engine.RemoteEngine`.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class EngineAPI(Protocol):
         """Stream generated chunks; the last has ``done`` set.  Closing early cancels.
 
         ``priority`` (lower first, 0 to :data:`~parrot.protocol.schemas.ENGINE_PRIORITY_MAX`):
-        the call's place in the manager's order (:meth:`parrot.manager.queue_order.QueueOrder.
+        the call's place in the manager's order (:meth:`parrot.manager.sched.queue_order.QueueOrder.
         engine_priority`), for an engine that orders its own queue by it.  Parrot's own engines
         admit jobs and compute prompts in that order (then first-come first-served); an
         OpenAI-compatible backend sends it with ``send_priority`` (vLLM started with

@@ -220,7 +220,7 @@ class EngineStats(BaseModel):
     ``decode_ms_target``, from its fit ``decode_ms_base + decode_ms_per_1k_tokens
     * load / 1000`` (see :mod:`parrot.engine.latency_probe`); 0 while unknown.
     ``prefill_tokens_per_decode_step`` sizes the manager's saturation batching
-    (:mod:`parrot.manager.saturation`).
+    (:mod:`parrot.manager.sched.saturation`).
     Invariant: ``latency_cap_tokens <= token_capacity``.
     """
 
@@ -293,7 +293,7 @@ class EngineDescription(StrictBody):
     """What an engine tells the manager about itself when it registers, or what an
     operator tells it of an external OpenAI-compatible backend to drive as an engine
     (``kind`` ``vllm``, ``sglang`` or ``openai``: see
-    :mod:`parrot.manager.openai_backend`; its context length defaults to what the
+    :mod:`parrot.manager.backends.openai_backend`; its context length defaults to what the
     backend reports)."""
 
     url: str = Field(max_length=2000)

@@ -2,7 +2,7 @@
 
 The manager keeps latency-sensitive work on an engine only while the engine's
 token load is under its *latency cap* (``cap_L`` in
-:mod:`parrot.manager.scheduler`).  The paper used one figure, 6,144 tokens for
+:mod:`parrot.manager.sched.scheduler`).  The paper used one figure, 6,144 tokens for
 LLaMA-13B on an A100, which kept per-output-token latency within about
 20-25 % of its unloaded value.  What load does that depends on the model and
 the machine, so each engine measures its own cap (this module is the
@@ -42,7 +42,7 @@ timings is :meth:`parrot.engine.runner.EngineRunner.probe_latency`, its plan
   unloaded step it says how many prompt tokens cost one decode step
   (``prefill_tokens_per_decode_step``, two significant digits), the figure the
   manager's saturation batching sizes its batches by
-  (:mod:`parrot.manager.saturation`).
+  (:mod:`parrot.manager.sched.saturation`).
 - *Cap.*  The load at which the fitted step time reaches the target:
   ``target = factor * a`` (default :data:`LATENCY_FACTOR` = 1.25, the
   paper's "within 20-25 %") or an absolute ``target_ms``;

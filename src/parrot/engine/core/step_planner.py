@@ -8,7 +8,7 @@ no sampling (those are the runner's, :mod:`parrot.engine.runner`):
    in their *order*: priority, then first-come first-served (by arrival; a
    preempted job keeps its arrival, so it resumes before newer work of its
    priority).  The priority is the manager's, lower first: its order of the
-   call's application (:meth:`parrot.manager.queue_order.QueueOrder.engine_priority`);
+   call's application (:meth:`parrot.manager.sched.queue_order.QueueOrder.engine_priority`);
    jobs all of priority 0 are plain first-come first-served.  A job waits while its context (or the parent
    it forks from) is busy, and jobs on one context never overtake.  Admission
    stops at the first job that does not fit the *token capacity* (the distinct

@@ -6,7 +6,7 @@ itself and sends it whole, as LangChain-style code does against any OpenAI
 server.  It lets a baseline client drive Parrot's engines, and lets
 throughput benchmarks drive Parrot and vLLM with identical requests.  How a
 request runs (an internal session, one call per prompt, ``n`` samples forked
-from one filled prompt) is :mod:`parrot.manager.openai_response`.  On a
+from one filled prompt) is :mod:`parrot.manager.openai.response`.  On a
 manager with API keys the request's ``Authorization: Bearer <key>`` names its
 tenant (401 without a valid one), whose quotas and prefix cache it uses.
 
@@ -21,12 +21,12 @@ choices per request; ``best_of`` only equal to ``n``); ``max_tokens``
 ``frequency_penalty`` (-2..2, OpenAI's formula, applied by the engine's
 sampler: :class:`~parrot.protocol.sampling.SamplingParams`); ``logprobs``
 (0..:data:`MAX_COMPLETION_LOGPROBS`: each generated token's logprob and that
-many most likely alternatives, :mod:`parrot.manager.openai_logprobs`); ``stop`` (a string or up
+many most likely alternatives, :mod:`parrot.manager.openai.logprobs`); ``stop`` (a string or up
 to :data:`MAX_STOP` strings, as OpenAI); ``stream`` (server-sent events
 ``data: {...}`` then ``data: [DONE]``; ``stream_options.include_usage`` adds a
 usage chunk); vLLM's ``ignore_eos`` / ``stop_token_ids``; and structured outputs
 (``response_format``, vLLM's ``structured_outputs`` and its older ``guided_json`` /
-``guided_regex`` / ``guided_choice``: :mod:`parrot.manager.openai_constraint`).  Parameters
+``guided_regex`` / ``guided_choice``: :mod:`parrot.manager.openai.constraint`).  Parameters
 Parrot cannot honour (``echo``, ``suffix``, a non-empty ``logit_bias``) are
 rejected with 400 rather than silently ignored.  Errors use Parrot's JSON error body ``{"error": {"code",
 "message"}}`` with its HTTP status (400 invalid parameters, 503 ``no_engine``
@@ -48,8 +48,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import Field
 
-from parrot.manager.openai_constraint import constraint_of
-from parrot.manager.openai_response import Completion, Prompt, answer, check_model
+from parrot.manager.openai.constraint import constraint_of
+from parrot.manager.openai.response import Completion, Prompt, answer, check_model
 from parrot.manager.service import Manager
 from parrot.protocol.asgi import OffLoopJsonRoute, bearer_token
 from parrot.protocol.constraint import Constraint
@@ -89,7 +89,7 @@ class OpenAIRequest(StrictBody):
     stop_token_ids: list[int] | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
-    # structured outputs (parrot.manager.openai_constraint): at most one of these
+    # structured outputs (parrot.manager.openai.constraint): at most one of these
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -198,7 +198,7 @@ def sampling_of(
     share these fields; raises InvalidSampling, 400).  ``max_tokens`` null or absent
     means ``default_max_tokens``; ``logprobs``: how many most likely tokens to report
     per generated token (None: no logprobs); ``constraint``: the structured output
-    asked for (:func:`~parrot.manager.openai_constraint.constraint_of`)."""
+    asked for (:func:`~parrot.manager.openai.constraint.constraint_of`)."""
     top_k = req.top_k
     if top_k is None or top_k == -1:  # vLLM's "disabled"
         top_k = 0
@@ -236,7 +236,7 @@ def openai_router(manager: Manager) -> APIRouter:
     """Routes ``POST /v1/completions`` and ``GET /v1/models`` for ``manager``.
 
     Mount with ``app.include_router(openai_router(manager))`` on an app made by
-    :func:`parrot.manager.app.create_app` (whose error handlers give the JSON
+    :func:`parrot.manager.api.app.create_app` (whose error handlers give the JSON
     error bodies).
     """
     router = APIRouter(tags=["openai"], route_class=OffLoopJsonRoute)

@@ -8,9 +8,9 @@ scheduler's latency cap and capacity refuse work the engine has room for (the
 reviewers ran one at a time).
 
 :class:`SharedStarts` finds the start to count once from the prompt's keys
-(:func:`parrot.manager.prefix.key_shares`: every boundary between constant text and
+(:func:`parrot.manager.dag.prefix.key_shares`: every boundary between constant text and
 values, and the values' inner chunk keys): the longest one that an engine was
-recently given (:class:`~parrot.manager.prefix.PrefixIndex`) or that another recent
+recently given (:class:`~parrot.manager.dag.prefix.PrefixIndex`) or that another recent
 call's prompt also has.  When none is, the likeliest start to be shared by calls to
 come: the call's leading constant text if it has one (a system prompt: the part
 every call of the template shares, whoever comes next), else its next-to-last key
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from parrot.manager.graph import Call
-from parrot.manager.prefix import PrefixIndex, key_shares
+from parrot.manager.dag.graph import Call
+from parrot.manager.dag.prefix import PrefixIndex, key_shares
 
 __all__ = ["SharedStarts"]
 

@@ -3,7 +3,7 @@
 An engine is registered either in-process (the embedded engine of
 ``parrot serve``), over HTTP by a separate ``parrot engine`` process, which
 then heartbeats its stats, or as an external OpenAI-compatible backend
-(:mod:`parrot.manager.openai_backend`, which has a URL but sends nothing).
+(:mod:`parrot.manager.backends.openai_backend`, which has a URL but sends nothing).
 The manager polls the stats of in-process and external engines (``polled``)
 on the heartbeat interval instead (and once when they register), so every
 kind reaches the scheduler the same way: through :meth:`EnginePool.heartbeat`.

@@ -1,6 +1,6 @@
 """How many latency calls an engine should batch when they queue for it.
 
-The latency cap (:mod:`parrot.manager.scheduler`) keeps an engine's per-token
+The latency cap (:mod:`parrot.manager.sched.scheduler`) keeps an engine's per-token
 latency within 25 % of its unloaded value: it is the load at which a decode step
 takes 1.25 times an unloaded one (:mod:`parrot.engine.latency_probe`).  That is
 the right bound while latency calls find room.  Once they queue, each queued

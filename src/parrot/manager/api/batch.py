@@ -4,9 +4,9 @@ Validation comes first and changes nothing anyone can see.  The ops are
 validated and built in order by the very checks of the single-op endpoints,
 on detached objects: created variables and calls' fresh outputs stay outside
 the session and sets are only recorded.  The one in-place change is the graph
-edges :func:`~parrot.manager.graph.link_call` adds for each call, which the
+edges :func:`~parrot.manager.dag.graph.link_call` adds for each call, which the
 next calls need for their producer-conflict and cycle checks; when an op is
-rejected they are removed again (:func:`~parrot.manager.graph.unlink_call`).
+rejected they are removed again (:func:`~parrot.manager.dag.graph.unlink_call`).
 Nothing awaits between the first op and the commit, so no other request and no
 scheduling round ever sees a half-applied batch: a rejected batch leaves the
 session exactly as it was, and its error is the one the single-op endpoint
@@ -26,7 +26,7 @@ may place any of them deduces objectives over the whole batch.
 
 from __future__ import annotations
 
-from parrot.manager.graph import Call, Session, Variable, link_call, materialise, unlink_call
+from parrot.manager.dag.graph import Call, Session, Variable, link_call, materialise, unlink_call
 from parrot.manager.service import Manager, StagedCall, inline_bytes, value_bytes
 from parrot.protocol.errors import BindingError, Conflict, ParrotError
 from parrot.protocol.schemas import (

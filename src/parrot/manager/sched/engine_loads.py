@@ -4,10 +4,10 @@
 (:class:`EngineUsage`: KV tokens they will hold, running calls per objective and
 task group, shared prefixes counted once) and turns it, with what the pool says
 of each engine (alive, token capacity, latency cap) and the prefixes recently
-placed there, into :class:`~parrot.manager.scheduler.EngineSnapshot` objects.
+placed there, into :class:`~parrot.manager.sched.scheduler.EngineSnapshot` objects.
 
 The scheduler's engine state is kept between rounds
-(:class:`~parrot.manager.scheduler.Scheduler`): :meth:`EngineLoads.sync` gives
+(:class:`~parrot.manager.sched.scheduler.Scheduler`): :meth:`EngineLoads.sync` gives
 a new snapshot only to engines whose usage, recent prefixes or pool state
 changed, so a round sees exactly what :meth:`EngineLoads.snapshots` returns, as
 if the pure ``schedule(queue, snapshots, config)`` were called.
@@ -26,9 +26,14 @@ import itertools
 import logging
 from dataclasses import dataclass, field
 
-from parrot.manager.engines import EngineHandle, EnginePool
-from parrot.manager.prefix import PrefixIndex
-from parrot.manager.scheduler import DEFAULT_LATENCY_CAP_TOKENS, EngineSnapshot, Scheduler, SchedulerConfig
+from parrot.manager.backends.pool import EngineHandle, EnginePool
+from parrot.manager.dag.prefix import PrefixIndex
+from parrot.manager.sched.scheduler import (
+    DEFAULT_LATENCY_CAP_TOKENS,
+    EngineSnapshot,
+    Scheduler,
+    SchedulerConfig,
+)
 from parrot.protocol.errors import NotFound
 
 __all__ = ["EngineLoads", "EngineUsage", "PlacedShare"]

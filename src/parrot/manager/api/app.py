@@ -1,12 +1,12 @@
 """The manager's HTTP application (FastAPI): its routers, middleware and background tasks.
 
 The routes are thin (parse, authorize, delegate to :class:`Manager`, serialise)
-and live in one router per resource: :mod:`parrot.manager.sessions_api`
-(sessions, variables, calls), :mod:`parrot.manager.engines_api` (the engine
-pool, behind the cluster secret), :mod:`parrot.manager.openai_api`
-(``/v1/completions``, ``/v1/models``), :mod:`parrot.manager.openai_chat`
-(``/v1/chat/completions``), :mod:`parrot.manager.metrics_api` (``/metrics``,
-Prometheus) and :mod:`parrot.manager.ui_api` (the session page,
+and live in one router per resource: :mod:`parrot.manager.api.sessions`
+(sessions, variables, calls), :mod:`parrot.manager.api.engines` (the engine
+pool, behind the cluster secret), :mod:`parrot.manager.openai.completions`
+(``/v1/completions``, ``/v1/models``), :mod:`parrot.manager.openai.chat`
+(``/v1/chat/completions``), :mod:`parrot.manager.api.metrics` (``/metrics``,
+Prometheus) and :mod:`parrot.manager.api.session_page` (the session page,
 ``/ui/sessions/{id}``).  OpenAPI schema at ``/openapi.json``, browsable at ``/docs``
 (Swagger UI) and ``/redoc``, both served with their scripts from the
 ``fastapi-offline`` package, so they work without internet access.
@@ -30,16 +30,16 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 
-from parrot.manager.engines import EngineHandle
-from parrot.manager.engines_api import engines_router
-from parrot.manager.metrics_api import RequestCounter, metrics_router
-from parrot.manager.openai_api import openai_router
-from parrot.manager.openai_backend import OpenAIBackend
-from parrot.manager.openai_chat import chat_router
-from parrot.manager.remote_engine import RemoteEngine
+from parrot.manager.api.engines import engines_router
+from parrot.manager.api.metrics import RequestCounter, metrics_router
+from parrot.manager.api.session_page import ui_router
+from parrot.manager.api.sessions import sessions_router
+from parrot.manager.backends.openai_backend import OpenAIBackend
+from parrot.manager.backends.pool import EngineHandle
+from parrot.manager.backends.remote_engine import RemoteEngine
+from parrot.manager.openai.chat import chat_router
+from parrot.manager.openai.completions import openai_router
 from parrot.manager.service import Manager
-from parrot.manager.sessions_api import sessions_router
-from parrot.manager.ui_api import ui_router
 from parrot.protocol.asgi import BodyLimitMiddleware, OffLoopJsonRoute, install_error_handlers
 
 __all__ = ["create_app"]

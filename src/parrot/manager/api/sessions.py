@@ -14,8 +14,8 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query, Response
 from fastapi.responses import StreamingResponse
 
-from parrot.manager.batch import apply_batch
-from parrot.manager.output_constraints import check_batch, check_outputs
+from parrot.manager.api.batch import apply_batch
+from parrot.manager.api.output_constraints import check_batch, check_outputs
 from parrot.manager.service import Manager
 from parrot.manager.var_stream import variable_events
 from parrot.manager.views import MAX_GRAPH_TEXT_CHARS, MAX_GRAPH_VALUE_CHARS, call_info, var_info, var_text
@@ -148,7 +148,7 @@ def sessions_router(manager: Manager) -> APIRouter:
     @router.post("/v1/sessions/{session_id}/batch", response_model=BatchResult)
     async def submit_batch(session_id: str, body: BatchRequest, authorization: Auth = None) -> BatchResult:
         """Create variables, submit calls and set variables in one request, all or none
-        (see :mod:`parrot.manager.batch`)."""
+        (see :mod:`parrot.manager.api.batch`)."""
         token = bearer_token(authorization)
         manager.authorize(session_id, token)
         await check_batch(body)

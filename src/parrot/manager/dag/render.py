@@ -25,9 +25,9 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from parrot.manager.graph import Call, OutputSpec, Variable
-from parrot.manager.prefix import leading_text_key, user_pieces
-from parrot.manager.tokens import NeedsTokenizing, TokenSource, utf8_len
+from parrot.manager.dag.graph import Call, OutputSpec, Variable
+from parrot.manager.dag.prefix import leading_text_key, user_pieces
+from parrot.manager.dag.tokens import NeedsTokenizing, TokenSource, utf8_len
 from parrot.protocol.errors import BadRequest, ContextTooLong
 from parrot.protocol.template import Piece, Placeholder, Template, Text
 from parrot.protocol.tokenizer import TextTokenizer
@@ -86,7 +86,7 @@ class Rendered:
     steps: list[Step]
     # (prefix key, its tokens) of the leading constant text (a system prompt), when the
     # template starts with one: the part of the prompt that calls of the same template
-    # share whatever their inputs; key: parrot.manager.prefix.leading_text_key
+    # share whatever their inputs; key: parrot.manager.dag.prefix.leading_text_key
     constant_prefix: tuple[str, int] | None = None
 
     @property
@@ -133,7 +133,7 @@ def render(
 ) -> Rendered:
     """Engine steps for ``call``; raises ContextTooLong if the prompt cannot fit.
 
-    ``tokens`` says where long text is tokenized (:mod:`parrot.manager.tokens`): with
+    ``tokens`` says where long text is tokenized (:mod:`parrot.manager.dag.tokens`): with
     a deferring source, text it has not tokenized yet raises NeedsTokenizing (every
     such text of the call recorded at once); without one, everything is tokenized
     here.  A prompt that has more UTF-8 bytes than ``max_seq_len`` tokens can hold is

@@ -21,9 +21,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header
 
-from parrot.manager.backend_connect import BackendSetupError, connect_backend_off_loop, load_tokenizer
-from parrot.manager.openai_backend import BackendOptions
-from parrot.manager.remote_engine import RemoteEngine
+from parrot.manager.backends.connect import BackendSetupError, connect_backend_off_loop, load_tokenizer
+from parrot.manager.backends.openai_backend import BackendOptions
+from parrot.manager.backends.remote_engine import RemoteEngine
 from parrot.manager.service import Manager
 from parrot.protocol.asgi import OffLoopJsonRoute
 from parrot.protocol.cluster import CLUSTER_SECRET_HEADER, client_tls, secret_matches

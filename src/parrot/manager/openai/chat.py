@@ -3,7 +3,7 @@
 The messages are rendered into one prompt with the model's own chat template
 (:func:`parrot.protocol.chat_template.render_chat`: its Jinja template in a
 sandbox, as transformers and vLLM render it), and the prompt then runs exactly
-like a ``/v1/completions`` request (:mod:`parrot.manager.openai_api`): one
+like a ``/v1/completions`` request (:mod:`parrot.manager.openai.completions`): one
 internal session holding one call, the normal executor, the engine's prefix
 cache (a conversation's earlier turns are a cached prefix of its next request).
 
@@ -13,13 +13,13 @@ parts; at most :data:`MAX_MESSAGES`), ``max_tokens`` / ``max_completion_tokens``
 (default: up to the model's context, as OpenAI), ``temperature`` (default 1),
 ``top_p``, ``top_k``, ``seed``, ``stop`` (up to 4 strings), ``stream`` with
 ``stream_options.include_usage``, ``n`` (up to
-:data:`~parrot.manager.openai_api.MAX_N` samples forked from one filled
+:data:`~parrot.manager.openai.completions.MAX_N` samples forked from one filled
 prompt, ``choices[j]``; streamed chunks carry their choice's ``index``),
 ``presence_penalty`` / ``frequency_penalty`` (-2..2), ``logprobs`` with
 ``top_logprobs`` (0..20), structured outputs (``response_format`` of type ``text``,
 ``json_object`` or ``json_schema``, vLLM's ``structured_outputs`` and its older
 ``guided_json`` / ``guided_regex`` / ``guided_choice``:
-:mod:`parrot.manager.openai_constraint`), and vLLM's ``ignore_eos`` /
+:mod:`parrot.manager.openai.constraint`), and vLLM's ``ignore_eos`` /
 ``stop_token_ids``.  Refused with 400 rather than ignored: ``logit_bias``, ``tools``,
 other content parts.
 
@@ -37,7 +37,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import Field
 
-from parrot.manager.openai_api import (
+from parrot.manager.openai.completions import (
     OpenAIRequest,
     check_shared,
     context_of,
@@ -45,8 +45,8 @@ from parrot.manager.openai_api import (
     sampling_of,
     unsupported,
 )
-from parrot.manager.openai_constraint import constraint_of
-from parrot.manager.openai_response import Completion, answer
+from parrot.manager.openai.constraint import constraint_of
+from parrot.manager.openai.response import Completion, answer
 from parrot.manager.service import Manager
 from parrot.protocol.asgi import OffLoopJsonRoute, bearer_token
 from parrot.protocol.chat_template import ChatMessage, render_chat
@@ -120,7 +120,7 @@ def _messages(req: ChatCompletionRequest) -> list[ChatMessage]:
 
 def chat_router(manager: Manager) -> APIRouter:
     """Routes ``POST /v1/chat/completions`` for ``manager`` (mounted by
-    :func:`parrot.manager.app.create_app`)."""
+    :func:`parrot.manager.api.app.create_app`)."""
     router = APIRouter(tags=["openai"], route_class=OffLoopJsonRoute)
 
     @router.post(

@@ -19,7 +19,7 @@ from its start (a token-id prompt every ``CHUNK_IDS`` ids), for at most
 system prompt, then different questions, sent as plain completions by a
 request-level client) share the keys of every chunk inside that start, so they
 are placed together, and the executor counts that start once per engine
-(:func:`key_shares`, :mod:`parrot.manager.shared_start`).
+(:func:`key_shares`, :mod:`parrot.manager.dag.shared_start`).
 
 The scheduler uses keys to *place* calls that share a prefix on the same
 engine; the engine's own prefix cache (:mod:`parrot.engine.prefix_cache`)
@@ -35,7 +35,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from parrot.manager.graph import Call, Variable
+from parrot.manager.dag.graph import Call, Variable
 from parrot.protocol.template import Piece, Text, prompt_pieces
 
 CHUNK_CHARS = 512
@@ -173,7 +173,7 @@ def leading_text_key(call: Call) -> str | None:
     prompt starts with text followed by another piece; None otherwise.  This text
     is the same for every call of the template, whatever its inputs, so it is the
     start the executor counts once per engine unless a longer one is shared
-    (:mod:`parrot.manager.shared_start`)."""
+    (:mod:`parrot.manager.dag.shared_start`)."""
     pieces = user_pieces(call)
     if len(pieces) < 2 or not isinstance(pieces[0], Text):
         return None

@@ -1,7 +1,7 @@
 """The session page (``GET /ui/sessions/{id}``): a session's DAG drawn live in a browser.
 
 The page and its script and style are static files shipped in this package
-(``parrot/manager/ui``; no CDN, no build step): the same bytes for every session, so
+(``parrot/manager/api/ui``; no CDN, no build step): the same bytes for every session, so
 serving them reveals nothing and needs no token.  The page's script reads the
 session's token from the URL's fragment (``#token=...``, which browsers never send to
 a server, so it stays out of request lines, access logs and ``Referer`` headers),
@@ -40,7 +40,7 @@ _FILES = {
 
 
 def _load() -> dict[str, bytes]:
-    folder = resources.files("parrot.manager") / "ui"
+    folder = resources.files("parrot.manager.api") / "ui"
     return {name: (folder / name).read_bytes() for name in _FILES}
 
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from parrot.manager.graph import Call
+from parrot.manager.dag.graph import Call
 from parrot.protocol.schemas import ENGINE_PRIORITY_MAX
 
 __all__ = ["SERVICE_LEVEL_TOKENS", "QueueOrder", "service_level"]

@@ -1,6 +1,6 @@
 """The deduced objectives of queued calls, deduced again only where a session changed.
 
-Deduction (:func:`parrot.manager.objectives.deduce`) runs per session over its
+Deduction (:func:`parrot.manager.dag.objectives.deduce`) runs per session over its
 unfinished calls.  :meth:`ObjectiveCache.refresh` runs it for the sessions that
 have a queued call and were changed since (a call submitted, a criterion
 arriving: :meth:`ObjectiveCache.mark_changed`) or never deduced; other sessions
@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 
-from parrot.manager.graph import Call
-from parrot.manager.objectives import CallObjective, deduce
+from parrot.manager.dag.graph import Call
+from parrot.manager.dag.objectives import CallObjective, deduce
 
 __all__ = ["LATENCY_DEFAULT", "ObjectiveCache"]
 

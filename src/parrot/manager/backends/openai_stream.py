@@ -3,7 +3,7 @@
 Pure functions over text: one SSE ``data:`` line in, one :class:`StreamPiece` out,
 every field checked.  Whatever does not read as a completion chunk raises
 :class:`MalformedAnswer` naming what was wrong, so the adapter
-(:mod:`parrot.manager.openai_backend`) can turn it into an engine failure that
+(:mod:`parrot.manager.backends.openai_backend`) can turn it into an engine failure that
 names the backend; nothing malformed ever reaches a variable.
 
 Accepted: ``data: [DONE]`` (the end), ``data: {"choices": [{"text": ..., "finish_reason":

@@ -27,7 +27,7 @@ from parrot.protocol.schemas import TokenLogprob
 from parrot.protocol.template import Template
 
 if TYPE_CHECKING:
-    from parrot.manager.render import Rendered
+    from parrot.manager.dag.render import Rendered
 
 VarState = Literal["pending", "ready", "failed"]
 CallState = Literal["waiting", "ready", "running", "done", "failed"]
@@ -142,7 +142,7 @@ class Call:
     # its prompt when rendered at submit (inputs already known); dropped once the call
     # ends (the executor has its own copy while it runs)
     rendered: PreRendered | None = None
-    # its prefix keys, once final (see parrot.manager.prefix.prefix_keys)
+    # its prefix keys, once final (see parrot.manager.dag.prefix.prefix_keys)
     prefix_cache: tuple[str, ...] | None = field(default=None, repr=False)
     # (_Paths.epoch, effective_producers()) as last computed
     fanin_cache: tuple[int, tuple[str, ...]] | None = field(default=None, repr=False)

@@ -29,8 +29,8 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
-from parrot.manager.graph import Call, OutputSpec, Session, Variable
-from parrot.manager.openai_logprobs import chat_logprobs, completion_logprobs, text_length
+from parrot.manager.dag.graph import Call, OutputSpec, Session, Variable
+from parrot.manager.openai.logprobs import chat_logprobs, completion_logprobs, text_length
 from parrot.manager.service import Manager
 from parrot.manager.views import error_info
 from parrot.protocol import clock

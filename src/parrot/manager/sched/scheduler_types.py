@@ -1,6 +1,6 @@
 """The scheduler's vocabulary: what it reads (engine snapshots, queued calls, its
 configuration) and what it decides (placements).  Plain frozen data, checked on
-construction; see :mod:`parrot.manager.scheduler` for the algorithm."""
+construction; see :mod:`parrot.manager.sched.scheduler` for the algorithm."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from parrot.manager.objectives import CallObjective
+from parrot.manager.dag.objectives import CallObjective
 
 Mode = Literal["latency", "throughput"]
 Policy = Literal["parrot", "no-affinity", "no-deduction", "baseline-latency", "baseline-throughput"]
@@ -146,7 +146,7 @@ class SchedulerConfig:
     so latency work fills as few engines as its cap allows and the others stay free for
     throughput work (step 3 of the module docstring).  ``saturation_batching``: while latency
     calls queue, an engine running latency work takes them up to the batch that finishes them
-    soonest on average (:mod:`parrot.manager.saturation`), which may exceed the latency cap;
+    soonest on average (:mod:`parrot.manager.sched.saturation`), which may exceed the latency cap;
     ``prefill_tokens_per_step``: how many prompt tokens cost one unloaded decode step on
     every engine, the figure that batch size rests on (None: each engine's own,
     ``EngineSnapshot.prefill_tokens_per_step``, else :data:`DEFAULT_PREFILL_TOKENS_PER_STEP`)."""

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import httpx
 
 from parrot.engine.core.latency_fit import StepLatency  # stdlib only: the fit Parrot's engine uses too
-from parrot.manager.openai_stream import FINISH_REASONS, MalformedAnswer, parse_sse_line
+from parrot.manager.backends.openai_stream import FINISH_REASONS, MalformedAnswer, parse_sse_line
 from parrot.protocol.constraint import Constraint
 from parrot.protocol.errors import BadRequest, CallFailed, ContextTooLong, EngineError, NotFound, ParrotError
 from parrot.protocol.sampling import SamplingParams
@@ -131,7 +131,7 @@ class _Context:
 
 class OpenAIBackend:
     """One backend replica as an engine (see the module docstring).  Built by
-    :func:`parrot.manager.backend_connect.connect_backend`, which reads the model's
+    :func:`parrot.manager.backends.connect.connect_backend`, which reads the model's
     name and context length from the backend and checks the tokenizer against it."""
 
     def __init__(

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from parrot.manager.openai_backend import BackendOptions, OpenAIBackend
+from parrot.manager.backends.openai_backend import BackendOptions, OpenAIBackend
 from parrot.protocol.tokenizer import TextTokenizer
 
 PROBE_TEXTS = ("Hello, world! Parrot serves LLM applications.", "  spaces\tand\nlines 12345 ünïcödé")

@@ -138,8 +138,8 @@ import heapq
 import itertools
 from collections.abc import Sequence
 
-from parrot.manager import saturation
-from parrot.manager.scheduler_types import (  # the scheduler's vocabulary, re-exported
+from parrot.manager.sched import saturation
+from parrot.manager.sched.scheduler_types import (  # the scheduler's vocabulary, re-exported
     CAP_SCOPES,
     DEFAULT_LATENCY_CAP_TOKENS,
     DEFAULT_PREFILL_TOKENS_PER_STEP,
