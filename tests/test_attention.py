@@ -26,6 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import parrot.engine.kernels.attention.torch_impl as torch_impl
+import parrot.engine.kernels.attention.torch_plan as torch_plan
 import parrot.engine.kernels.attention.triton_kernel as triton_kernel
 from parrot.engine.kernels import native
 from parrot.engine.kernels.attention import (
@@ -181,9 +182,9 @@ def cpu_path(request: pytest.FixtureRequest) -> Iterator[str]:
 @pytest.fixture
 def tiny_pieces(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Force the torch path to split every row into pieces of a few keys."""
-    monkeypatch.setattr(torch_impl, "KV_BUDGET", 1)
-    monkeypatch.setattr(torch_impl, "SCORE_BUDGET", 1)
-    monkeypatch.setattr(torch_impl, "PAD_BUDGET", 1)  # no row is batched or fused: all take the loop
+    monkeypatch.setattr(torch_plan, "KV_BUDGET", 1)
+    monkeypatch.setattr(torch_plan, "SCORE_BUDGET", 1)
+    monkeypatch.setattr(torch_plan, "PAD_BUDGET", 1)  # no row is batched or fused: all take the loop
     with native.using("off"):  # the kernel has no pieces
         yield
 
@@ -259,10 +260,10 @@ def test_torch_random_trees(
     case = make_case(
         seed, block_size=block_size, kv_heads=kv_heads, group=group, dim=dim, groups=tuple(groups), solo=solo
     )
-    budget = kv_heads * dim * 2 if split else torch_impl.KV_BUDGET
+    budget = kv_heads * dim * 2 if split else torch_plan.KV_BUDGET
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch_impl, "KV_BUDGET", budget)
-        mp.setattr(torch_impl, "PAD_BUDGET", pad_budget)
+        mp.setattr(torch_plan, "KV_BUDGET", budget)
+        mp.setattr(torch_plan, "PAD_BUDGET", pad_budget)
         with native.using(native.selected() if kernel else "off"):
             check(case, share=share)
 
@@ -279,7 +280,7 @@ def test_shared_rows_run_fused_on_cpu_within_the_budget(monkeypatch: pytest.Monk
     check(make_case(3, kv_heads=2, group=3, groups=(4, 2), solo=1), share=True)
     assert fused and max(fused) >= 4  # the 4-sequence group's prefix went through the fused kernel
     fused.clear()
-    monkeypatch.setattr(torch_impl, "PAD_BUDGET", 1)  # too long to gather whole: the piece loop
+    monkeypatch.setattr(torch_plan, "PAD_BUDGET", 1)  # too long to gather whole: the piece loop
     check(make_case(3, kv_heads=2, group=3, groups=(4, 2), solo=1), share=True)
     assert not fused
 
@@ -319,7 +320,7 @@ def test_a_plan_serves_every_layer_like_the_segments_do(cpu_path: str, share: bo
     in the kernel every single-query row is batched."""
     case = make_case(4, kv_heads=2, group=3, dim=16, groups=(5, 3), solo=3, max_len=60)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch_impl, "PAD_BUDGET", 2 * 40 * 2 * 16)  # some rows padded, the rest looped
+        mp.setattr(torch_plan, "PAD_BUDGET", 2 * 40 * 2 * 16)  # some rows padded, the rest looped
         plan = plan_decode_attention(case.segments, case.q, case.k, share=share)
         assert plan.padded is not None and plan.kernel == (cpu_path == "kernel")
         assert not plan.looped if plan.kernel else (plan.looped or share)

@@ -16,7 +16,7 @@ copy the Python path would use for this many rows: Parrot's fp32 kernel
 (:mod:`parrot.engine.kernels.f32_linear`, at most its ``MAX_ROWS`` tokens) or, for bf16
 weights, the bf16 kernel on one backend for all (:mod:`parrot.engine.kernels.bf16_linear`,
 at most its ``MAX_ROWS``), with fp32 norms; the attention plan runs on the C kernels only
-(:class:`~parrot.engine.kernels.attention.torch_impl.TorchDecodePlan` with ``kernel``, and
+(:class:`~parrot.engine.kernels.attention.torch_plan.TorchDecodePlan` with ``kernel``, and
 ``shared_kernel`` if it has shared rows).  Whether the engine tries it at all is its
 ``c_forward`` option (:mod:`parrot.engine.step_forward`).
 """
@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from parrot.engine.kernels import bf16_linear, c_boundary, f32_linear, native
-from parrot.engine.kernels.attention.torch_impl import TorchDecodePlan
+from parrot.engine.kernels.attention.torch_plan import TorchDecodePlan
 from parrot.engine.kernels.packed_linear import PackedLinear
 from parrot.engine.kv_store import PagedKVCache
 from parrot.engine.model import LlamaModel, rope_cos_sin

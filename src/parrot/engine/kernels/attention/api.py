@@ -11,11 +11,8 @@ from torch import Tensor
 
 from parrot.engine.kernels.attention import cpu_kernel
 from parrot.engine.kernels.attention.segments import Segment, validate_segments
-from parrot.engine.kernels.attention.torch_impl import (
-    TorchDecodePlan,
-    compute_dtype,
-    torch_paged_decode_attention,
-)
+from parrot.engine.kernels.attention.torch_impl import compute_dtype, torch_paged_decode_attention
+from parrot.engine.kernels.attention.torch_plan import TorchDecodePlan
 from parrot.engine.kernels.attention.triton_kernel import (
     TritonDecodePlan,
     interpret_requested,

@@ -115,7 +115,7 @@ def decode_rows(
     qs: [B, H, D] fp32, scaled; seqs: int64 [R], the q row of each row; kf, vf:
     [N, KVH, D] fp32/bf16 caches; tok: int64 [R, W], row r's key rows in its
     first ``lens[r]`` (>= 1) entries.  The caller checks shapes and index ranges
-    (:class:`~parrot.engine.kernels.attention.torch_impl.TorchDecodePlan` builds them);
+    (:class:`~parrot.engine.kernels.attention.torch_plan.TorchDecodePlan` builds them);
     this checks layouts, because the C side trusts them.  ``lib``: a library from
     :func:`parrot.engine.kernels.native.build` (default: :func:`~parrot.engine.kernels.native.library`).
     Returns whether the AVX-512 path ran.
@@ -167,7 +167,7 @@ def shared_row(
 
     qs: [B, H, D] fp32, scaled; seqs: int64 [m]; kf, vf: [N, KVH, D] fp32/bf16
     caches; tok: int64 [L >= 1], the run's key rows.  Index ranges are the caller's
-    (:class:`~parrot.engine.kernels.attention.torch_impl.TorchDecodePlan`); layouts, dtypes
+    (:class:`~parrot.engine.kernels.attention.torch_plan.TorchDecodePlan`); layouts, dtypes
     and counts are checked here, because the C side trusts them.
     """
     a = _checked_attention("shared_row", lib, qs, seqs, kf, vf, tok, out, lse)
@@ -207,7 +207,7 @@ def merge_lse(
     ``slots[starts[b]:starts[b + 1]]`` of ``out`` [S, H, D] and ``lse`` [S, H], weighted
     by ``exp(lse - max)`` (what :func:`~parrot.engine.kernels.attention.merge.merge_partials`
     computes with ``den = 1``, in one pass).  Index ranges are the caller's
-    (:class:`~parrot.engine.kernels.attention.torch_impl.TorchDecodePlan`: every sequence has a
+    (:class:`~parrot.engine.kernels.attention.torch_plan.TorchDecodePlan`: every sequence has a
     partial); layouts, dtypes and counts are checked here."""
     lib = _checked_lib("merge_lse", lib, (out, lse, starts, slots, result))
     slot_count, heads, dim = out.shape
