@@ -7,9 +7,9 @@ tiny random test model, and it travels between processes as a JSON-able dict
 (:meth:`TextTokenizer.to_dict` / :meth:`TextTokenizer.from_dict`).
 
 The ``tokenizers`` package is imported lazily, so importing this module is
-cheap for processes that only pass tokenizer dicts around.  (Over 500 lines: the
-three builders, Hugging Face, GGUF and the tiny model, each read one format's
-fields; the chat markup lives in :mod:`parrot.protocol.chat_format`.)
+cheap for processes that only pass tokenizer dicts around.  GGUF metadata is read
+by :mod:`parrot.protocol.tokenizer_gguf`, the chat markup lives in
+:mod:`parrot.protocol.chat_format`.
 
 Invariants of a :class:`TextTokenizer`:
 
@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from parrot.protocol.chat_format import ChatFormat, detect_chat_format
+from parrot.protocol.tokenizer_gguf import read_gguf_tokenizer
 
 if TYPE_CHECKING:  # pragma: no cover
     import tokenizers
@@ -64,30 +65,6 @@ TINY_CHAT_TEMPLATE = (
 
 _DICT_FORMAT = "parrot-tokenizer/1"
 
-# llama.cpp pre-tokenizer names -> tokenizers pre-tokenizer JSON.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
-_GGUF_PRE_TOKENIZERS: dict[str, dict[str, Any]] = {
-    "default": _BYTE_LEVEL,
-    "gpt2": _BYTE_LEVEL,
-    # SmolLM / StarCoder: every digit on its own, then GPT-2 byte-level splitting.
-    "smollm": {
-        "type": "Sequence",
-        "pretokenizers": [{"type": "Digits", "individual_digits": True}, _BYTE_LEVEL],
-    },
-    "llama-bpe": {
-        "type": "Sequence",
-        "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": _LLAMA3_SPLIT}, "behavior": "Isolated", "invert": False},
-            {**_BYTE_LEVEL, "use_regex": False},
-        ],
-    },
-}
-_GGUF_CONTROL = 3
-_GGUF_USER_DEFINED = 4
 # Pre-tokenizers that only cut text into pieces (never drop any of it), and the Split
 # behaviours that keep every character.
 _KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Digits", "Split"}
@@ -357,90 +334,17 @@ class TextTokenizer:
     def from_gguf_metadata(cls, reader: Any) -> TextTokenizer:
         """From a ``gguf.GGUFReader`` of a GPT-2-style byte-level BPE model
         (``tokenizer.ggml.model == "gpt2"``).  Control tokens (type 3) become
-        special tokens, user-defined ones (type 4) plain added tokens.  One reading
-        of the file's fields after another: long, not deep."""
-        from tokenizers import AddedToken, Tokenizer
-
-        fields = reader.fields
-
-        def meta(key: str, default: Any = None) -> Any:
-            field = fields.get(key)
-            return default if field is None else field.contents()
-
-        kind = meta("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')")
-        pre = meta("tokenizer.ggml.pre", "default")
-        if pre not in _GGUF_PRE_TOKENIZERS:
-            raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported ({sorted(_GGUF_PRE_TOKENIZERS)})")
-        tokens: list[str] = meta("tokenizer.ggml.tokens")
-        merges: list[str] = meta("tokenizer.ggml.merges", [])
-        types: list[int] = meta("tokenizer.ggml.token_type") or [1] * len(tokens or [])
-        if not tokens or len(types) != len(tokens):
-            raise ValueError("GGUF tokenizer: tokens missing or token_type length differs")
-        pairs = []
-        for m in merges:
-            a, sep, b = m.partition(" ")
-            if not sep:
-                raise ValueError(f"GGUF tokenizer: malformed merge {m!r}")
-            pairs.append([a, b])
-        spec = {
-            "version": "1.0",
-            "truncation": None,
-            "padding": None,
-            "added_tokens": [],
-            "normalizer": None,
-            "pre_tokenizer": _GGUF_PRE_TOKENIZERS[pre],
-            "post_processor": None,
-            "decoder": {
-                "type": "ByteLevel",
-                "add_prefix_space": True,
-                "trim_offsets": True,
-                "use_regex": True,
-            },
-            "model": {
-                "type": "BPE",
-                "dropout": None,
-                "unk_token": None,
-                "continuing_subword_prefix": None,
-                "end_of_word_suffix": None,
-                "fuse_unk": False,
-                "byte_fallback": False,
-                "ignore_merges": False,
-                "vocab": {t: i for i, t in enumerate(tokens)},
-                "merges": pairs,
-            },
-        }
-        tok = Tokenizer.from_str(json.dumps(spec))
-        # Tokens already in the vocab keep their ids; they become matched-first added tokens.
-        tok.add_special_tokens(
-            [
-                AddedToken(t, special=True, normalized=False)
-                for t, ty in zip(tokens, types, strict=True)
-                if ty == _GGUF_CONTROL
-            ]
-        )
-        tok.add_tokens(
-            [
-                AddedToken(t, normalized=False)
-                for t, ty in zip(tokens, types, strict=True)
-                if ty == _GGUF_USER_DEFINED
-            ]
-        )
-        vocab = {t: i for i, t in enumerate(tokens)}
-        bos = meta("tokenizer.ggml.bos_token_id")
-        eos = [meta(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
-        template = meta("tokenizer.chat_template")
-        chat = detect_chat_format(tokens, template)
-        eos_ids = [i for i in eos if i is not None] + _turn_end_ids(chat, vocab)
-        add_bos = bool(meta("tokenizer.ggml.add_bos_token", False)) and bos is not None
+        special tokens, user-defined ones (type 4) plain added tokens (read by
+        :func:`parrot.protocol.tokenizer_gguf.read_gguf_tokenizer`); the chat
+        format's end-of-turn token also ends generation, as with :meth:`from_hf_dir`."""
+        gguf = read_gguf_tokenizer(reader)
         return cls(
-            tok.to_str(),
-            eos_token_ids=eos_ids,
-            bos_token_id=bos,
-            add_bos=add_bos,
-            chat=chat,
-            chat_template=template if isinstance(template, str) else None,
+            gguf.tokenizer_json,
+            eos_token_ids=gguf.eos_token_ids + _turn_end_ids(gguf.chat, gguf.vocab),
+            bos_token_id=gguf.bos_token_id,
+            add_bos=gguf.add_bos,
+            chat=gguf.chat,
+            chat_template=gguf.chat_template,
         )
 
 
