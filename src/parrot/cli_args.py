@@ -32,11 +32,7 @@ DEFAULT_MODEL = "smollm2"
 # The text `parrot --help` has always shown (it was parrot.cli's docstring), kept
 # word for word so that the help output does not change.
 DESCRIPTION = """Command line: ``parrot serve`` (manager + embedded engine) and
-``parrot engine --manager URL`` (a separate engine process).
-
-Length (just over 500 lines): mostly the options' declarations and help texts;
-the backend options live in :mod:`parrot.cli_backend`, the kernel options in
-:mod:`parrot.engine.kernels.options`."""
+``parrot engine --manager URL`` (a separate engine process)."""
 
 
 def build_parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
