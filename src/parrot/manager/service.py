@@ -11,9 +11,11 @@ prompt rendered at submit) is tokenized off the event loop when they are run
 through :meth:`Manager.run_tokenized` (see :mod:`parrot.manager.dag.tokens`); called
 directly they tokenize everything themselves.
 
-(Over 500 lines: one class of operations on sessions, variables and calls that
-share one validation discipline; its settings are in :mod:`parrot.manager.config`,
-what clients see of the graph in :mod:`parrot.manager.views`.)
+:class:`Manager` is the facade: the HTTP routers (:mod:`parrot.manager.api`,
+:mod:`parrot.manager.openai`) call its methods only.  Its validation of calls and text
+lengths is in :mod:`parrot.manager.staging`, its operations on engines in
+:mod:`parrot.manager.engine_ops`, its settings in :mod:`parrot.manager.config`, what
+clients see of the graph in :mod:`parrot.manager.views`.
 """
 
 from __future__ import annotations
@@ -23,20 +25,15 @@ import hashlib
 import hmac
 import logging
 import secrets
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TypeVar
+from collections.abc import Mapping, Sequence
 
-from parrot.manager.backends.pool import EngineHandle, EnginePool
+from parrot.manager.backends.pool import EnginePool
 from parrot.manager.config import ManagerConfig
 from parrot.manager.dag.graph import (
     Call,
     Criteria,
-    OutputSpec,
-    PreRendered,
     Session,
     Variable,
-    add_forks,
     fail_call,
     fail_variable,
     link_call,
@@ -44,56 +41,41 @@ from parrot.manager.dag.graph import (
     new_id,
 )
 from parrot.manager.dag.prefix import PrefixIndex
-from parrot.manager.dag.render import check_chat_shape, check_starts_with_text, render
-from parrot.manager.dag.tokens import NeedsTokenizing, TokenSource, utf8_len
+from parrot.manager.dag.tokens import TokenSource
+from parrot.manager.engine_ops import EngineOperations
 from parrot.manager.executor import Executor
 from parrot.manager.metrics import ManagerMetrics
 from parrot.manager.sched.scheduler import SchedulerConfig
+from parrot.manager.staging import CallStaging, StagedCall, VarLookup, inline_bytes, value_bytes
 from parrot.manager.tenants import ANONYMOUS, ApiKeys, TenantBook, cache_salt
 from parrot.protocol import clock
 from parrot.protocol.errors import (
-    BindingError,
     CallFailed,
     Conflict,
-    ContextTooLong,
     Forbidden,
     NotFound,
     ParrotError,
     Unauthorized,
 )
-from parrot.protocol.sampling import SamplingParams
 from parrot.protocol.schemas import EngineStats, PlaceholderBinding, SubmitCall
-from parrot.protocol.template import Template, parse_template
-from parrot.protocol.tokenizer import TextTokenizer
-from parrot.protocol.transforms import parse_transforms
 
 log = logging.getLogger(__name__)
 
 MAX_WAIT_S = 60.0
-MAX_TOKENIZING_PASSES = 16
-"""Passes of :meth:`Manager.run_tokenized` before it gives up deferring (never reached:
-each pass defers only text not tokenized yet, and a request holds finitely many)."""
-
-T = TypeVar("T")
-
-VarLookup = Callable[[PlaceholderBinding], Variable | None]
-"""The variable a binding names (raises if it names an unknown one), or None if it names none."""
-
-
-@dataclass
-class StagedCall:
-    """A validated call not yet linked into the graph nor added to its session."""
-
-    call: Call
-    new_vars: list[Variable]  # its outputs' fresh variables, not in the session yet
-    criteria: dict[str, Criteria]  # output name -> criteria to put on its variable when added
 
 
 def _hash_token(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
 
-class Manager:
+class Manager(EngineOperations, CallStaging):
+    """The manager's facade: every operation on sessions, variables, calls and engines.
+    One object in three files by responsibility: this one (sessions, variables, calls
+    and their commit), :class:`~parrot.manager.staging.CallStaging` (validating calls and
+    text lengths) and :class:`~parrot.manager.engine_ops.EngineOperations` (engines).
+    The HTTP routers call these methods only, never ``pool`` or ``executor``
+    (tests/test_manager_facade.py)."""
+
     def __init__(self, config: ManagerConfig | None = None):
         self.config = config or ManagerConfig()
         self.metrics = ManagerMetrics()  # its own registry: managers in one process never mix series
@@ -139,55 +121,6 @@ class Manager:
             if session is None
             else [c for c in session.calls.values() if c.state not in ("done", "failed")]
         )
-
-    # ------------------------------------------------------------- engines
-    async def poll_engine_stats(self) -> None:
-        """One heartbeat for every polled engine (in-process or external): ask it for its
-        stats and record them in the pool, where the scheduler reads them (remote engines
-        send theirs)."""
-        local = [h for h in self.pool if h.polled]
-        await asyncio.gather(*(self.refresh_stats(h) for h in local))
-
-    async def refresh_stats(self, handle: EngineHandle) -> EngineStats:
-        """Ask a polled engine for its stats now and record them (a remote engine's are
-        those of its last heartbeat).  An engine that fails to answer keeps its previous
-        stats and, if external, is suspected until it answers; one dropped meanwhile is
-        left alone."""
-        if not handle.polled:
-            return handle.stats
-        try:
-            stats = await handle.api.stats()
-        except Exception as exc:
-            log.warning("engine %s: stats poll failed: %r", handle.engine_id, exc)
-            self.pool.suspect(handle.engine_id, str(getattr(exc, "message", exc)))
-            return handle.stats
-        caps = _caps(handle.stats)
-        try:
-            self.pool.heartbeat(handle.engine_id, stats)
-        except NotFound:
-            return stats
-        if _caps(stats) != caps:
-            self.executor.kick()  # queued calls may fit now
-        return stats
-
-    def _engine_registered(self, handle: EngineHandle) -> None:
-        """Poll a new polled engine's stats at once.  Without a running event loop
-        (registered before the server starts) the first poll at start-up does it.
-
-        Also computes its tokenizer's byte bound now, once (a pass over the vocabulary,
-        :attr:`TextTokenizer.max_token_bytes`), not on the first request that needs it."""
-        tokenizer = getattr(handle.api, "tokenizer", None)
-        if isinstance(tokenizer, TextTokenizer):
-            _ = tokenizer.max_token_bytes
-        if not handle.polled:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return
-        task = loop.create_task(self.refresh_stats(handle))
-        self._polls.add(task)
-        task.add_done_callback(self._polls.discard)
 
     # ------------------------------------------------------------ sessions
     def create_session(self, tenant: str = ANONYMOUS) -> tuple[Session, str]:
@@ -276,80 +209,12 @@ class Manager:
             raise NotFound(f"call {call_id} does not exist in this session", code="call_not_found")
         return call
 
-    # ------------------------------------------------------ tokenization
-    async def run_tokenized(self, op: Callable[[], T]) -> T:
-        """Run the synchronous operation ``op`` without tokenizing long text on the
-        event loop, and return what it returns.
-
-        ``op`` runs in passes, each synchronous from its first check to its last
-        change.  In a pass, long text not tokenized yet is recorded and its check
-        put off (a value's length, a prompt rendered at submit); the operation then
-        stops at :meth:`settle_tokens`, before it changes anything, or at an error.
-        Between passes the recorded text is tokenized in worker threads, and the
-        next pass finds it.  The pass that records nothing is the one whose outcome
-        (result or error) counts, so callers see the errors, in the order, of an
-        operation that tokenized everything itself.  ``op`` must take everything
-        it uses from the manager's state afresh (authorize the session in it):
-        other requests run between passes."""
-        source = TokenSource(self.config.inline_tokenize_bytes)
-        for _ in range(MAX_TOKENIZING_PASSES):
-            source.start_pass()
-            self._tokens = source
-            try:
-                return op()
-            except (NeedsTokenizing, ParrotError):
-                if not source.pending:
-                    raise
-            finally:
-                self._tokens = None
-            await source.resolve()
-        log.warning("an operation still deferred tokenization after %d passes", MAX_TOKENIZING_PASSES)
-        return op()
-
-    def settle_tokens(self) -> None:
-        """Every operation calls this after validating and before changing anything:
-        if a check was put off (its text is to be tokenized off the loop), the
-        operation stops here, unchanged, and :meth:`run_tokenized` runs it again."""
-        if self._tokens is not None and self._tokens.pending:
-            raise NeedsTokenizing("the request's text is being tokenized")
-
-    def _check_value_length(self, value: str, longest: EngineHandle | None = None) -> None:
-        """Reject a value no engine could hold (``longest``: the live engine with
-        the longest context, if the caller already looked it up).
-
-        A value over ``max_seq_len * max_token_bytes`` bytes is rejected without
-        being tokenized; a long one is counted off the loop (the check is put off,
-        see :meth:`run_tokenized`)."""
-        longest = longest or self.pool.longest_context(None)
-        if longest is None:
-            return
-        n_bytes = utf8_len(value)
-        if n_bytes <= longest.max_seq_len:  # every token spans at least one UTF-8 byte
-            return
-        tokenizer = longest.api.tokenizer
-        at_least = tokenizer.min_tokens(value)
-        if at_least > longest.max_seq_len:
-            raise ContextTooLong(
-                f"value has at least {at_least} tokens ({n_bytes} bytes, at most "
-                f"{tokenizer.max_token_bytes} per token); the longest model context is {longest.max_seq_len}",
-                detail={"min_tokens": at_least, "bytes": n_bytes, "max_seq_len": longest.max_seq_len},
-            )
-        got = (self._tokens or TokenSource(None)).get(tokenizer, value, keep_ids=longest.max_seq_len)
-        if got is None:
-            return  # put off until it is tokenized (settle_tokens stops the operation)
-        if got.count > longest.max_seq_len:
-            raise ContextTooLong(
-                f"value has {got.count} tokens; the longest model context is {longest.max_seq_len}",
-                detail={"tokens": got.count, "max_seq_len": longest.max_seq_len},
-            )
-
     def create_variable(self, session: Session, name: str | None, value: str | None) -> Variable:
         size = value_bytes(value)
         self.check_room(session, value_bytes=size)
         var = self.new_variable(session, name, value)
         self.settle_tokens()
-        session.variables[var.var_id] = var
-        self.charge(session, value_bytes=size)
+        self.commit(session, [var], value_bytes=size)
         return var
 
     def new_variable(self, session: Session, name: str | None, value: str | None) -> Variable:
@@ -367,9 +232,7 @@ class Manager:
         size = value_bytes(value)
         self.check_room(session, value_bytes=size)
         self.settle_tokens()
-        self.charge(session, value_bytes=size)
-        for call in materialise(var, value):
-            self.executor.dispatch(call)
+        self.commit(session, [], {var: value}, value_bytes=size)
         return var
 
     def check_settable(self, var: Variable, value: str) -> None:
@@ -417,10 +280,7 @@ class Manager:
         )
         self.settle_tokens()
         link_call(staged.call)  # validates (producer conflicts, cycles) before linking anything
-        self.add_call(session, staged)
-        self.charge(session, calls=[staged.call], value_bytes=size)
-        self.executor.graph_changed(session.session_id)
-        self.start_call(staged.call)
+        self.commit(session, [staged], value_bytes=size)
         return staged.call
 
     def lookup_in(self, session: Session) -> VarLookup:
@@ -431,56 +291,6 @@ class Manager:
 
         return lookup
 
-    def stage_call(
-        self,
-        session: Session,
-        req: SubmitCall,
-        lookup: VarLookup,
-        *,
-        prompt_ids: tuple[int, ...] | None = None,
-        samples: int = 1,
-    ) -> StagedCall:
-        """Validate ``req`` and build its call, unlinked: the session and every
-        variable in it are left untouched (outputs that need a fresh variable get
-        one in ``StagedCall.new_vars``, outside the session).  ``prompt_ids``: the
-        prompt as token ids, filled in place of the template's text; ``samples``: how
-        many samples of its last output (:func:`~parrot.manager.dag.graph.add_forks`)."""
-        template, bindings = _bound_template(req)
-        names = template.names
-        check_starts_with_text(template)
-        if req.chat:
-            check_chat_shape(template)
-
-        longest = self.pool.longest_context(req.model)  # what the prompt must fit
-        inputs: dict[str, Variable | str] = {}
-        outputs: dict[str, OutputSpec] = {}
-        new_vars: list[Variable] = []
-        for name in names:
-            b = bindings[name]
-            if template.direction_of(name) == "input":
-                inputs[name] = self._bind_input(b, lookup, longest)
-            else:
-                outputs[name] = self._bind_output(session, b, lookup, new_vars)
-
-        call = Call(
-            new_id("c"),
-            session.session_id,
-            req.name,
-            template,
-            inputs,
-            outputs,
-            model=req.model,
-            chat=req.chat,
-            tenant=session.tenant,
-            cache_salt=cache_salt(session.tenant, self.config.prefix_sharing),
-            prompt_ids=prompt_ids,
-        )
-        if samples > 1:
-            new_vars.extend(add_forks(call, samples))
-        self._check_rendered_length(call, longest)
-        criteria = {n: c for n in outputs if (c := bindings[n].criteria) is not None}
-        return StagedCall(call, new_vars, criteria)
-
     def add_call(self, session: Session, staged: StagedCall) -> None:
         """Put a linked call and its fresh output variables into the session."""
         call = staged.call
@@ -489,6 +299,51 @@ class Manager:
         for var in staged.new_vars:
             session.variables[var.var_id] = var
         session.calls[call.call_id] = call
+
+    def commit(
+        self,
+        session: Session,
+        steps: Sequence[Variable | StagedCall],
+        sets: Mapping[Variable, str] | None = None,
+        *,
+        value_bytes: int = 0,
+    ) -> None:
+        """Apply validated changes to ``session``; raises nothing, as the caller validated
+        them, quota included (:meth:`check_room`), and linked the staged calls.
+
+        In order: ``steps`` (new variables, staged calls) join the session in their
+        order, the tenant is charged ``value_bytes`` and the calls, the session's graph
+        is marked changed once if it gained calls, and only then are ``sets`` (pending
+        variables and their values) applied and the calls that are ready queued: the
+        first scheduling round that may place any of them deduces objectives over all."""
+        calls: list[Call] = []
+        for step in steps:
+            if isinstance(step, StagedCall):
+                self.add_call(session, step)
+                calls.append(step.call)
+            else:
+                session.variables[step.var_id] = step
+        self.charge(session, calls=calls, value_bytes=value_bytes)
+        if calls:
+            self.executor.graph_changed(session.session_id)
+        made_ready = [c for var, value in (sets or {}).items() for c in materialise(var, value)]
+        for call in calls:
+            self.start_call(call)
+        for call in made_ready:
+            self.executor.dispatch(call)
+
+    async def wait_call_freed(self, call: Call, timeout_s: float) -> None:
+        """Wait, at most ``timeout_s``, until the task running ``call`` on its engine ends
+        (the engine context it held is then freed); at once if none runs.  Neither raises
+        nor cancels the task."""
+        task = self.executor.task(call.call_id)
+        if task is not None and not task.done():
+            await asyncio.wait({task}, timeout=timeout_s)
+
+    async def drain(self) -> None:
+        """Stop scheduling and cancel every call's running task, waiting for them to end
+        (the server is stopping; engines are left as they are)."""
+        await self.executor.drain()
 
     def start_call(self, call: Call) -> None:
         """Fail a call whose input failed, queue it if it is ready, else leave it waiting."""
@@ -508,90 +363,3 @@ class Manager:
             self.executor.dispatch(call)
         else:
             self.executor.waiting(call)
-
-    def _bind_input(
-        self, b: PlaceholderBinding, lookup: VarLookup, longest: EngineHandle | None
-    ) -> Variable | str:
-        var = lookup(b)
-        if (var is None) == (b.value is None):
-            raise BindingError(
-                f"input {b.name!r} needs exactly one of 'var_id' (or a batch 'ref') or 'value'"
-            )
-        if b.sampling is not None or b.transform is not None or b.criteria is not None:
-            raise BindingError(f"input {b.name!r} cannot carry sampling, transform or criteria")
-        if b.value is not None:
-            self._check_value_length(b.value, longest)
-            return b.value
-        return var  # type: ignore[return-value]
-
-    def _bind_output(
-        self, session: Session, b: PlaceholderBinding, lookup: VarLookup, new_vars: list[Variable]
-    ) -> OutputSpec:
-        if b.value is not None:
-            raise BindingError(f"output {b.name!r} cannot have a value")
-        sampling = SamplingParams.from_dict(b.sampling)
-        transform = parse_transforms(b.transform)
-        var = lookup(b)
-        if var is None:
-            var = Variable(new_id("v"), session.session_id, name=b.name)
-            new_vars.append(var)
-        return OutputSpec(b.name, var, sampling, transform)
-
-    def _check_rendered_length(self, call: Call, longest: EngineHandle | None) -> None:
-        """Reject at submit a prompt that can never fit, when all inputs are known."""
-        if not all(v.state == "ready" for v in call.input_vars()):
-            return
-        if longest is None:
-            return
-        try:
-            rendered = render(call, longest.api.tokenizer, longest.max_seq_len, self._tokens)
-        except NeedsTokenizing:
-            return  # put off until it is tokenized (settle_tokens stops the operation)
-        call.rendered = PreRendered(longest.model, rendered, longest.max_seq_len)
-
-
-def value_bytes(value: str | None) -> int:
-    """What a client-supplied value counts against its tenant's quota: its UTF-8 bytes."""
-    return 0 if value is None else utf8_len(value)
-
-
-def inline_bytes(req: SubmitCall) -> int:
-    """Bytes of the constant inputs a call binds inline."""
-    return sum(value_bytes(b.value) for b in req.placeholders)
-
-
-def _bound_template(req: SubmitCall) -> tuple[Template, dict[str, PlaceholderBinding]]:
-    """``req``'s template with every placeholder's direction (its binding's, else the
-    template's, else output when the binding samples or transforms) and its bindings by
-    name; BindingError for a placeholder without a binding or a binding without one."""
-    template = parse_template(req.template)
-    bindings = _index_bindings(req.placeholders)
-    missing = [n for n in template.names if n not in bindings]
-    if missing:
-        raise BindingError(f"placeholder(s) {missing} have no binding")
-    extra = [n for n in bindings if n not in template.names]
-    if extra:
-        raise BindingError(f"binding(s) {extra} match no placeholder in the template")
-    directions = {}
-    for name, b in bindings.items():
-        if b.direction is not None:
-            directions[name] = b.direction
-        elif template.direction_of(name) is None:
-            directions[name] = "output" if (b.sampling is not None or b.transform is not None) else "input"
-    return template.with_directions(directions), bindings
-
-
-def _index_bindings(bindings: list[PlaceholderBinding]) -> dict[str, PlaceholderBinding]:
-    out: dict[str, PlaceholderBinding] = {}
-    for b in bindings:
-        if not b.name:
-            raise BindingError("a binding has an empty name")
-        if b.name in out:
-            raise BindingError(f"placeholder {b.name!r} is bound twice")
-        out[b.name] = b
-    return out
-
-
-def _caps(stats: EngineStats) -> tuple[int, int, float]:
-    """What of an engine's stats decides which queued calls it takes."""
-    return (stats.token_capacity, stats.latency_cap_tokens, stats.prefill_tokens_per_decode_step)

@@ -59,8 +59,8 @@ def create_app(manager: Manager) -> FastAPI:
             monitor.cancel()
             poller.cancel()
             expirer.cancel()
-            await manager.executor.drain()
-            for handle in list(manager.pool):  # network clients die with the server's loop
+            await manager.drain()
+            for handle in manager.engines():  # network clients die with the server's loop
                 if isinstance(handle.api, _NETWORK_ENGINES):
                     with contextlib.suppress(Exception):
                         await handle.api.close()
@@ -73,14 +73,14 @@ def create_app(manager: Manager) -> FastAPI:
     )
     app.router.route_class = OffLoopJsonRoute  # large bodies are parsed off the event loop
     install_error_handlers(app)
-    manager.pool.on_drop(_close_remote_client)
+    manager.on_engine_drop(_close_remote_client)
     app.add_middleware(BodyLimitMiddleware, max_bytes=manager.config.max_body_bytes)
     app.add_middleware(RequestCounter, metrics=manager.metrics)  # outermost: counts 413s too
     app.state.manager = manager
 
     @app.get("/healthz")
     async def healthz() -> dict:
-        return {"ok": True, "engines": len(manager.pool), "sessions": len(manager.sessions)}
+        return {"ok": True, "engines": len(manager.engines()), "sessions": len(manager.sessions)}
 
     app.include_router(sessions_router(manager))
     app.include_router(engines_router(manager))
@@ -125,5 +125,5 @@ async def _expire_sessions(manager: Manager) -> None:
 async def _watch_heartbeats(manager: Manager) -> None:
     while True:
         await asyncio.sleep(max(manager.config.heartbeat_interval_s / 2, 0.05))
-        for engine_id in manager.pool.drop_stale():
+        for engine_id in manager.drop_stale_engines():
             log.warning("engine %s dropped: heartbeats stopped", engine_id)

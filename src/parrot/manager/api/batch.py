@@ -18,16 +18,18 @@ off a check for such text stops before the commit (rolled back like a rejected
 op) and the batch is validated again once the text is tokenized, so its
 outcome is the one of a batch that tokenized everything itself.
 
-The commit adds variables and calls to the session in op order, marks the
-session's graph changed once (if it gained calls), and only then applies the
-sets and queues the calls that are ready, so the first scheduling round that
-may place any of them deduces objectives over the whole batch.
+The commit (:meth:`~parrot.manager.service.Manager.commit`) adds variables and
+calls to the session in op order, marks the session's graph changed once (if it
+gained calls), and only then applies the sets and queues the calls that are
+ready, so the first scheduling round that may place any of them deduces
+objectives over the whole batch.
 """
 
 from __future__ import annotations
 
-from parrot.manager.dag.graph import Call, Session, Variable, link_call, materialise, unlink_call
-from parrot.manager.service import Manager, StagedCall, inline_bytes, value_bytes
+from parrot.manager.dag.graph import Call, Session, Variable, link_call, unlink_call
+from parrot.manager.service import Manager
+from parrot.manager.staging import StagedCall, inline_bytes, value_bytes
 from parrot.protocol.errors import BindingError, Conflict, ParrotError
 from parrot.protocol.schemas import (
     BatchBinding,
@@ -192,19 +194,5 @@ class _Plan:
 
     def commit(self) -> None:
         """Apply the whole validated batch (raises nothing: every op was validated)."""
-        manager, session = self.manager, self.session
-        calls: list[Call] = []
-        for step in self.steps:
-            if isinstance(step, StagedCall):
-                manager.add_call(session, step)
-                calls.append(step.call)
-            else:
-                session.variables[step.var_id] = step
-        manager.charge(session, calls=calls, value_bytes=self.value_bytes)
-        if calls:
-            manager.executor.graph_changed(session.session_id)
-        made_ready = [c for var, (value, _) in self.sets.items() for c in materialise(var, value)]
-        for call in calls:
-            manager.start_call(call)
-        for call in made_ready:
-            manager.executor.dispatch(call)
+        sets = {var: value for var, (value, _) in self.sets.items()}
+        self.manager.commit(self.session, self.steps, sets, value_bytes=self.value_bytes)

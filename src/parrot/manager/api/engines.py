@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
+from collections.abc import Callable
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header
 
 from parrot.manager.backends.connect import BackendSetupError, connect_backend_off_loop, load_tokenizer
-from parrot.manager.backends.openai_backend import BackendOptions
+from parrot.manager.backends.openai_backend import BackendOptions, OpenAIBackend
 from parrot.manager.backends.remote_engine import RemoteEngine
 from parrot.manager.service import Manager
 from parrot.protocol.asgi import OffLoopJsonRoute
@@ -40,6 +42,8 @@ ClusterSecret = Annotated[
 ]
 REGISTER_TIMEOUT_S = 10.0
 """How long registering an engine waits for its description."""
+Guard = Callable[..., None]
+"""A route dependency that raises unless the caller may pass."""
 
 
 _PUBLIC_STATS = {
@@ -66,9 +70,9 @@ def _public_stats(stats: EngineStats) -> EngineStats:
 def _tokenizer_of(manager: Manager, model: str) -> TextTokenizer | str:
     """The tokenizer of an engine already serving ``model``, else the manager's backend
     tokenizer spec (loaded off the loop by the caller); BadRequest when there is neither."""
-    for h in manager.pool:
-        if h.model == model:
-            return h.api.tokenizer
+    tokenizer = manager.tokenizer_serving(model)
+    if tokenizer is not None:
+        return tokenizer
     if manager.config.backend_tokenizer is None:
         raise BadRequest(
             f"no tokenizer for model {model!r}: no engine serves it, and the manager was started "
@@ -78,104 +82,117 @@ def _tokenizer_of(manager: Manager, model: str) -> TextTokenizer | str:
     return manager.config.backend_tokenizer
 
 
+def _is_operator(manager: Manager, presented: str | None) -> bool:
+    """Whether ``presented`` is the cluster secret (never, on a manager without one)."""
+    secret = manager.config.cluster_secret
+    return secret is not None and secret_matches(secret, presented)
+
+
+def _require_cluster(manager: Manager, presented: str | None) -> None:
+    """Unauthorized unless ``presented`` is the cluster secret."""
+    if manager.config.cluster_secret is None:
+        raise Unauthorized("this manager takes no remote engines: start it with a cluster secret")
+    if not _is_operator(manager, presented):
+        raise Unauthorized(f"engine traffic needs the cluster secret ({CLUSTER_SECRET_HEADER})")
+
+
 def engines_router(manager: Manager) -> APIRouter:
-    """The routes, bound to ``manager`` (its length is its routes, each a few lines)."""
+    """The routes, bound to ``manager``: registering engines, then the pool's heartbeats
+    and listings.  Engine traffic is guarded by the cluster secret before its body is read."""
     router = APIRouter(route_class=OffLoopJsonRoute)
-
     engine_tls = client_tls(manager.config.tls_ca_file)  # a bad CA file fails here, at start-up
-
-    def is_operator(presented: str | None) -> bool:
-        secret = manager.config.cluster_secret
-        return secret is not None and secret_matches(secret, presented)
-
-    def require_cluster(presented: str | None) -> None:
-        if manager.config.cluster_secret is None:
-            raise Unauthorized("this manager takes no remote engines: start it with a cluster secret")
-        if not is_operator(presented):
-            raise Unauthorized(f"engine traffic needs the cluster secret ({CLUSTER_SECRET_HEADER})")
 
     def cluster_only(secret: ClusterSecret = None) -> None:
         """Engine traffic's guard, run before the body is read: a caller without the secret
         learns nothing, not even whether its body would have been valid."""
-        require_cluster(secret)
+        _require_cluster(manager, secret)
 
-    @router.post(
-        "/v1/engines",
-        status_code=201,
-        response_model=EngineRegistered,
-        dependencies=[Depends(cluster_only)],
-    )
+    _registration_routes(router, manager, cluster_only, engine_tls)
+    _pool_routes(router, manager, cluster_only)
+    return router
+
+
+def _registration_routes(
+    router: APIRouter, manager: Manager, cluster_only: Guard, engine_tls: ssl.SSLContext | bool
+) -> None:
+    """``POST /v1/engines``: a Parrot engine, or an external backend (``kind``)."""
+    guard = Depends(cluster_only)
+
+    @router.post("/v1/engines", status_code=201, response_model=EngineRegistered, dependencies=[guard])
     async def register_engine(body: EngineDescription) -> EngineRegistered:
         if not body.url.startswith(("http://", "https://")):
             raise BadRequest("engine url must start with http:// or https://")
         if body.kind != "parrot":
-            return await register_backend(body)
-        try:
-            remote = await RemoteEngine.connect(
-                body.url,
-                cluster_secret=manager.config.cluster_secret,
-                timeout_s=REGISTER_TIMEOUT_S,
-                verify=engine_tls,
-            )
-        except ParrotError as exc:
-            raise BadRequest(
-                f"could not register the engine at {body.url}: {exc.message}", code="engine_unreachable"
-            ) from exc
-        if remote.model_name != body.model:
-            await remote.close()
-            raise BadRequest(f"engine at {body.url} serves {remote.model_name!r}, not {body.model!r}")
-        # its tokenizer's byte bound (a pass over the vocabulary), computed here and off the loop
-        await asyncio.to_thread(lambda: remote.tokenizer.max_token_bytes)
-        handle = manager.pool.register(remote, name=body.name, url=body.url)
-        manager.executor.kick()  # queued calls may fit now
-        log.info("engine %s registered: %s at %s", handle.engine_id, body.model, body.url)
+            backend = await _connect_backend(manager, body)
+            name = body.name or f"{body.kind}-{backend.url}"
+            handle = manager.add_engine(backend, name=name, url=backend.url, polled=True)
+            log.info("backend %s registered: %s %s at %s", handle.engine_id, body.kind, body.model, body.url)
+        else:
+            remote = await _connect_remote(manager, body, engine_tls)
+            handle = manager.add_engine(remote, name=body.name, url=body.url)
+            log.info("engine %s registered: %s at %s", handle.engine_id, body.model, body.url)
         return EngineRegistered(
             engine_id=handle.engine_id, heartbeat_interval_s=manager.config.heartbeat_interval_s
         )
 
-    async def register_backend(body: EngineDescription) -> EngineRegistered:
-        """An external backend as an engine (see the module docstring)."""
-        tokenizer = _tokenizer_of(manager, body.model)
-        if isinstance(tokenizer, str):
-            try:
-                tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer)
-            except BackendSetupError as exc:
-                raise BadRequest(
-                    f"no tokenizer for model {body.model!r}: {exc}", code="no_tokenizer"
-                ) from exc
+
+async def _connect_remote(
+    manager: Manager, body: EngineDescription, tls: ssl.SSLContext | bool
+) -> RemoteEngine:
+    """A Parrot engine at ``body.url``, checked to serve ``body.model``; BadRequest if it
+    does not answer or serves another model."""
+    try:
+        remote = await RemoteEngine.connect(
+            body.url, cluster_secret=manager.config.cluster_secret, timeout_s=REGISTER_TIMEOUT_S, verify=tls
+        )
+    except ParrotError as exc:
+        raise BadRequest(
+            f"could not register the engine at {body.url}: {exc.message}", code="engine_unreachable"
+        ) from exc
+    if remote.model_name != body.model:
+        await remote.close()
+        raise BadRequest(f"engine at {body.url} serves {remote.model_name!r}, not {body.model!r}")
+    # its tokenizer's byte bound (a pass over the vocabulary), computed here and off the loop
+    await asyncio.to_thread(lambda: remote.tokenizer.max_token_bytes)
+    return remote
+
+
+async def _connect_backend(manager: Manager, body: EngineDescription) -> OpenAIBackend:
+    """An external backend at ``body.url`` (see the module docstring); BadRequest if no
+    tokenizer is known for its model, its options are invalid or it does not answer."""
+    tokenizer = _tokenizer_of(manager, body.model)
+    if isinstance(tokenizer, str):
         try:
-            options = BackendOptions(
-                kind=body.kind,
-                model=body.model,
-                max_inflight=body.max_inflight,
-                warm_prefix=body.warm_prefix,
-                send_priority=body.priority,
-            )
-            backend = await connect_backend_off_loop(
-                body.url, options, tokenizer, max_seq_len=body.max_seq_len, deadline_s=REGISTER_TIMEOUT_S
-            )
-        except ValueError as exc:
-            raise BadRequest(str(exc)) from exc
+            tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer)
         except BackendSetupError as exc:
-            raise BadRequest(
-                f"could not register the backend at {body.url}: {exc}", code="engine_unreachable"
-            ) from exc
-        name = body.name or f"{body.kind}-{backend.url}"
-        handle = manager.pool.register(backend, name=name, url=backend.url, polled=True)
-        manager.executor.kick()
-        log.info("backend %s registered: %s %s at %s", handle.engine_id, body.kind, body.model, body.url)
-        return EngineRegistered(
-            engine_id=handle.engine_id, heartbeat_interval_s=manager.config.heartbeat_interval_s
+            raise BadRequest(f"no tokenizer for model {body.model!r}: {exc}", code="no_tokenizer") from exc
+    try:
+        options = BackendOptions(
+            kind=body.kind,
+            model=body.model,
+            max_inflight=body.max_inflight,
+            warm_prefix=body.warm_prefix,
+            send_priority=body.priority,
         )
+        return await connect_backend_off_loop(
+            body.url, options, tokenizer, max_seq_len=body.max_seq_len, deadline_s=REGISTER_TIMEOUT_S
+        )
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from exc
+    except BackendSetupError as exc:
+        raise BadRequest(
+            f"could not register the backend at {body.url}: {exc}", code="engine_unreachable"
+        ) from exc
 
-    @router.post("/v1/engines/{engine_id}/heartbeat", dependencies=[Depends(cluster_only)])
+
+def _pool_routes(router: APIRouter, manager: Manager, cluster_only: Guard) -> None:
+    """Heartbeats (engines, with the secret) and the pool's listing (anyone; details to
+    the operator only)."""
+    guard = Depends(cluster_only)
+
+    @router.post("/v1/engines/{engine_id}/heartbeat", dependencies=[guard])
     async def heartbeat(engine_id: str, body: Heartbeat) -> dict:
-        if manager.pool.get(engine_id).polled:
-            raise BadRequest(
-                f"engine {engine_id} is in-process or an external backend: the manager polls its stats itself"
-            )
-        manager.pool.heartbeat(engine_id, body.stats)
-        manager.executor.kick()
+        manager.engine_heartbeat(engine_id, body.stats)
         return {"ok": True}
 
     @router.get("/v1/engines", response_model=list[EngineInfo])
@@ -184,22 +201,19 @@ def engines_router(manager: Manager) -> APIRouter:
         are those of its last heartbeat).  The scheduler does not depend on this:
         stats reach it on the heartbeat interval.  Without the cluster secret: no
         URLs, and only each engine's size and latency fit."""
-        operator = is_operator(secret)
-        out = []
-        for h in manager.pool:
-            stats = await manager.refresh_stats(h)
-            out.append(
-                EngineInfo(
-                    engine_id=h.engine_id,
-                    name=h.name,
-                    model=h.model,
-                    max_seq_len=h.max_seq_len,
-                    url=h.url if operator else None,
-                    alive=h.alive,
-                    stats=stats if operator else _public_stats(stats),
-                )
+        operator = _is_operator(manager, secret)
+        return [
+            EngineInfo(
+                engine_id=h.engine_id,
+                name=h.name,
+                model=h.model,
+                max_seq_len=h.max_seq_len,
+                url=h.url if operator else None,
+                alive=h.alive,
+                stats=stats if operator else _public_stats(stats),
             )
-        return out
+            for h, stats in await manager.engines_with_stats()
+        ]
 
     @router.get("/v1/engines/{engine_id}", response_model=EngineInfo)
     async def get_engine(engine_id: str, secret: ClusterSecret = None) -> EngineInfo:
@@ -207,5 +221,3 @@ def engines_router(manager: Manager) -> APIRouter:
             if info.engine_id == engine_id:
                 return info
         raise NotFound(f"engine {engine_id} is not registered", code="engine_not_found")
-
-    return router

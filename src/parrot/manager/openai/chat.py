@@ -131,7 +131,7 @@ def chat_router(manager: Manager) -> APIRouter:
         tenant = manager.api_keys.tenant(bearer_token(request.headers.get("authorization")))
         _check_supported(req)
         max_seq_len = context_of(manager, req.model)
-        engine = manager.pool.longest_context(req.model)
+        engine = manager.longest_context(req.model)
         if engine is None:  # gone since the check
             raise NoEngine(f"no live engine serves model {req.model!r}")
         if req.max_tokens is None and req.max_completion_tokens is not None:

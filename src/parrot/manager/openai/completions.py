@@ -226,7 +226,7 @@ def sampling_of(
 def context_of(manager: Manager, model: str | None) -> int:
     """The longest context of a live engine serving ``model`` (503 when none does)."""
     check_model(manager, model)
-    engine = manager.pool.longest_context(model)
+    engine = manager.longest_context(model)
     if engine is None:  # gone since the check
         raise NoEngine(f"no live engine serves model {model!r}")
     return engine.max_seq_len
@@ -245,7 +245,7 @@ def openai_router(manager: Manager) -> APIRouter:
     async def list_models() -> dict:
         models: dict[str, int] = {}
         chat: dict[str, dict[str, Any] | None] = {}
-        for h in manager.pool:
+        for h in manager.engines():
             if h.alive:
                 models[h.model] = max(models.get(h.model, 0), h.max_seq_len)
                 fmt = h.api.tokenizer.chat

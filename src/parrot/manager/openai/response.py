@@ -51,8 +51,8 @@ Prompt = str | tuple[int, ...]
 
 
 def check_model(manager: Manager, model: str | None) -> None:
-    if not manager.pool.candidates(model):
-        known = sorted({h.model for h in manager.pool if h.alive})
+    if not manager.engines_serving(model):
+        known = sorted({h.model for h in manager.engines_serving(None)})
         what = f"model {model!r}" if model else "any model"
         raise NoEngine(f"no live engine serves {what}; served models: {known or 'none'}")
 
@@ -151,15 +151,13 @@ class Completion:
         engine_id = self.calls[0].engine_id
         if engine_id is not None:
             with contextlib.suppress(ParrotError):
-                return self.manager.pool.get(engine_id).model
+                return self.manager.engine(engine_id).model
         return self.requested_model or "unknown"
 
     async def wait_call(self, calls: Sequence[Call] | None = None) -> None:
         """Wait until the calls' tasks end (their engine contexts are then freed)."""
         for call in self.calls if calls is None else calls:
-            task = self.manager.executor.task(call.call_id)
-            if task is not None and not task.done():
-                await asyncio.wait({task}, timeout=_TASK_GRACE_S)  # neither raises nor cancels the task
+            await self.manager.wait_call_freed(call, _TASK_GRACE_S)
 
     async def wait_value(self) -> None:
         """Wait until every choice's value is ready or failed."""
@@ -185,7 +183,7 @@ class Completion:
             return "length"
         if call.engine_id is not None and call.prompt_tokens is not None:
             with contextlib.suppress(ParrotError):
-                if call.prompt_tokens + gen >= self.manager.pool.get(call.engine_id).max_seq_len:
+                if call.prompt_tokens + gen >= self.manager.engine(call.engine_id).max_seq_len:
                     return "length"
         return "stop"
 
@@ -200,9 +198,9 @@ class Completion:
         handle = None
         if call.engine_id is not None:
             with contextlib.suppress(ParrotError):
-                handle = self.manager.pool.get(call.engine_id)
+                handle = self.manager.engine(call.engine_id)
         if handle is None:
-            handle = self.manager.pool.longest_context(self.requested_model)
+            handle = self.manager.longest_context(self.requested_model)
         return None if handle is None else handle.api.tokenizer
 
     def logprobs(
