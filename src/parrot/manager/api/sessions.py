@@ -45,10 +45,20 @@ ApiKey = Annotated[
 
 
 def sessions_router(manager: Manager) -> APIRouter:
-    """The routes, bound to ``manager`` (its length is its routes, each a few lines)."""
+    """The routes, bound to ``manager``, one group per resource (each route a few lines:
+    parse, authorize, call a :class:`Manager` method, serialise)."""
     router = APIRouter(route_class=OffLoopJsonRoute)  # large bodies are parsed off the event loop
+    _session_routes(router, manager)
+    _variable_writes(router, manager)
+    _variable_reads(router, manager)
+    _call_routes(router, manager)
+    _graph_route(router, manager)
+    return router
 
-    # ------------------------------------------------------------ sessions
+
+def _session_routes(router: APIRouter, manager: Manager) -> None:
+    """Opening (with an optional batch) and closing sessions."""
+
     @router.post("/v1/sessions", status_code=201, response_model=SessionCreated)
     async def create_session(
         body: CreateSession | None = None, authorization: ApiKey = None
@@ -74,7 +84,10 @@ def sessions_router(manager: Manager) -> APIRouter:
         manager.close_session(manager.authorize(session_id, bearer_token(authorization)))
         return Response(status_code=204)
 
-    # ----------------------------------------------------------- variables
+
+def _variable_writes(router: APIRouter, manager: Manager) -> None:
+    """Creating and setting variables (their text tokenized off the loop)."""
+
     @router.post("/v1/sessions/{session_id}/variables", status_code=201, response_model=VariableInfo)
     async def create_variable(
         session_id: str, body: CreateVariable, authorization: Auth = None
@@ -94,6 +107,10 @@ def sessions_router(manager: Manager) -> APIRouter:
             lambda: manager.set_variable(manager.authorize(session_id, token), var_id, body.value)
         )
         return var_info(var)
+
+
+def _variable_reads(router: APIRouter, manager: Manager) -> None:
+    """Reading a variable, long-polled or streamed; a read may carry the criteria it asks for."""
 
     @router.get("/v1/sessions/{session_id}/variables/{var_id}", response_model=VariableInfo)
     async def get_variable(
@@ -134,7 +151,11 @@ def sessions_router(manager: Manager) -> APIRouter:
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
-    # --------------------------------------------------------------- calls
+
+def _call_routes(router: APIRouter, manager: Manager) -> None:
+    """Submitting calls, one or in a batch (constraints compiled off the loop first), and
+    reading one."""
+
     @router.post("/v1/sessions/{session_id}/calls", status_code=201, response_model=CallSubmitted)
     async def submit_call(session_id: str, body: SubmitCall, authorization: Auth = None) -> CallSubmitted:
         token = bearer_token(authorization)
@@ -160,6 +181,10 @@ def sessions_router(manager: Manager) -> APIRouter:
     async def get_call(session_id: str, call_id: str, authorization: Auth = None) -> CallInfo:
         session = manager.authorize(session_id, bearer_token(authorization))
         return call_info(manager.call(session, call_id))
+
+
+def _graph_route(router: APIRouter, manager: Manager) -> None:
+    """The session's DAG, as the session page draws it."""
 
     @router.get("/v1/sessions/{session_id}/graph")
     async def get_graph(
@@ -195,5 +220,3 @@ def sessions_router(manager: Manager) -> APIRouter:
                 info["text"], info["text_truncated"] = text, cut
             variables.append(info)
         return {"calls": [call_info(c).model_dump() for c in session.calls.values()], "variables": variables}
-
-    return router
