@@ -1,28 +1,11 @@
 """Batches: many operations on one session in one request, applied all or none.
 
-Validation comes first and changes nothing anyone can see.  The ops are
-validated and built in order by the very checks of the single-op endpoints,
-on detached objects: created variables and calls' fresh outputs stay outside
-the session and sets are only recorded.  The one in-place change is the graph
-edges :func:`~parrot.manager.dag.graph.link_call` adds for each call, which the
-next calls need for their producer-conflict and cycle checks; when an op is
-rejected they are removed again (:func:`~parrot.manager.dag.graph.unlink_call`).
-Nothing awaits between the first op and the commit, so no other request and no
-scheduling round ever sees a half-applied batch: a rejected batch leaves the
-session exactly as it was, and its error is the one the single-op endpoint
-would raise, prefixed ``op <i> (<kind>): `` and with ``detail["op"] = i``.
-
-Long values and prompts are tokenized off the event loop when the batch runs
-through :meth:`~parrot.manager.service.Manager.run_tokenized`: a pass that put
-off a check for such text stops before the commit (rolled back like a rejected
-op) and the batch is validated again once the text is tokenized, so its
-outcome is the one of a batch that tokenized everything itself.
-
-The commit (:meth:`~parrot.manager.service.Manager.commit`) adds variables and
-calls to the session in op order, marks the session's graph changed once (if it
-gained calls), and only then applies the sets and queues the calls that are
-ready, so the first scheduling round that may place any of them deduces
-objectives over the whole batch.
+The ops are validated in order by the single-op endpoints' own checks, on detached
+objects (a :class:`_Plan`); only the graph edges of staged calls are added in place,
+and removed again if an op is rejected.  Nothing awaits between the first op and the
+commit (:meth:`~parrot.manager.service.Manager.commit`), so nobody sees a half-applied
+batch, and a rejected one's error is the single-op error prefixed ``op <i> (<kind>): ``
+with ``detail["op"] = i``.  Why and how: docs/manager.md, "Batches: all or none".
 """
 
 from __future__ import annotations

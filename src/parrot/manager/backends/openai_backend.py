@@ -1,48 +1,15 @@
 """An external OpenAI-compatible completions server (vLLM, SGLang, any such server,
 or another Parrot) driven as one of the manager's engines.
 
-It implements :class:`parrot.protocol.engine_api.EngineAPI` over ``POST
-/v1/completions``: a context is the list of token ids the adapter keeps here (``fill``
-appends to it, a fork copies its parent's); ``generate`` sends the whole context as
-the prompt (token ids where the server accepts them, its decoded text otherwise) with
-the call's sampling settings and streams the answer back chunk by chunk; the
-generated tokens then join the context (the server's own ids when it returns them,
-else the answer re-tokenized here); ``free_context`` drops the list.  The backend
-keeps no state of ours, so nothing needs freeing there.  A constrained output (structured
-outputs) goes to a ``vllm`` backend in its ``structured_outputs`` field (``json``,
-``regex`` or ``choice``: vLLM 0.10.2 and later; vLLM 0.32 answers the older
-``guided_*`` fields unconstrained, with HTTP 200); other kinds refuse it with a 400
-rather than answer unconstrained.
-
-Capacity: at most ``max_inflight`` requests are in flight at once on one backend;
-further generations wait here (reported as ``num_waiting``).  ``stats`` asks the
-backend's ``GET /v1/models`` so a backend that stops answering stays out of the
-manager's placement (suspected) until it answers again.
-
-Priority: with ``send_priority`` (a vLLM backend started with ``--scheduling-policy
-priority``), each request carries the call's ``priority`` (its application's place in
-the manager's order, lower first), so the backend itself serves earlier applications'
-calls first while it admits them all; the adapter then reports a latency cap of its
-whole capacity (``latency_cap_source`` "priority") and the manager dispatches latency
-calls up to it instead of holding them back.
-
-Latency cap: measured here, as Parrot's own engine measures its own
-(:mod:`parrot.engine.latency_probe`).  A backend's decode step is the time
-between two tokens of one streamed answer, so every token after an answer's first
-is one sample of the step time (a chunk of ``n`` tokens: ``n`` samples of a
-``1/n`` share) at the adapter's token load then (prompt and generated tokens of
-the answers in flight here).  The fit of step time against load (lower quartiles
-per load bucket: steps that also computed another request's prompt, or that the
-manager's loop read late, only ever add time) gives the cap that ``stats``
-reports, ``latency_cap_source`` "measured"; until the answers have spanned an
-octave of load it reports none (0), and the manager applies its default.  The
-operator's ``--latency-cap`` overrides it as for any engine.
-
-Failures: connection errors, timeouts (no byte for ``timeout_s``), 5xx, 408 and 429
-answers, and malformed streams raise :class:`EngineError` naming the backend — the
-manager re-runs the call on another engine, as for a failing Parrot engine; any other
-4xx fails the call (:class:`CallFailed`) with the backend's message, since another
-replica would refuse it alike.
+:class:`OpenAIBackend` implements :class:`parrot.protocol.engine_api.EngineAPI` over
+``POST /v1/completions``: a context is a list of token ids kept here, and ``generate``
+sends the whole of it as the prompt and streams the answer back.  At most
+``max_inflight`` requests are in flight per backend; ``send_priority`` passes the
+call's place in the manager's order to a vLLM started with ``--scheduling-policy
+priority``; the latency cap is fitted here from the gaps between streamed tokens.
+Connection errors, timeouts, 5xx, 408, 429 and malformed streams raise
+:class:`EngineError` (the manager re-runs the call elsewhere); any other 4xx fails the
+call.  How and why: docs/backends.md, "How the adapter drives a backend".
 """
 
 from __future__ import annotations

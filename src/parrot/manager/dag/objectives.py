@@ -1,69 +1,13 @@
 """Performance objective deduction: which calls want low latency, which want throughput.
 
-The client annotates only *final* variables (``get(criteria=LATENCY)`` or an
-output's ``criteria``).  This module propagates those annotations backwards
-through the call DAG and labels every call with a :class:`CallObjective`.
-
-Algorithm (the paper's §5.2 made precise).  Calls are processed in *reverse
-topological order*, so when a call is labelled every consumer of it already
-has its final label.  Each call ``c`` collects *marks* from its consumers;
-its label is then, by precedence (latency wins):
-
-1. **latency-sensitive** if ``c`` produces a LATENCY variable, or it was
-   marked latency-sensitive by a consumer;
-2. **task-group member** (kind ``throughput``) if it was marked as a member of
-   one or more task groups;
-3. **throughput** if ``c`` produces a THROUGHPUT variable or it was marked as
-   upstream of one;
-4. otherwise **default**: kind ``latency`` with no task group — a call with
-   no annotated output downstream is treated like an ordinary request.
-
-Marks a labelled call ``c`` hands to its producers (``P`` = ``c``'s
-*effective* producers: the distinct calls producing its input variables, less
-any that is upstream of another of them, see below):
-
-- latency-sensitive ``c`` with ``|P| == 1`` (a chain): the producer is marked
-  latency-sensitive;
-- latency-sensitive ``c`` with ``|P| >= 2`` (a fan-in of parallel calls): every
-  producer is marked a member of task group ``"tg:" + c.call_id`` — only the
-  group's completion time matters to ``c``.  A producer that ends up
-  latency-sensitive for another reason is not a member (rule 1 beats rule 2);
-- task-group member ``c``: its producers are marked latency-sensitive — the
-  group cannot start without them;
-- throughput ``c``: its producers are marked upstream-of-THROUGHPUT;
-- default ``c``: no marks (unannotated work constrains nothing upstream).
-
-Effective producers.  A producer ``p`` of ``c`` that is upstream of another
-producer ``q`` of ``c`` is not among ``c``'s effective producers: ``c`` cannot
-start before ``q``, and ``q`` not before ``p``, so the edge ``p -> c`` says
-nothing the path through ``q`` does not, and ``p`` and ``q`` never run in
-parallel.  Deduction thus works on the DAG's transitive reduction: a chain
-whose steps also read older outputs (``c2`` reads ``c1`` and ``c0``) is a
-chain, all latency-sensitive, not a task group of ``c0`` and ``c1``; a task
-group holds only calls that can run in parallel.
-
-A call in several task groups (it feeds two fan-ins) merges them into one:
-its completion gates every consumer, so all their members are batched
-together.  The merged group's id is the smallest (string order) of the merged
-``"tg:<consumer id>"`` ids, so ids are deterministic.
-
-Scope and incrementality.  Only edges between calls of the given set are
-followed, so the set must be *downward closed* (every in-set call's consumers
-are in the set) — e.g. all unfinished calls of a session (consumers of an
-unfinished call are unfinished).  ``|P|`` counts every effective producer,
-in the set or not, so a member's label does not flip while its finished
-siblings leave the set.  For ``graph.Call`` objects the effective producers
-are computed over the whole graph, finished calls included
-(``Call.effective_producers``), so they too do not change as calls finish;
-for :class:`CallNode` objects ``deduce`` removes the producers it can see to
-be upstream of another through the given calls (a caller leaving calls out
-should give producers already reduced, as :func:`node_of` does).  A call's kind depends only on its
-descendants and their producer counts: inserting a call or annotating one of
-its outputs can change the kinds of that call and its ancestors only (a group
-merge may also rename the group id of other members).  ``deduce`` is O(V + E)
-(plus near-constant union-find, and for each call of a set of CallNodes with
-several producers a walk over its in-set ancestors), so re-deducing a session
-on each change is cheap.
+The client annotates only *final* variables (``get(criteria=LATENCY)`` or an output's
+``criteria``).  :func:`deduce` propagates those annotations backwards through the call
+DAG, in reverse topological order over its transitive reduction, and labels every call
+of a downward-closed set with a :class:`CallObjective`: latency-sensitive (a chain into
+a latency output), a task-group member (parallel producers of a latency call: only the
+group's completion matters), throughput, or the default (latency, no group).  The rules
+and their precedence, effective producers, merged groups, scope and cost (O(V + E)):
+docs/scheduling.md, "How objectives are deduced".
 
 Pure: plain data in, plain data out; no I/O, no asyncio, no engine imports.
 """

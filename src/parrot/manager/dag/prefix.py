@@ -1,32 +1,13 @@
 """Prompt-prefix hashing at variable boundaries (the paper's ``PrefixHash``), and
 which engines recently served which prefixes.
 
-A call's template is constant text interleaved with variables.  At every
-boundary between two pieces before the call's first output (where constant
-text ends and a variable begins, and where an input value ends), the prompt so
-far gets a key: a hash chained over the pieces (constant text, and input
-values once known) and the chat flag.  Two calls whose prompts agree up to a
-boundary get the same key there, whichever session or application they come
-from, so finding sharing is one dict lookup per boundary, not a token-by-token
-comparison.  The chain starts from the call's prefix-cache salt
-(:func:`parrot.manager.tenants.cache_salt`): calls of different tenants get
-different keys for the same text unless the operator lets tenants share.
-Keys depend only on the text, never on the tokenizer.
-
-A long input value also gets keys inside it, every ``CHUNK_CHARS`` characters
-from its start (a token-id prompt every ``CHUNK_IDS`` ids), for at most
-``MAX_CHUNK_KEYS`` chunks: two requests whose prompts share a long start (one
-system prompt, then different questions, sent as plain completions by a
-request-level client) share the keys of every chunk inside that start, so they
-are placed together, and the executor counts that start once per engine
-(:func:`key_shares`, :mod:`parrot.manager.dag.shared_start`).
-
-The scheduler uses keys to *place* calls that share a prefix on the same
-engine; the engine's own prefix cache (:mod:`parrot.engine.prefix_cache`)
-then computes the shared tokens once.  :class:`PrefixIndex` remembers, per
-engine, the keys of the calls placed there recently (a bounded
-least-recently-used set): a hint of what the engine's cache holds, never a
-promise — the engine may have evicted it.  Pure bookkeeping: no I/O.
+A prompt gets a key at every boundary between its pieces before the first output (and,
+inside a long value, every ``CHUNK_CHARS`` characters): a hash chained over the pieces
+from the call's prefix-cache salt, so calls that share a start find each other with one
+dict lookup per boundary (:func:`prefix_keys`, :func:`key_shares`).
+:class:`PrefixIndex` remembers per engine the keys recently placed there: a hint of
+what its prefix cache holds, never a promise.  Keys depend only on the text, never on
+the tokenizer.  Why and how: docs/scheduling.md, "Prefix keys".  Pure bookkeeping: no I/O.
 """
 
 from __future__ import annotations

@@ -1,39 +1,13 @@
 """Tokenizing client text without stalling the manager's event loop.
 
-The rule: no request and no scheduling round holds the event loop for more
-than ~100 ms, whatever the size of the text in it.  Tokenizing is the costly
-part (about 0.6 µs per byte with SmolLM2's BPE: seconds for a value near the
-8 MiB body limit), so:
-
-* **Text that cannot fit is rejected without being tokenized.**  A byte-level
-  BPE's longest token stands for at most ``L`` bytes of input
-  (:attr:`~parrot.protocol.tokenizer.TextTokenizer.max_token_bytes`: 13 for the
-  tiny test model, whose longest token is ``<|endoftext|>``; 81 for SmolLM2),
-  so text of ``B`` bytes has at least ``ceil(B / L)`` tokens
-  (:meth:`~parrot.protocol.tokenizer.TextTokenizer.min_tokens`).  A value or
-  prompt over ``max_seq_len * L`` bytes is ``context_too_long`` at once.
-* **Short text is tokenized where it is needed**: at most ``inline_bytes`` UTF-8
-  bytes (:data:`INLINE_TOKENIZE_BYTES`, 32 KiB: ~20 ms with SmolLM2's BPE or
-  the tiny model's, leaving room for the rest of a request's work), and at most
-  :data:`INLINE_PASS_BYTES` in all per pass of an operation: a batch of
-  thousands of short texts tokenizes the first 64 KiB of them where they are
-  needed and the rest off the loop, like one long text.
-* **Longer text is tokenized in a worker thread, ahead of the code that needs
-  it.**  That code is synchronous (the manager validates a request completely
-  before it changes anything, with nothing awaited in between), so it runs with
-  a :class:`TokenSource` that *defers* long text it has not seen: the text is
-  recorded and the code either raises :class:`NeedsTokenizing` (a render) or
-  skips the check for now (a value's length, see
-  :meth:`parrot.manager.service.Manager.run_tokenized`).  The caller then
-  tokenizes what was recorded off the loop (:meth:`TokenSource.resolve`) and
-  runs the code again, which finds the tokens.  The worker threads use
-  :meth:`~parrot.protocol.tokenizer.TextTokenizer.encode_unlocked`, which
-  releases the GIL (``encode`` holds it: in a thread it would still stall the
-  loop).  At most :data:`TOKENIZE_THREADS` texts are tokenized at once, which
-  also bounds the memory a tokenizer's intermediate results take.
-
-Tokens are the same whichever way they were computed: both ways run the same
-tokenizer over the same string.
+No request and no scheduling round holds the loop for more than ~100 ms: text that
+cannot fit is rejected from its byte length, short text (:data:`INLINE_TOKENIZE_BYTES`,
+at most :data:`INLINE_PASS_BYTES` per pass) is tokenized where it is needed, and longer
+text is deferred by a :class:`TokenSource` and tokenized in worker threads
+(:meth:`TokenSource.resolve`) before the synchronous code runs again
+(:meth:`parrot.manager.service.Manager.run_tokenized`).  Tokens are the same either way.
+Why and how, with the figures: docs/manager.md, "Validating without stalling the event
+loop".
 """
 
 from __future__ import annotations

@@ -1,32 +1,12 @@
 """OpenAI-compatible chat completions on the manager: ``POST /v1/chat/completions``.
 
 The messages are rendered into one prompt with the model's own chat template
-(:func:`parrot.protocol.chat_template.render_chat`: its Jinja template in a
-sandbox, as transformers and vLLM render it), and the prompt then runs exactly
-like a ``/v1/completions`` request (:mod:`parrot.manager.openai.completions`): one
-internal session holding one call, the normal executor, the engine's prefix
-cache (a conversation's earlier turns are a cached prefix of its next request).
-
-Supported: ``model``, ``messages`` (roles ``system``/``developer``, ``user``,
-``assistant``, ``tool``; ``content`` a string or a list of ``{"type": "text"}``
-parts; at most :data:`MAX_MESSAGES`), ``max_tokens`` / ``max_completion_tokens``
-(default: up to the model's context, as OpenAI), ``temperature`` (default 1),
-``top_p``, ``top_k``, ``seed``, ``stop`` (up to 4 strings), ``stream`` with
-``stream_options.include_usage``, ``n`` (up to
-:data:`~parrot.manager.openai.completions.MAX_N` samples forked from one filled
-prompt, ``choices[j]``; streamed chunks carry their choice's ``index``),
-``presence_penalty`` / ``frequency_penalty`` (-2..2), ``logprobs`` with
-``top_logprobs`` (0..20), structured outputs (``response_format`` of type ``text``,
-``json_object`` or ``json_schema``, vLLM's ``structured_outputs`` and its older
-``guided_json`` / ``guided_regex`` / ``guided_choice``:
-:mod:`parrot.manager.openai.constraint`), and vLLM's ``ignore_eos`` /
-``stop_token_ids``.  Refused with 400 rather than ignored: ``logit_bias``, ``tools``,
-other content parts.
-
-Answers are OpenAI's shapes: ``chat.completion`` (``choices[0].message``) or,
-streamed, ``chat.completion.chunk`` events (the first with the role, then
-``delta.content`` pieces, then the ``finish_reason``, then usage when asked)
-ended by ``data: [DONE]``.
+(:func:`parrot.protocol.chat_template.render_chat`, sandboxed Jinja, as transformers
+and vLLM render it), and the prompt then runs exactly like a ``/v1/completions``
+request (:mod:`parrot.manager.openai.completions`), so a conversation's earlier turns
+are a cached prefix of its next request.  Answers are OpenAI's ``chat.completion`` or,
+streamed, ``chat.completion.chunk`` shapes.  What is supported, field by field:
+docs/openai.md.
 """
 
 from __future__ import annotations

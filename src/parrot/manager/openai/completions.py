@@ -1,43 +1,12 @@
 """OpenAI-compatible text completions on the manager: ``POST /v1/completions``
 and ``GET /v1/models``.
 
-This is the request-by-request interface: the client renders its prompt
-itself and sends it whole, as LangChain-style code does against any OpenAI
-server.  It lets a baseline client drive Parrot's engines, and lets
-throughput benchmarks drive Parrot and vLLM with identical requests.  How a
-request runs (an internal session, one call per prompt, ``n`` samples forked
-from one filled prompt) is :mod:`parrot.manager.openai.response`.  On a
-manager with API keys the request's ``Authorization: Bearer <key>`` names its
-tenant (401 without a valid one), whose quotas and prefix cache it uses.
-
-Supported: ``model``; ``prompt`` as a string, a list of strings, a list of
-token ids or a list of token-id lists (at most :data:`MAX_PROMPTS` prompts;
-token ids must lie in the model's vocabulary and leave room for one generated
-token in its context); ``n`` (1..:data:`MAX_N`, at most :data:`MAX_CHOICES`
-choices per request; ``best_of`` only equal to ``n``); ``max_tokens``
-(default 16, as OpenAI; ``null``: up to the model's context); ``temperature``
-(default 1); ``top_p``; ``top_k`` (vLLM's extension; -1 or 0 = off);
-``seed`` (sample ``j`` of ``n`` uses ``seed + j``); ``presence_penalty`` /
-``frequency_penalty`` (-2..2, OpenAI's formula, applied by the engine's
-sampler: :class:`~parrot.protocol.sampling.SamplingParams`); ``logprobs``
-(0..:data:`MAX_COMPLETION_LOGPROBS`: each generated token's logprob and that
-many most likely alternatives, :mod:`parrot.manager.openai.logprobs`); ``stop`` (a string or up
-to :data:`MAX_STOP` strings, as OpenAI); ``stream`` (server-sent events
-``data: {...}`` then ``data: [DONE]``; ``stream_options.include_usage`` adds a
-usage chunk); vLLM's ``ignore_eos`` / ``stop_token_ids``; and structured outputs
-(``response_format``, vLLM's ``structured_outputs`` and its older ``guided_json`` /
-``guided_regex`` / ``guided_choice``: :mod:`parrot.manager.openai.constraint`).  Parameters
-Parrot cannot honour (``echo``, ``suffix``, a non-empty ``logit_bias``) are
-rejected with 400 rather than silently ignored.  Errors use Parrot's JSON error body ``{"error": {"code",
-"message"}}`` with its HTTP status (400 invalid parameters, 503 ``no_engine``
-for a model no live engine serves).
-
-``GET /v1/models`` lists each served model with ``max_model_len`` and, as an
-extension, ``chat_format``: the chat markup ``chat=True`` calls are wrapped in
-(the fields of :class:`~parrot.protocol.tokenizer.ChatFormat`; ``null`` for a
-model without one), so that a request-level client can send a chat-wrapped
-prompt that reads exactly like a semantic function's
-(:meth:`parrot.SemanticFunction.render`).
+The request-by-request interface: the client renders its prompt itself and sends it
+whole, as LangChain-style code does against any OpenAI server, so a baseline client can
+drive Parrot's engines and benchmarks can drive Parrot and vLLM with identical
+requests.  Each request runs as an internal session (:mod:`parrot.manager.openai.response`)
+of the tenant its API key names.  Parameters Parrot cannot honour are refused with 400
+rather than ignored.  What is supported, field by field: docs/openai.md.
 """
 
 from __future__ import annotations

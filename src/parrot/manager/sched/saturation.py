@@ -1,45 +1,11 @@
 """How many latency calls an engine should batch when they queue for it.
 
-The latency cap (:mod:`parrot.manager.sched.scheduler`) keeps an engine's per-token
-latency within 25 % of its unloaded value: it is the load at which a decode step
-takes 1.25 times an unloaded one (:mod:`parrot.engine.latency_probe`).  That is
-the right bound while latency calls find room.  Once they queue, each queued
-call's latency is mostly its wait, and the question becomes which batch size
-finishes the waiting calls soonest on average.
-
-*Model.*  ``N`` latency calls compete for an engine; each has ``P`` prompt
-tokens of its own to prefill and ``O`` tokens to generate.  Served in batches of
-``k``, one batch takes ``k * P * p + O * (a + c * k)`` seconds: prefill does not
-batch (its cost is per token, ``p``), decoding does (a step costs ``a``
-unloaded plus ``c`` per sequence in it).  The batches finish one after another,
-so the mean completion time is ``(N / k + 1) / 2`` batches, and it is smallest at
-
-    k* = sqrt(N * O * a / (P * p + O * c))
-
-In units of an unloaded decode step ``a``: ``P * p / a = P / prefill_tokens_per_step``
-(how many prompt tokens cost one unloaded decode step: each engine measures it,
-:mod:`parrot.engine.latency_probe`; tens on a 2-core CPU, a few hundred on a GPU),
-and, from the cap's own
-definition (a load of ``cap`` tokens makes a step 1.25 times slower),
-``c / a = 0.25 * T / cap`` for a call holding ``T`` KV tokens on average over
-its life (``P + O / 2``).
-
-Prompt-heavy calls (a chain's step over a fresh chunk) get ``k*`` near what the
-cap admits already; calls that decode much after a short prompt of their own
-(requests under one cached system prompt) get larger batches: the decode steps
-they share cost little more than one.  With one call waiting, ``k*`` is below
-what the cap admits and nothing changes.
-
-``k*`` is a number of calls, not of tokens: an engine's load also holds the
-prefixes its calls share (several system prompts, say), which the batch does
-not grow with.  For the same reason ``P`` leaves out a call's shared prefix (a
-system prompt no engine runs at the moment, so the scheduler counts it in the
-call's tokens): the prefix is computed once per engine (by the first call that
-brings it, if the engine's prefix cache does not hold it already) and then read
-from the prefix cache, so over the calls sharing it it is load, not prompt work of
-any one call.  (Where two system prompts fill an engine's latency cap, as on the
-suite's fig. 17 with one-thread engines, a call counted whole would look
-prompt-heavy and wait for a running call to end even at a low rate.)
+Once latency calls queue, their latency is mostly their wait, and the batch size that
+finishes them soonest on average is ``k* = sqrt(N * O * a / (P * p + O * c))`` for ``N``
+calls competing per engine, ``P`` prompt tokens of their own and ``O`` to generate
+(:func:`batch_calls`, in units of an unloaded decode step).  The model, its terms and
+why a shared prefix is left out of ``P``: docs/scheduling.md, "Saturation batching:
+the batch size".
 """
 
 from __future__ import annotations
