@@ -23,6 +23,9 @@ if ! { command -v chromium && command -v chromedriver; } >/dev/null 2>&1; then
 fi
 . .venv/bin/activate
 ruff check src tests examples
-python -m pytest "$@"
+# Two workers (pytest-xdist), a test file each at a time (a module's fixtures, such as its
+# model or server, are built once); tests marked ``timing`` run with no other test beside
+# them (tests/xdist_timing.py).  PARROT_TEST_WORKERS=0 runs in this process, one at a time.
+python -m pytest -n "${PARROT_TEST_WORKERS:-2}" --dist loadfile "$@"
 # (Both builds of the C ops, native and portable, are exercised inside the tests
 # themselves: the kernel tests parametrize over them, on every CPU.)

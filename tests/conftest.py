@@ -28,6 +28,8 @@ from parrot.manager.api.app import create_app
 from parrot.manager.service import Manager, ManagerConfig
 from tests.api_client import Bystander, Raw
 
+pytest_plugins = ["tests.xdist_timing"]  # the ``timing`` marker: such a test runs alone under xdist
+
 # Property tests draw the same examples on every run (CI stays reproducible: a
 # failure seen once is seen again); ``PARROT_HYPOTHESIS=explore`` draws new ones
 # and prints the seed of any failure (``@reproduce_failure``) to replay it.

@@ -452,6 +452,7 @@ def test_a_batch_needs_the_session_token(live, raw: Raw) -> None:
     assert raw.graph() == {"calls": [], "variables": []}
 
 
+@pytest.mark.timing
 def test_the_largest_batch_holds_the_event_loop_briefly(live: LiveServer) -> None:
     """A batch of MAX_BATCH_OPS calls, each with a 1,000-character template, is staged
     while /healthz keeps answering at once (4,096 such ops held the loop for ~0.5 s)."""

@@ -868,11 +868,13 @@ def test_the_routes_come_from_the_schemas(manager_target: Target, engine_target:
     assert {"POST /fill", "POST /generate", "POST /free_context", "GET /stats"} <= engine_routes
 
 
+@pytest.mark.timing
 def test_no_manager_request_gets_a_5xx(manager_target: Target, error_log: ErrorLog) -> None:
     fuzz(manager_target, error_log)
     assert manager_target.covered == {r.key for r in manager_target.routes}
 
 
+@pytest.mark.timing
 def test_no_engine_request_gets_a_5xx(engine_target: Target, error_log: ErrorLog) -> None:
     fuzz(engine_target, error_log)
     assert engine_target.covered == {r.key for r in engine_target.routes}

@@ -165,6 +165,7 @@ def words(n_bytes: int, seed: int = 0) -> str:
 
 
 # --------------------------------------------------- (1) several MB, no stall
+@pytest.mark.timing
 def test_multi_megabyte_values_are_refused_while_everyone_else_carries_on(live: LiveServer) -> None:
     """Each way in for a 6 MB value answers 400 ``context_too_long`` (413 past the body
     limit), /healthz never waits over half a second, and a bystander's greedy call,
@@ -229,6 +230,7 @@ def _attack(live: LiveServer, attacker: Client, alone: str) -> None:
     assert attacker.graph() == before
 
 
+@pytest.mark.timing
 def test_a_value_without_a_byte_bound_is_tokenized_off_the_loop() -> None:
     """A tokenizer the byte bound does not cover tokenizes a 1 MiB value in a worker
     thread: the exact count is reported, and /healthz keeps answering meanwhile."""
@@ -523,6 +525,7 @@ def test_no_byte_bound_for_tokenizers_that_may_shrink_or_swallow_text() -> None:
     assert TextTokenizer.from_dict(tiny).max_token_bytes == 13
 
 
+@pytest.mark.timing
 def test_the_tokenizer_releases_the_gil_off_the_loop() -> None:
     """``encode_unlocked`` in a thread lets the event loop run (``encode`` would hold
     the GIL, and the loop, for the whole tokenization)."""

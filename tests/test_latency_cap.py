@@ -206,6 +206,7 @@ def test_a_rejected_refit_keeps_the_fit_logs_why_and_is_counted(caplog):
     assert alone.refits_rejected == 1 and fit_or_why([]) == (None, "no decode steps")
 
 
+@pytest.mark.timing
 def test_cpu_steps_are_timed_on_the_engine_threads_own_clock():
     """On the CPU a step's time is the thread's CPU time: waiting (for the GIL, a core, here a
     sleep) is not counted, computing is; CUDA reads the wall clock."""
@@ -231,6 +232,7 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
+@pytest.mark.timing
 def test_probe_on_the_tiny_model_gives_a_positive_cap_quickly_without_counting_its_steps(
     tiny_model: LoadedModel, one_thread
 ):
@@ -258,6 +260,7 @@ def test_probe_on_the_tiny_model_gives_a_positive_cap_quickly_without_counting_i
         engine.close()
 
 
+@pytest.mark.timing
 def test_probe_stops_at_its_time_budget_and_leaves_nothing_behind(tiny_model: LoadedModel, monkeypatch):
     monkeypatch.setattr(lp, "PROBE_BUDGET_S", 0.0)  # as if every step took seconds
     engine = LocalEngine(tiny_model)
@@ -325,6 +328,7 @@ def _generate_beside(engine: LocalEngine, busy: bool) -> tuple[list[int], list[i
     return loads, spins
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("busy", [False, True], ids=["idle-loop", "busy-loop"])
 def test_real_decode_steps_are_timed_and_refine_the_fit(tiny_model: LoadedModel, one_thread, busy: bool):
     """Real decode steps refit the probe's line, also with the event loop busy beside the
@@ -375,6 +379,7 @@ def _slowed(runner: EngineRunner, monkeypatch, delay: Callable[[int], float]) ->
     monkeypatch.setattr(runner.model, "compute_logits", slow)
 
 
+@pytest.mark.timing
 def test_probe_leaves_the_cap_unknown_when_steps_do_not_grow_with_load(
     tiny_model: LoadedModel, one_thread, monkeypatch
 ):

@@ -35,6 +35,7 @@ class FixedTextEngine(GatedEngine):
         yield GenerateChunk(token_ids=[97], text=EVIL_OUTPUT, done=True, finish_reason="length")
 
 
+@pytest.mark.timing
 def test_a_backtracking_transform_fails_its_call_and_never_stalls_the_manager() -> None:
     live = start_server(Manager(ManagerConfig()))
     live.manager.pool.register(FixedTextEngine(), name="fixed")
@@ -67,6 +68,7 @@ def many_placeholders(count: int) -> tuple[str, list[dict]]:
     return template, bindings
 
 
+@pytest.mark.timing
 def test_a_template_of_many_placeholders_is_checked_in_linear_time(raw, bystander) -> None:
     """The most placeholders a template may have, over 1,023 names: answered at once (a
     per-name scan of the placeholders took ~a minute at 66,000); one more is refused

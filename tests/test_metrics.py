@@ -209,6 +209,7 @@ def test_labels_never_carry_what_clients_sent(live: LiveServer, http) -> None:
     assert total(samples, "parrot_http_requests_total", method="other", status="4xx") == 1
 
 
+@pytest.mark.timing
 def test_scraping_is_fast_with_many_open_sessions(live: LiveServer, http) -> None:
     """2,000 open sessions of 5 waiting calls each: a scrape reads them all on the event
     loop, well within the ~100 ms a request may hold it."""

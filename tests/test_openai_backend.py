@@ -383,6 +383,7 @@ def test_constraints_reach_a_vllm_backend_as_structured_outputs_and_other_backen
         server.stop()
 
 
+@pytest.mark.timing
 def test_a_backends_latency_cap_is_measured_from_the_gaps_between_its_tokens():
     """A server whose step takes 40 ms plus 5 us per token in flight: after answers at
     three loads (one, four and eight prompts of 400 tokens) the adapter reports the fit and

@@ -485,6 +485,7 @@ def test_engine_reports_its_latency_cap_and_the_manager_learns_it_at_once(procs:
         assert seen == cap  # (an idle engine does not refit)
 
 
+@pytest.mark.timing
 def test_servers_answer_a_keep_alive_client_without_nagles_delay(procs: Procs):
     """``parrot serve`` and ``parrot engine`` set TCP_NODELAY on their connections: on a
     reused connection a small answer comes in about a millisecond.  With Nagle's algorithm

@@ -72,6 +72,7 @@ def test_short_values_keep_one_key_and_token_id_prompts_get_inner_keys():
     assert [round(s * len(ids)) for _, s in shares] == [CHUNK_IDS, 2 * CHUNK_IDS, 3 * CHUNK_IDS, len(ids)]
 
 
+@pytest.mark.timing
 def test_a_huge_value_gets_a_bounded_number_of_inner_keys():
     huge = "x" * (CHUNK_CHARS * (MAX_CHUNK_KEYS + 50))
     keys = prefix_keys(request(huge))

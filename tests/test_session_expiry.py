@@ -28,6 +28,7 @@ def _gated_server(ttl: float) -> GatedServer:
     return GatedServer(start_server(manager), engine)
 
 
+@pytest.mark.timing
 def test_idle_sessions_expire_and_busy_or_used_ones_stay() -> None:
     server = _gated_server(TTL)
     live, f = server.live, F
@@ -72,6 +73,7 @@ def _wait_for(server: GatedServer, read, want: object, what: str) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.timing
 def test_a_call_that_outlasts_the_ttl_leaves_its_client_a_ttl_to_read_the_result() -> None:
     ttl = 1.0
     server = _gated_server(ttl)

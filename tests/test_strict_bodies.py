@@ -95,6 +95,7 @@ def test_stop_token_ids_are_bounded(raw: Raw, bystander: Bystander) -> None:
     bystander.finish()
 
 
+@pytest.mark.timing
 def test_a_large_body_is_parsed_and_checked_off_the_event_loop(raw: Raw, bystander: Bystander) -> None:
     """A 1.5 MB body (200,000 stop token ids next to an emoji's surrogate pair, which
     makes the body's strings worth checking) is refused while /healthz keeps answering at
@@ -141,6 +142,7 @@ def test_a_body_of_too_many_json_items_is_refused_before_it_is_decoded(
     bystander.finish()
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("item", [b'{"a":0}', b"[0]", b"[]"], ids=["objects", "lists", "empty-lists"])
 def test_decoding_the_costliest_bodies_under_the_item_limit_is_short(item: bytes) -> None:
     """The item bound exists so that decoding (which holds the GIL, worker thread or not)

@@ -240,6 +240,7 @@ def test_a_constraint_that_compiles_too_slowly_is_a_400(
     assert r.status_code == 200 and re.fullmatch("[0-9]{3}", r.json()["choices"][0]["text"])
 
 
+@pytest.mark.timing
 def test_the_largest_schemas_hold_the_event_loop_briefly(
     live: conftest.LiveServer, client: httpx.Client
 ) -> None:

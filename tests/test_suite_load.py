@@ -41,6 +41,7 @@ def _child(code: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
 
 
+@pytest.mark.timing
 def test_group_cpu_tells_a_spinning_process_from_a_sleeping_one() -> None:
     spinner = _child("import time\nend = time.time() + 30\nwhile time.time() < end: pass")
     sleeper = _child("import time; time.sleep(30)")
