@@ -11,6 +11,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import asyncio
+import itertools
 import socket
 import threading
 import time
@@ -25,6 +26,7 @@ from parrot.engine.core.latency_fit import MIN_LATENCY_CAP_TOKENS
 from parrot.engine.loader import LoadedModel, load_model
 from parrot.engine.local import LocalEngine
 from parrot.manager.api.app import create_app
+from parrot.manager.backends import pool as pool_module
 from parrot.manager.service import Manager, ManagerConfig
 from tests.api_client import Bystander, Raw
 
@@ -38,6 +40,15 @@ settings.register_profile("explore", derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("PARROT_HYPOTHESIS", "reproducible"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def engine_ids_of_one_width() -> None:
+    """In-process engines are named ``engine-<n>`` from one counter, and the scheduler breaks
+    ties by that name: counting from 1,000, the names sort in the order the engines were
+    registered for the whole session.  (From 1, a test whose engines straddled 9 and 10, as
+    they did on an xdist worker, saw its later engine win the ties.)"""
+    pool_module._engine_ids = itertools.count(1000)
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> LoadedModel:
     return load_model("tiny")
@@ -49,8 +60,25 @@ def tiny_engine(tiny_model: LoadedModel) -> Iterator[LocalEngine]:
     the floor its probe's fit always gave): measured, it would be refitted from every test's
     traffic, and the scheduling in the live tests would depend on which ran before."""
     engine = LocalEngine(tiny_model, max_step_tokens=256, latency_cap=MIN_LATENCY_CAP_TOKENS)
+    _shared_engines.append(engine)
     yield engine
+    _shared_engines.remove(engine)
     engine.close()
+
+
+_shared_engines: list[LocalEngine] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_context_outlives_its_module() -> Iterator[None]:
+    """After each test module, the shared tiny engine holds no context: what a module left
+    (a session its server never closed, a fork it never freed) would otherwise reach the next
+    module to use the engine, and tests that count its contexts would depend on the order of
+    the modules (which pytest-xdist varies from run to run)."""
+    yield
+    for engine in _shared_engines:
+        for context_id in asyncio.run(engine.context_ids()):
+            asyncio.run(engine.free_context(context_id))
 
 
 class RequestLog:
@@ -92,19 +120,18 @@ def start_server(manager: Manager, *, record: bool = True) -> LiveServer:
     return serve_asgi(RequestLog(app, live.requests) if record else app, live)
 
 
-def serve_asgi(asgi, live: LiveServer, *, nodelay: bool = False, **tls: str) -> LiveServer:
+def serve_asgi(asgi, live: LiveServer, *, nodelay: bool = True, **tls: str) -> LiveServer:
     """Serve ``asgi`` with uvicorn on a free loopback port, on a thread of its own (HTTPS
     with ``ssl_certfile`` and ``ssl_keyfile`` in ``tls``); fills in and returns ``live``
     (its ``url``, server, thread and loop).
 
-    ``nodelay``: answer without Nagle's delay, as ``parrot serve`` and ``parrot engine``
-    do (:func:`parrot.cli._bind`: a listening socket made as IPPROTO_TCP, so asyncio sets
-    TCP_NODELAY on each connection).  By default the socket is made with protocol 0: a
-    keep-alive client then waits ~40 ms for every small answer (the body waits for the
-    client's delayed ACK of the headers).  The default stays so because the stall tests'
-    /healthz probes, run from a thread of the test process itself, poll several times
-    more often without the delay and then catch GIL hand-offs of the server's process
-    (one probe waited 0.62 s in a CI run); tests of the transport pass ``nodelay=True``."""
+    ``nodelay`` (the default): answer without Nagle's delay, as ``parrot serve`` and
+    ``parrot engine`` do (:func:`parrot.cli._bind`: a listening socket made as IPPROTO_TCP,
+    so asyncio sets TCP_NODELAY on each connection).  With ``nodelay=False`` the socket is
+    made with protocol 0: a keep-alive client then waits ~40 ms for every small answer (the
+    body waits for the client's delayed ACK of the headers), which cost the suite about a
+    minute.  (The delay used to be the default because the stall tests polled /healthz from
+    a thread of the test process; they poll from another process now: healthz_stalls.)"""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP if nodelay else 0)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]

@@ -6,6 +6,7 @@ backends' request bodies."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import re
@@ -24,7 +25,7 @@ from parrot.manager.backends.openai_backend import BackendOptions, OpenAIBackend
 from parrot.manager.backends.remote_engine import RemoteEngine
 from parrot.protocol import constraint as C
 from parrot.protocol.constraint import Constraint, InvalidConstraint, check_compiles
-from parrot.protocol.errors import BadRequest, InvalidSampling
+from parrot.protocol.errors import BadRequest, InvalidSampling, NotFound
 from parrot.protocol.sampling import SamplingParams
 from parrot.protocol.tokenizer import TextTokenizer
 from tests.conftest import LiveServer, serve_asgi
@@ -135,9 +136,13 @@ def test_eos_is_allowed_only_where_the_grammar_may_end() -> None:
 # ------------------------------------------------------------------ the engine
 async def _generate(engine: Any, sp: SamplingParams, ctx: int, parent: int | None = None) -> tuple[str, str]:
     text, reason = [], None
-    async for chunk in engine.generate(sp, ctx, parent):
-        text.append(chunk.text)
-        reason = chunk.finish_reason
+    try:
+        async for chunk in engine.generate(sp, ctx, parent):
+            text.append(chunk.text)
+            reason = chunk.finish_reason
+    finally:  # freed (if it was made): the session's tiny engine is shared with later tests
+        with contextlib.suppress(NotFound):
+            await engine.free_context(ctx)
     return "".join(text), str(reason)
 
 
