@@ -148,16 +148,32 @@ def gated_baseline() -> Iterator[GatedServer]:
 
 
 def _running_after_burst(gated: GatedServer, prompts: list[str]) -> int:
-    """Send the prompts as concurrent completions with the gate closed; how many began
-    generating (were placed) before it opened; then every answer must come back."""
+    """Send the prompts as concurrent completions with the gate closed; how many were placed
+    (began on the engine) before it opened: all of them, or as many as the cap let through
+    once every one had been ranked by a scheduling round and three more rounds had passed
+    (a call that fits is placed in the round after it is ranked, or after its shared prefix
+    arrived; rounds run every TICK_S while calls wait).  Then every answer must come back."""
     gated.set_gate(False)
     url, body = f"{gated.live.url}/v1/completions", {"model": "fake", "max_tokens": 1}
+
+    def placed(m: Manager) -> int:
+        return len(m.executor._placed)
+
+    def ranked(m: Manager) -> bool:
+        queued = [t for t in m.executor._queue.values() if t.queued is not None]
+        return placed(m) + len(queued) == len(prompts)
+
     with ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(httpx.post, url, json={**body, "prompt": p}, timeout=30) for p in prompts]
-        deadline = time.monotonic() + 3.0
-        while time.monotonic() < deadline and len(gated.engine.generated) < len(prompts):
-            time.sleep(0.05)
-        running = len(gated.engine.generated)
+        deadline = time.monotonic() + 30
+        while not gated.state(ranked):
+            assert time.monotonic() < deadline, "the completions never all reached a scheduling round"
+            time.sleep(0.01)
+        last = gated.state(lambda m: m.executor.rounds) + 3
+        while gated.state(placed) < len(prompts) and gated.state(lambda m: m.executor.rounds) < last:
+            assert time.monotonic() < deadline, "no scheduling round ran"
+            time.sleep(0.01)
+        running = gated.state(placed)
         gated.set_gate(True)
         answers = [f.result() for f in futures]
     assert [a.status_code for a in answers] == [200] * len(prompts)

@@ -706,6 +706,8 @@ def test_resume_refuses_a_run_with_other_arguments_and_hands_on_the_kept_records
 ) -> None:
     from benchmarks.suite import run
 
+    measure = run.load_now  # the header's load over 50 ms, not 2 s: this test reads none of it
+    monkeypatch.setattr(run, "load_now", lambda: measure(0.05))
     args = run._parser().parse_args(["--systems", "parrot", "--figures", "fig11", "--out", str(tmp_path)])
     fresh = run.collect_header(args) | {"load_before": {}}
     (tmp_path / "header.json").write_text(json.dumps(fresh | {"scale": 0.5, "interrupted_at": "t"}))
