@@ -686,51 +686,77 @@ def test_unservable_calls_are_reported_distinctly():
 KINDS_BY_POLICY = {"no-deduction": "latency"}
 
 
+# Strategies built once, not inside the composite at every draw: the same examples, without
+# hypothesis building and validating a strategy object per draw (most of the time here).
+ENGINE_COUNTS = st.integers(1, 6)
+CAPS = st.sampled_from([2048, 8192, 32_000])
+LOADS = st.sampled_from([0, 0, 100, 3000, 6000, 9000])
+OWN_CAPS = st.sampled_from([1024, 3000, 6144, 50_000])
+LAST_ASSIGNED = st.sampled_from([0, 1, 2, 7])
+MODES = st.sampled_from([None, "latency", "throughput"])
+MAX_SEQ_LENS = st.sampled_from([4096, 16_384])
+ENGINE_MODELS = st.sampled_from(["a", "b"])
+GROUP_SETS = st.sets(st.sampled_from(["tg:1", "tg:2"]), max_size=1)
+PREFIX_SETS = st.sets(st.sampled_from(["p", "q"]), max_size=2)
+BOOLEANS = st.booleans()
+QUEUE_LENGTHS = st.integers(0, 25)
+KINDS = st.sampled_from(["latency", "throughput"])
+GROUPS = st.sampled_from([None, "tg:1", "tg:2"])
+TOKENS = st.sampled_from([1, 50, 1000, 3000, 7000, 20_000])
+RANKS = st.integers(0, 3)
+PREFIX_LISTS = st.lists(st.sampled_from(["p", "q", "r"]), max_size=2)
+CALL_MODELS = st.sampled_from(["a", "b", None])
+NEW_TOKENS = st.sampled_from([0, 16, 64, 500])
+POLICY = st.sampled_from(POLICIES)
+LATENCY_CAPS = st.sampled_from([None, None, 1024, 6144])
+SCOPES = st.sampled_from(["mixed", "all"])
+
+
 @st.composite
 def rounds(draw):
-    n_eng = draw(st.integers(1, 6))
+    n_eng = draw(ENGINE_COUNTS)
     engines = []
     for i in range(n_eng):
-        cap = draw(st.sampled_from([2048, 8192, 32_000]))
-        load = draw(st.sampled_from([0, 0, 100, 3000, 6000, 9000]))
-        lat = draw(st.sampled_from([1024, 3000, 6144, 50_000]))
-        last = draw(st.sampled_from([0, 1, 2, 7]))
+        cap = draw(CAPS)
+        load = draw(LOADS)
+        lat = draw(OWN_CAPS)
+        last = draw(LAST_ASSIGNED)
         engines.append(
             eng(
                 f"e{i}",
                 load=load,
-                mode=draw(st.sampled_from([None, "latency", "throughput"])),
+                mode=draw(MODES),
                 cap=cap,
-                msl=draw(st.sampled_from([4096, 16_384])),
-                model=draw(st.sampled_from(["a", "b"])),
-                groups=draw(st.sets(st.sampled_from(["tg:1", "tg:2"]), max_size=1)),
-                prefixes=draw(st.sets(st.sampled_from(["p", "q"]), max_size=2)),
-                alive=draw(st.booleans()) or i == 0,
+                msl=draw(MAX_SEQ_LENS),
+                model=draw(ENGINE_MODELS),
+                groups=draw(GROUP_SETS),
+                prefixes=draw(PREFIX_SETS),
+                alive=draw(BOOLEANS) or i == 0,
                 lat=lat,
                 last=last,
             )
         )
     queue = []
-    for i in range(draw(st.integers(0, 25))):
-        kind = draw(st.sampled_from(["latency", "throughput"]))
-        group = draw(st.sampled_from([None, "tg:1", "tg:2"])) if kind == "throughput" else None
+    for i in range(draw(QUEUE_LENGTHS)):
+        kind = draw(KINDS)
+        group = draw(GROUPS) if kind == "throughput" else None
         queue.append(
             q(
                 f"c{i}",
                 kind=kind,
                 group=group,
-                tokens=draw(st.sampled_from([1, 50, 1000, 3000, 7000, 20_000])),
-                rank=draw(st.integers(0, 3)),
-                prefixes=tuple(draw(st.lists(st.sampled_from(["p", "q", "r"]), max_size=2))),
-                model=draw(st.sampled_from(["a", "b", None])),
-                new=draw(st.sampled_from([0, 16, 64, 500])),
+                tokens=draw(TOKENS),
+                rank=draw(RANKS),
+                prefixes=tuple(draw(PREFIX_LISTS)),
+                model=draw(CALL_MODELS),
+                new=draw(NEW_TOKENS),
             )
         )
-    policy = draw(st.sampled_from(POLICIES))
-    lat_cap = draw(st.sampled_from([None, None, 1024, 6144]))
-    scope = draw(st.sampled_from(["mixed", "all"]))
-    spill = draw(st.booleans())
-    saturation = draw(st.booleans())
+    policy = draw(POLICY)
+    lat_cap = draw(LATENCY_CAPS)
+    scope = draw(SCOPES)
+    spill = draw(BOOLEANS)
+    saturation = draw(BOOLEANS)
     return queue, engines, SchedulerConfig(policy, lat_cap, None, scope, spill, saturation)
 
 
