@@ -370,6 +370,29 @@ def test_prompt_heavy_calls_keep_the_cap_and_throughput_work_always_does():
     assert run_saturated(decode_heavy(32), loaded) == []
 
 
+def test_task_group_members_next_to_latency_work_join_past_the_cap_as_latency_calls_do():
+    """A map-reduce's maps (a task group: its reduce is latency-sensitive) on an engine that
+    latency calls keep at its cap.  Held to the cap as throughput work, they waited for
+    every latency call let past them; they join as latency calls do, take no place of the
+    k* from the latency calls queued behind them, and one that waits stops later calls
+    from passing the cap."""
+    busy = dataclasses.replace(eng("e1", load=1700, mode="latency", lat=1800, cap=20_000), latency_calls=5)
+    maps = [q(f"m{i}", group="tg:reduce", tokens=130, new=25, rank=i) for i in range(8)]
+    plain = [q(f"t{i}", kind="throughput", tokens=130, new=25, rank=i) for i in range(8)]
+    assert run_saturated(plain, [busy]) == []  # throughput work keeps the cap
+    assert run(maps, [busy]) == []  # the paper's rule, without saturation batching: the cap
+    assert where(run_saturated(maps, [busy])) == {f"m{i}": "e1" for i in range(8)}
+    # 17 calls compete (8 maps, 4 chats queued, 5 running): k* ~ 13.6 for the chats, 5 run
+    chats = decode_heavy(4, rank0=8)
+    assert math.floor(k_star(17, 174, 64)) - 5 >= 4 > math.floor(k_star(17, 174, 64)) - 5 - 8
+    placed = where(run_saturated([*maps, *chats], [busy]))
+    assert placed == {**{f"m{i}": "e1" for i in range(8)}, **{f"d{i}": "e1" for i in range(4)}}
+    # a member that waits (9 latency calls run: k* ~ 9.4 for a map) holds the later chats
+    full = dataclasses.replace(busy, latency_calls=9)
+    assert run_saturated([maps[0], *chats], [full]) == []
+    assert len(run_saturated(chats, [full])) > 0
+
+
 def test_running_latency_calls_count_as_competing_and_as_the_batch():
     busy = dataclasses.replace(eng("e1", load=1700, mode="latency", lat=1800, cap=20_000), latency_calls=10)
     # 2 queued + 10 running compete: k* ~ 11.5, so one more joins the ten

@@ -41,7 +41,16 @@ soonest on average (:func:`parrot.manager.saturation.batch_calls`; the calls
 competing are those running plus those queued, per live engine), and
 ``e.load + c.tokens <= e.token_capacity``.  It never overtakes: once a latency
 call of the round waits, later ones get only the cap.  With few calls
-competing ``k*`` is below what the cap admits and nothing changes.
+competing ``k*`` is below what the cap admits and nothing changes.  A queued
+member of a task group counts among the calls competing and may join as a
+latency call may (past the cap while fewer than ``k*`` latency calls run
+there, within the token capacity; its waiting closes the rule), but takes no
+place of the ``k*`` from latency calls: a task group exists only because a
+latency-sensitive call waits for all of it, so its members are that call's
+critical path, and they finish only together.  Held to the cap instead, a map-reduce's maps waited behind the
+steady stream of latency calls that the rule let past them, and its reduce
+with them (``docs/scheduling.md``, "Task groups under load").  On engines
+without latency work members keep the throughput cap.
 
 The baselines apply one cap to everything.  A call *fits* ``e`` when ``e``
 is alive, serves the call's model, ``c.tokens <= e.max_seq_len``, and either
@@ -476,7 +485,8 @@ class Scheduler:
             return load <= min(lat_cap, capacity) and load + tokens <= capacity
         if load + tokens <= self._cap(kind, mode, capacity, lat_cap):
             return True
-        if self._saturation_open and kind == "latency" and mode != "throughput" and not self.cap_mixed_only:
+        saturating = self._saturation_open and mode != "throughput" and not self.cap_mixed_only
+        if saturating and self._critical(c, kind):
             # latency calls queue: up to the batch that finishes them soonest, within the capacity
             per_step = self._prefill_tokens_per_step(e.snap)
             k = saturation.batch_calls(
@@ -484,6 +494,11 @@ class Scheduler:
             )
             return e.lat_calls + 1 <= k and load + tokens <= capacity
         return False
+
+    def _critical(self, c: QueuedCall, kind: str) -> bool:
+        """Whether ``c`` (as work of ``kind``) is on a latency-sensitive call's critical path:
+        latency work, or (with deduction) a member of a task group."""
+        return kind == "latency" or (self.deduction and c.objective.task_group is not None)
 
     def _prefill_tokens_per_step(self, snap: EngineSnapshot) -> float:
         """The operator's figure, else the engine's own, else the default."""
@@ -621,7 +636,7 @@ class Scheduler:
                     kind, group = "latency", None
                 eng, reason = self._choose(c, kind, group)
                 if eng is None:
-                    if kind == "latency" and (c.model is None or c.model in self._by_model):
+                    if self._critical(c, kind) and (c.model is None or c.model in self._by_model):
                         self._saturation_open = False  # no later latency call overtakes it past a cap
                     self._blocked(c, kind)
                     continue
@@ -632,10 +647,11 @@ class Scheduler:
         return out
 
     def _latency_demand(self, queue: Sequence[QueuedCall]) -> float:
-        """Latency calls per live engine, running or in ``queue`` (for saturation batching)."""
+        """Latency calls and task-group members per live engine, running or in ``queue``
+        (for saturation batching)."""
         if not self._engs:
             return 0.0
-        queued = sum(1 for c in queue if not self.deduction or c.objective.kind == "latency")
+        queued = sum(1 for c in queue if not self.deduction or self._critical(c, c.objective.kind))
         return (queued + self._latency_running) / len(self._engs)
 
     def _end_round(self) -> None:
