@@ -10,9 +10,9 @@ the prefix already, else the live engine with the least token load.  The fill
   engine computes it with the room its steps have left (a decode step of a chain's
   current call carries it), never ahead of work that is ready;
 * creates a *retained* context: the engine evicts its KV only after every other idle
-  context's (:mod:`parrot.engine.memory`), so a prefix a submitted call will read is kept
+  context's (:mod:`parrot.engine.core.memory`), so a prefix a submitted call will read is kept
   and a finished application's is not (workflow-aware retention);
-* records the prefix's key on that engine (:class:`~parrot.manager.prefix.PrefixIndex`),
+* records the prefix's key on that engine (:class:`~parrot.manager.dag.prefix.PrefixIndex`),
   so the scheduler's prefix affinity places the call there when it is ready.
 
 Calls of one template (one prefix key: the text, the tenant's salt, chat or not) that

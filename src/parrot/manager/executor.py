@@ -3,9 +3,9 @@
 A call that becomes ready joins the executor's queue. A scheduling round (run on every
 event that may change a decision — a call ready or finished, an engine joining, a
 session gaining a call or a criterion — and on a short tick while calls wait) deduces
-each session's objectives from its DAG (:mod:`parrot.manager.objectives`; only
+each session's objectives from its DAG (:mod:`parrot.manager.dag.objectives`; only
 sessions that changed are deduced again), snapshots the engines (only those that
-changed), and asks the scheduler (:mod:`parrot.manager.scheduler`, the paper's
+changed), and asks the scheduler (:mod:`parrot.manager.sched.scheduler`, the paper's
 Algorithm 1) where queued calls go. A placed call's prefix keys are recorded for its
 engine, so later calls sharing a prefix go where the engine's prefix cache holds it. A
 placed call renders its prompt from the materialised inputs and drives its engine
@@ -13,8 +13,9 @@ placed call renders its prompt from the materialised inputs and drives its engin
 ready, which are queued in turn. No value travels to the client on the way.
 
 Queue order: application-level FIFO within a tenant, fair turns between tenants
-(:mod:`parrot.manager.queue_order`).  Its parts: objectives (:mod:`~parrot.manager.objective_cache`),
-engine loads (:mod:`~parrot.manager.engine_loads`), one run of a call on its engine
+(:mod:`parrot.manager.sched.queue_order`).  Its parts: objectives
+(:mod:`~parrot.manager.dag.objective_cache`),
+engine loads (:mod:`~parrot.manager.sched.engine_loads`), one run of a call on its engine
 (:mod:`~parrot.manager.call_driver`); this module queues, places, runs and retries, and
 observes each call's queue wait (:mod:`parrot.manager.metrics`).
 
@@ -76,7 +77,7 @@ class _Ticket:
     queued_at: float = field(default_factory=clock.monotonic)
     tokens: int | None = None  # estimated KV tokens of its own: prompt + max new tokens, less shared_prefix's
     # (key, tokens) of the start of its prompt that it shares with other calls (a system prompt, a
-    # fan-out's common context: parrot.manager.shared_start), counted once per engine
+    # fan-out's common context: parrot.manager.dag.shared_start), counted once per engine
     shared_prefix: tuple[str, int] | None = None
     rendered: dict[str, Rendered] = field(default_factory=dict)  # by model
     attempts: int = 0
@@ -89,7 +90,7 @@ class _Ticket:
     # them (set with its estimate; a shorter shared start saves less than it costs to pile its
     # sharers onto one engine)
     affinity_keys: tuple[str, ...] = ()
-    # those keys with the share of the prompt before each (parrot.manager.prefix.key_shares)
+    # those keys with the share of the prompt before each (parrot.manager.dag.prefix.key_shares)
     key_shares: list[tuple[str, float]] = field(default_factory=list)
     started: bool = False  # its task began running (a task cancelled before that never runs at all)
     priority: int = 0  # its generations' priority, for an engine that orders by it (set when placed)

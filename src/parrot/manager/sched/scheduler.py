@@ -37,7 +37,7 @@ Algorithm 1; on in the manager's configuration), a latency call that
 the cap would keep waiting may still join an engine not in throughput mode
 while the latency calls running there (and placed there this round) number
 fewer than ``k*``, the batch that finishes the calls competing for the engines
-soonest on average (:func:`parrot.manager.saturation.batch_calls`; the calls
+soonest on average (:func:`parrot.manager.sched.saturation.batch_calls`; the calls
 competing are those running plus those queued, per live engine), and
 ``e.load + c.tokens <= e.token_capacity``.  It never overtakes: once a latency
 call of the round waits, later ones get only the cap.  With few calls
@@ -138,7 +138,7 @@ and returns the same placements.
 
 Length: this module is one algorithm, the pure function and the class that keeps
 its state between rounds (property tests hold them to each other); its
-vocabulary lives in :mod:`parrot.manager.scheduler_types`.
+vocabulary lives in :mod:`parrot.manager.sched.scheduler_types`.
 """
 
 from __future__ import annotations
