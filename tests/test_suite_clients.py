@@ -622,7 +622,7 @@ def test_an_interrupted_run_stops_every_system(monkeypatch, tmp_path: Path) -> N
     one = Workload("f", "f/1", {}, (chain_app(),), engines=1)
     header = {"starts": [], "idle_cpu": {}, "failures": []}
     with pytest.raises(run._Terminated):
-        run.run_suite(args, type("W", (), {"generate": lambda *a: [one]}), [one], header, tmp_path)
+        run.run_suite(args, type("W", (), {"generate": lambda *a, **kw: [one]}), [one], header, tmp_path)
     assert turns == ["parrot", "vllm", "vllm"]
     assert sorted(stopped) == ["parrot", "vllm"]  # both were up, both stopped
     assert header["failures"] == []  # an interruption is not a system's failure
@@ -686,7 +686,7 @@ def test_a_resumed_run_runs_only_what_the_interrupted_one_lacks(monkeypatch, tmp
     ]
     kept[2]["extra"]["fig17_stop"] = "over"
     header = {"starts": [], "idle_cpu": {}, "failures": []}
-    generator = type("W", (), {"generate": lambda *a: workloads})
+    generator = type("W", (), {"generate": lambda *a, **kw: workloads})
     run.run_suite(args, generator, workloads, header, tmp_path, raw=list(kept))
 
     assert ran == [

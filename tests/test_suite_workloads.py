@@ -359,6 +359,48 @@ def test_app_load_mixes_kinds_and_a_higher_rate_has_more_apps_over_the_same_wind
         assert len(sizes) >= 5  # multi-call apps of many sizes: their order decides the mean
 
 
+def test_app_load_rates_can_be_chosen_and_each_rate_keeps_its_apps() -> None:
+    default = {w.name: w for w in generate("app_load", seed=3)}
+    chosen = generate("app_load", seed=3, app_load_rates=[2.0, 1.75])
+    assert [w.params["x"] for w in chosen] == [2.0, 1.75]
+    same = chosen[0]  # a rate of the default sweep: the same apps, run alone or beside others
+    assert [a.app_id for a in same.apps] == [a.app_id for a in default[same.name].apps]
+    assert [a.calls for a in same.apps] == [a.calls for a in default[same.name].apps]
+    assert chosen[1].name not in default and len(chosen[1].apps) < len(same.apps) + 20
+    assert [w.name for w in generate("fig11", app_load_rates=[3.0])] == [w.name for w in generate("fig11")]
+
+
+@pytest.mark.parametrize("rates", [[], [0.0], [-1.0], [float("nan")], [float("inf")]])
+def test_app_load_rejects_rates_that_are_not_positive_and_finite(rates: list[float]) -> None:
+    with pytest.raises(ValueError, match="app_load rates must be finite and > 0"):
+        generate("app_load", app_load_rates=rates)
+
+
+def test_the_suite_and_the_simulator_take_app_load_rates_and_refuse_them_without_the_figure(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from benchmarks.sim.__main__ import main as sim_main
+    from benchmarks.suite import run
+
+    args, _, first = run.parse_args(["--figures", "app_load", "--app-load-rates", "1.75", "2.25"])
+    assert args.app_load_rates == [1.75, 2.25] and [w.params["x"] for w in first] == [1.75, 2.25]
+    assert run.collect_header(args)["app_load_rates"] == [1.75, 2.25] and "app_load_rates" in run.RUN_DEFINING
+    for argv, said in [
+        (["--figures", "fig11", "--app-load-rates", "2"], "--app-load-rates needs the figure app_load"),
+        (["--figures", "app_load", "--app-load-rates", "0"], "app_load rates must be finite and > 0"),
+    ]:
+        with pytest.raises(SystemExit) as info:
+            run.parse_args(argv)
+        assert info.value.code == 2 and said in capsys.readouterr().err
+    for argv, said in [
+        (["--figures", "app_load", "--tokenizer", "tiny", "--app-load-rates", "nan"], "finite and > 0"),
+        (["--figures", "fig14", "--app-load-rates", "2"], "--app-load-rates needs the figure app_load"),
+    ]:
+        with pytest.raises(SystemExit) as info:
+            sim_main(argv)
+        assert info.value.code == 2 and said in capsys.readouterr().err
+
+
 def test_fig17_rates_span_both_saturations_with_enough_requests() -> None:
     workloads = generate("fig17")
     rates = [w.params["x"] for w in workloads]

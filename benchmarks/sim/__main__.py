@@ -79,6 +79,14 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="every engine's KV pool in tokens, in place of the profile's (the suite's option of that name)",
     )
+    parser.add_argument(
+        "--app-load-rates",
+        type=float,
+        nargs="+",
+        default=None,
+        metavar="RATE",
+        help="app_load's arrival rates (apps/s) in place of its default sweep (as the suite's option)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write every run as JSON here")
     parser.add_argument(
         "--compare", type=Path, default=None, metavar="RAW", help="a real run's raw.json to compare against"
@@ -93,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.paper:
         return _paper(parser, args, argv)
     figures = list(FIGURES) if "all" in args.figures else args.figures
+    if args.app_load_rates is not None and "app_load" not in figures:
+        parser.error("--app-load-rates needs the figure app_load")
     tokenizer = _tokenizer(args.tokenizer)
     try:
         profile = load_profile(args.cost)
@@ -102,7 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     header = f"{'workload':40s} " + " ".join(f"{s:>26s}" for s in args.systems)
     print(header)
     for figure in figures:
-        per_repeat = [generate(figure, args.scale, args.seed + r) for r in range(args.repeats)]
+        try:
+            per_repeat = [
+                generate(figure, args.scale, args.seed + r, app_load_rates=args.app_load_rates)
+                for r in range(args.repeats)
+            ]
+        except ValueError as exc:
+            parser.error(str(exc))
         for repeats in zip(*per_repeat, strict=True):
             workload = repeats[0]
             means = []

@@ -144,6 +144,15 @@ def _parser() -> argparse.ArgumentParser:
         "too small to hold every app's prefixes (agents_load); peers keep their own",
     )
     p.add_argument(
+        "--app-load-rates",
+        type=float,
+        nargs="+",
+        default=None,
+        metavar="RATE",
+        help="app_load's arrival rates (apps/s) in place of its default sweep, e.g. the band of "
+        "70-90%% of a baseline's saturation rate",
+    )
+    p.add_argument(
         "--step-log",
         action="store_true",
         help="Parrot's engines log every step (parrot --step-log) to logs/<system>/steps-*.jsonl, "
@@ -184,10 +193,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Any, list[Wo
     except ImportError as exc:
         parser.error(f"benchmarks/suite/workloads.py cannot be imported: {exc}")
     args.figures = _select(args.figures, workloads.FIGURES, "figure", parser)
+    if args.app_load_rates is not None and "app_load" not in args.figures:
+        parser.error("--app-load-rates needs the figure app_load")
     if args.resume and args.out is None:
         parser.error("--resume needs --out DIR, the folder of the run to continue")
     try:
-        first = generate_all(workloads, args.figures, args.scale, args.seed)
+        first = generate_all(workloads, args.figures, args.scale, args.seed, args.app_load_rates)
     except ValueError as exc:
         parser.error(str(exc))
     return args, workloads, first
@@ -301,6 +312,7 @@ def collect_header(args: argparse.Namespace) -> dict[str, Any]:
         "delay_ms": list(args.delay_ms),
         "fig17_bound_s": args.fig17_bound,
         "kv_cache_tokens": args.kv_cache_tokens,
+        "app_load_rates": args.app_load_rates,
         "order": "per engine layout, repeat-major; in repeat r the systems rotated by r, each running "
         "the layout's workloads in order; repeat r: seed + r; fig17 stops a system's rates after "
         "the first over the bound",
@@ -338,8 +350,12 @@ def print_header(header: dict[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------ plan
-def generate_all(workloads_mod: Any, figures: list[str], scale: float, seed: int) -> list[Workload]:
-    return [w for fig in figures for w in workloads_mod.generate(fig, scale, seed)]
+def generate_all(
+    workloads_mod: Any, figures: list[str], scale: float, seed: int, app_load_rates: list[float] | None = None
+) -> list[Workload]:
+    return [
+        w for fig in figures for w in workloads_mod.generate(fig, scale, seed, app_load_rates=app_load_rates)
+    ]
 
 
 def _cost(workloads_mod: Any, workload: Workload) -> tuple[int, int, int]:
@@ -678,7 +694,8 @@ def run_suite(
     ``first`` are the workloads of repeat 0; repeat r regenerates them with ``seed + r``.  ``raw``:
     the records of the run being resumed; only the workloads they lack are run."""
     later = [
-        generate_all(workloads_mod, args.figures, args.scale, args.seed + r) for r in range(1, args.repeats)
+        generate_all(workloads_mod, args.figures, args.scale, args.seed + r, args.app_load_rates)
+        for r in range(1, args.repeats)
     ]
     turns = schedule(args.systems, [first, *later])
     total = sum(len(w.apps) for t in turns for w in t.workloads)
@@ -739,6 +756,7 @@ RUN_DEFINING = (
     "delay_ms",
     "fig17_bound_s",
     "kv_cache_tokens",
+    "app_load_rates",
 )
 
 

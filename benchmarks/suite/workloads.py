@@ -748,14 +748,15 @@ def app_load_app(app_id: str, rng: random.Random, arrival_s: float) -> AppSpec:
     return map_reduce_app(app_id, split_chunks(textgen.filler(rng, maps * 80), 80), 25, arrival_s=arrival_s)
 
 
-def app_load(scale: float = 1.0, seed: int = 0) -> list[Workload]:
-    """Apps arriving by a Poisson process at each of :data:`APP_LOAD_RATES` over a 60 s
-    window (times ``scale``), mixing chats, chains and map-reduce (:func:`app_load_app`);
-    one engine.  Each rate has texts of its own, so no rate finds another's prompts in a
-    prefix cache."""
+def app_load(scale: float = 1.0, seed: int = 0, rates: Sequence[float] = APP_LOAD_RATES) -> list[Workload]:
+    """Apps arriving by a Poisson process at each of ``rates`` (default
+    :data:`APP_LOAD_RATES`) over a 60 s window (times ``scale``), mixing chats, chains and
+    map-reduce (:func:`app_load_app`); one engine.  Each rate has texts of its own, so no
+    rate finds another's prompts in a prefix cache; a rate's apps are the same whichever
+    other rates are run beside it."""
     window = 60.0 * scale
     workloads = []
-    for rate in APP_LOAD_RATES:
+    for rate in rates:
         name = workload_name("app_load", rate=rate)
         arrivals = _compressed_arrivals(seed, "app_load", rate, window)
         rng = seeded_rng(seed, name, "apps")
@@ -860,11 +861,18 @@ def _check_args(scale: float, seed: int) -> None:
         raise ValueError(f"seed must be an int, got {seed!r}")
 
 
-def generate(figure: str, scale: float = 1.0, seed: int = 0) -> list[Workload]:
-    """The workloads of ``figure`` (a key of :data:`FIGURES`)."""
+def generate(
+    figure: str, scale: float = 1.0, seed: int = 0, app_load_rates: Sequence[float] | None = None
+) -> list[Workload]:
+    """The workloads of ``figure`` (a key of :data:`FIGURES`); ``app_load_rates`` replaces
+    :data:`APP_LOAD_RATES` for the figure ``app_load`` (each rate > 0)."""
     if figure not in FIGURES:
         raise ValueError(f"unknown figure {figure!r}; expected one of {', '.join(FIGURES)}")
     _check_args(scale, seed)
+    if figure == "app_load" and app_load_rates is not None:
+        if not app_load_rates or not all(math.isfinite(r) and r > 0 for r in app_load_rates):
+            raise ValueError(f"app_load rates must be finite and > 0, got {list(app_load_rates)!r}")
+        return app_load(scale=scale, seed=seed, rates=tuple(app_load_rates))
     return FIGURES[figure](scale=scale, seed=seed)
 
 
