@@ -6,6 +6,10 @@
 - The sub-packages import only those below them: ``dag`` and ``backends`` nothing of the
   manager outside themselves, ``sched`` only ``dag`` and ``backends``, the core (the
   modules at ``parrot.manager``'s top) never a router package.
+- The core's modules import one another without a cycle (imports under
+  ``TYPE_CHECKING`` and inside functions included): what one needs of a module above
+  it is a protocol of its own (``metrics.ObservedManager``,
+  ``engine_ops.SchedulingRounds``).
 
 Each rule is also shown failing on a planted violation, reported with its file and line.
 """
@@ -116,3 +120,62 @@ def test_an_upward_import_is_reported() -> None:
     ]
     planted = "from parrot.manager.api import app\n"
     assert upward_imports(planted, "executor.py", "core") == ["executor.py:1: parrot.manager.api"]
+
+
+def core_imports(sources: dict[str, str]) -> dict[str, set[str]]:
+    """Core module -> the core modules it imports, every import counted (``TYPE_CHECKING``
+    and function-level ones too), from ``sources`` (core module name -> its text)."""
+    graph: dict[str, set[str]] = {name: set() for name in sources}
+    for name, source in sources.items():
+        for node in ast.walk(ast.parse(source, f"{name}.py")):
+            if isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                modules = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            else:
+                continue
+            for module in modules:
+                parts = module.split(".")
+                if parts[:2] == ["parrot", "manager"] and len(parts) > 2 and parts[2] in sources:
+                    graph[name].add(parts[2])
+        graph[name].discard(name)
+    return graph
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One cycle of ``graph`` as ``[a, b, ..., a]``, or [] if it is a DAG."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (cycle := visit(nxt, path)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return []
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start, [])):
+            return cycle
+    return []
+
+
+def test_the_core_modules_import_one_another_without_a_cycle() -> None:
+    graph = core_imports({p.stem: p.read_text() for p in _sources("core")})
+    assert "service" in graph and "executor" in graph["service"]  # the graph is really read
+    assert import_cycle(graph) == [], "the manager's core modules import one another in a cycle"
+
+
+def test_a_core_import_cycle_is_reported() -> None:
+    planted = {
+        "metrics": "if TYPE_CHECKING:\n    from parrot.manager.service import Manager\n",
+        "service": "from parrot.manager.executor import Executor\n",
+        "executor": "def f():\n    from parrot.manager import metrics\n",
+    }
+    assert import_cycle(core_imports(planted)) == ["executor", "metrics", "service", "executor"]
+    del planted["metrics"]
+    assert import_cycle(core_imports(planted)) == []

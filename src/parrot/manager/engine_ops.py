@@ -8,6 +8,9 @@ the routers reach the pool and the executor only through these methods.  Invaria
 whenever what an engine can take may have changed (it joined, or sent stats with
 another capacity or cap), a scheduling round is asked for, so queued calls that now
 fit are placed without waiting for the next event.
+
+All it asks of the executor is such a round (:class:`SchedulingRounds`), so this module
+does not import :mod:`parrot.manager.executor`.
 """
 
 from __future__ import annotations
@@ -16,27 +19,36 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
 from parrot.manager.backends.pool import EngineHandle, EnginePool
 from parrot.manager.config import ManagerConfig
-from parrot.manager.executor import Executor
 from parrot.protocol.engine_api import EngineAPI
 from parrot.protocol.errors import BadRequest, NotFound
 from parrot.protocol.schemas import EngineStats
 from parrot.protocol.tokenizer import TextTokenizer
 
-__all__ = ["EngineOperations"]
+__all__ = ["EngineOperations", "SchedulingRounds"]
 
 log = logging.getLogger(__name__)
 
 
+class SchedulingRounds(Protocol):
+    """What the engine operations ask of the executor
+    (:class:`~parrot.manager.executor.Executor` is one)."""
+
+    def kick(self) -> None:
+        """Run a scheduling round soon; RuntimeError without a running event loop."""
+
+
 class EngineOperations:
     """The engine part of :class:`~parrot.manager.service.Manager` (see the module
-    docstring); it reads the manager's ``config``, ``pool`` and ``executor``."""
+    docstring); it reads the manager's ``config``, ``pool`` and ``executor`` (of which
+    it only asks for scheduling rounds)."""
 
     config: ManagerConfig
     pool: EnginePool
-    executor: Executor
+    executor: SchedulingRounds
     _polls: set[asyncio.Task[EngineStats]]  # stats polls of newly registered engines
 
     # ------------------------------------------------------------ joining

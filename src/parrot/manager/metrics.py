@@ -17,12 +17,16 @@ Invariant: no label value carries anything a client sent (no prompt, value,
 session, call, tenant or key): routes are labelled by their template,
 engines by their id, calls by their state and deduced objective only.  Label
 sets are therefore bounded by the routes, the engines and the call states.
+
+The executor and the call driver import this module, so it imports nothing of the
+manager's core: what it reads of a manager is the :class:`ObservedManager` protocol
+(:class:`~parrot.manager.service.Manager` is one), not the class itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -30,9 +34,17 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from parrot.manager.backends.pool import EngineHandle
-    from parrot.manager.service import Manager
+    from parrot.manager.dag.graph import Session
+    from parrot.manager.sched.engine_loads import EngineLoads
 
-__all__ = ["CALL_STATES", "ManagerMetrics", "StateCollector", "status_class"]
+__all__ = [
+    "CALL_STATES",
+    "ManagerMetrics",
+    "ObservedManager",
+    "ObservedQueue",
+    "StateCollector",
+    "status_class",
+]
 
 CALL_STATES = ("waiting", "ready", "running", "done", "failed")
 NO_OBJECTIVE = "none"
@@ -41,6 +53,31 @@ NO_OBJECTIVE = "none"
 QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
+
+
+class ObservedQueue(Protocol):
+    """What a scrape reads of the manager's executor: its queue's length and the loads
+    of the calls it placed."""
+
+    @property
+    def queued(self) -> int: ...
+
+    @property
+    def loads(self) -> EngineLoads: ...
+
+
+class ObservedManager(Protocol):
+    """What a scrape reads of a manager (:class:`~parrot.manager.service.Manager` is
+    one): its open sessions, its engines and its executor.  Read-only, on the event loop."""
+
+    @property
+    def sessions(self) -> Mapping[str, Session]: ...
+
+    @property
+    def pool(self) -> Iterable[EngineHandle]: ...
+
+    @property
+    def executor(self) -> ObservedQueue: ...
 
 
 def status_class(status: int) -> str:
@@ -82,7 +119,7 @@ class ManagerMetrics:
             registry=self.registry,
         )
 
-    def watch(self, manager: Manager) -> None:
+    def watch(self, manager: ObservedManager) -> None:
         """Read ``manager``'s state at every scrape (call once per manager)."""
         self.registry.register(StateCollector(manager))
 
@@ -138,7 +175,7 @@ class StateCollector(Collector):
     consistent state without locks; its cost is one pass over the calls of open
     sessions plus a constant per engine."""
 
-    def __init__(self, manager: Manager):
+    def __init__(self, manager: ObservedManager):
         self.manager = manager
 
     def collect(self) -> Iterator[Metric]:

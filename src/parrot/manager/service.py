@@ -76,6 +76,8 @@ class Manager(EngineOperations, CallStaging):
     The HTTP routers call these methods only, never ``pool`` or ``executor``
     (tests/test_manager_facade.py)."""
 
+    executor: Executor  # EngineOperations asks only for scheduling rounds of it
+
     def __init__(self, config: ManagerConfig | None = None):
         self.config = config or ManagerConfig()
         self.metrics = ManagerMetrics()  # its own registry: managers in one process never mix series
