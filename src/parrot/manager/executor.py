@@ -14,8 +14,10 @@ ready, which are queued in turn. No value travels to the client on the way.
 
 Queue order: application-level FIFO within a tenant, fair turns between tenants
 (:mod:`parrot.manager.sched.queue_order`).  Its parts: objectives
-(:mod:`~parrot.manager.dag.objective_cache`),
-engine loads (:mod:`~parrot.manager.sched.engine_loads`), one run of a call on its engine
+(:mod:`~parrot.manager.dag.objective_cache`), engine loads
+(:mod:`~parrot.manager.sched.engine_loads`), what the scheduler sees of a queued call
+(its ticket, token estimate, affinity keys and prompt rendered per model:
+:mod:`~parrot.manager.queue_entries`), one run of a call on its engine
 (:mod:`~parrot.manager.call_driver`); this module queues, places, runs and retries, and
 observes each call's queue wait (:mod:`parrot.manager.metrics`).
 
@@ -26,10 +28,6 @@ once, one that waits longer than ``queue_timeout_s`` fails with a timeout; a cal
 whose engine is lost before any of its outputs materialised is queued again and re-run
 elsewhere (waiting up to ``engine_wait_s`` for an engine); the engine context of a
 call is freed however the call ends.
-
-Length (just over 500 lines): one job, the life of a placed call from queue to
-finish; its parts with a job of their own live in queue_order, engine_loads,
-objective_cache and call_driver.
 """
 
 from __future__ import annotations
@@ -39,67 +37,39 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 from parrot.manager.backends.pool import EngineHandle, EnginePool
 from parrot.manager.call_driver import drive
 from parrot.manager.dag.graph import Call, fail_call
 from parrot.manager.dag.objective_cache import ObjectiveCache
 from parrot.manager.dag.prefix import PrefixIndex, prefix_keys
-from parrot.manager.dag.render import Rendered, render
 from parrot.manager.dag.shared_start import SharedStarts
-from parrot.manager.dag.tokens import INLINE_TOKENIZE_BYTES, NeedsTokenizing, TokenSource
+from parrot.manager.dag.tokens import INLINE_TOKENIZE_BYTES, NeedsTokenizing
 from parrot.manager.early_prefill import EarlyPrefill
 from parrot.manager.metrics import ManagerMetrics
+from parrot.manager.queue_entries import REQUEST_LEVEL_POLICIES, QueueEntries, Ticket
 from parrot.manager.sched.engine_loads import EngineLoads, PlacedShare
 from parrot.manager.sched.queue_order import QueueOrder
 from parrot.manager.sched.scheduler import EngineSnapshot, QueuedCall, SchedulerConfig
 from parrot.protocol import clock
-from parrot.protocol.errors import CallFailed, ContextTooLong, EngineError, NoEngine, ParrotError, Timeout
+from parrot.protocol.errors import CallFailed, EngineError, NoEngine, ParrotError, Timeout
 
 log = logging.getLogger(__name__)
 
 TICK_S = 0.1
 MIN_ROUND_GAP_S = 0.0005
-_REQUEST_LEVEL_POLICIES = ("baseline-latency", "baseline-throughput")
 
 
 class _EngineLost(str):
     """Cancellation message marking a call whose engine was dropped."""
 
 
-@dataclass(eq=False)
-class _Ticket:
-    """Executor-side state of one ready or running call."""
-
-    call: Call
-    arrival: int  # when it was first queued, in the executor's order of queueing
-    queued_at: float = field(default_factory=clock.monotonic)
-    tokens: int | None = None  # estimated KV tokens of its own: prompt + max new tokens, less shared_prefix's
-    # (key, tokens) of the start of its prompt that it shares with other calls (a system prompt, a
-    # fan-out's common context: parrot.manager.dag.shared_start), counted once per engine
-    shared_prefix: tuple[str, int] | None = None
-    rendered: dict[str, Rendered] = field(default_factory=dict)  # by model
-    attempts: int = 0
-    lost: str | None = None  # why the last engine was lost
-    retry_deadline: float | None = None
-    engine: EngineHandle | None = None
-    share: PlacedShare | None = None  # its share of the engine's load while placed
-    prefix_keys: tuple[str, ...] = ()
-    # the keys the scheduler places it by: those with at least min_prefix_tokens tokens before
-    # them (set with its estimate; a shorter shared start saves less than it costs to pile its
-    # sharers onto one engine)
-    affinity_keys: tuple[str, ...] = ()
-    # those keys with the share of the prompt before each (parrot.manager.dag.prefix.key_shares)
-    key_shares: list[tuple[str, float]] = field(default_factory=list)
-    started: bool = False  # its task began running (a task cancelled before that never runs at all)
-    priority: int = 0  # its generations' priority, for an engine that orders by it (set when placed)
-    queued: QueuedCall | None = None  # what the last round saw (reused while nothing changes)
-    token_source: TokenSource | None = None  # its long prompt text, tokenized off the loop first
-    tokenizing: asyncio.Task[None] | None = None  # while that runs, rounds pass the call over
-
-
 class Executor:
+    """The executor of one manager (see the module docstring).  Each call it knows is in
+    at most one of ``_queue`` (ready, waiting for a round to place it) and ``_placed``
+    (on an engine, with its task in ``_tasks`` until its run ends); a placed call's
+    share is counted in its engine's load exactly while it is placed."""
+
     def __init__(
         self,
         pool: EnginePool,
@@ -121,20 +91,27 @@ class Executor:
         self.pool = pool
         self.prefixes = prefixes or PrefixIndex()
         self.scheduler = scheduler or SchedulerConfig()
-        self.min_prefix_tokens = min_prefix_tokens
         self.max_attempts = max_attempts
         self.engine_wait_s = engine_wait_s
         self.queue_timeout_s = queue_timeout_s
         self.app_fifo = app_fifo
-        self.inline_tokenize_bytes = inline_tokenize_bytes
         self.metrics = metrics or ManagerMetrics()  # queue waits here, token timings in drive()
         self.loads = EngineLoads(pool, self.prefixes, engine_token_capacity)
         self.shared_starts = SharedStarts(self.prefixes, min_prefix_tokens)
         self.order = QueueOrder(by_service=program_scheduling)
         self.early = EarlyPrefill(pool, self.prefixes, min_prefix_tokens) if early_prefill else None
         self.objectives = ObjectiveCache(calls_of_session)
-        self._queue: dict[str, _Ticket] = {}
-        self._placed: dict[str, _Ticket] = {}
+        self.entries = QueueEntries(
+            pool,
+            self.loads,
+            self.shared_starts,
+            self.objectives,
+            self.order,
+            min_prefix_tokens=min_prefix_tokens,
+            inline_tokenize_bytes=inline_tokenize_bytes,
+        )
+        self._queue: dict[str, Ticket] = {}
+        self._placed: dict[str, Ticket] = {}
         self._last_round = 0.0
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._tokenizing: set[asyncio.Task[None]] = set()  # prompts being tokenized off the loop
@@ -170,7 +147,7 @@ class Executor:
         arrival = next(self._arrivals)
         self.order.enter(call, arrival)
         shares = self.shared_starts.chunks(call)
-        self._queue[call.call_id] = _Ticket(call, arrival, prefix_keys=tuple(keys), key_shares=shares)
+        self._queue[call.call_id] = Ticket(call, arrival, prefix_keys=tuple(keys), key_shares=shares)
         self.kick()
 
     def forget_session(self, session_id: str) -> None:
@@ -256,7 +233,7 @@ class Executor:
             with contextlib.suppress(RuntimeError):  # no running loop: nothing to schedule
                 self.kick()
 
-    def _drop_queued(self, ticket: _Ticket) -> None:
+    def _drop_queued(self, ticket: Ticket) -> None:
         """Take a queued call out of the executor for good."""
         call = ticket.call
         if self._queue.pop(call.call_id, None) is not None:
@@ -319,7 +296,7 @@ class Executor:
         if any(self._prefix_arrived(t) for t in self._queue.values()):
             self.kick()  # calls that counted a shared prefix this round placed now count less
 
-    def _prefix_arrived(self, ticket: _Ticket) -> bool:
+    def _prefix_arrived(self, ticket: Ticket) -> bool:
         """Whether the round counted ``ticket``'s shared prefix in its tokens (no engine
         held it) and an engine now holds it."""
         shared, queued = ticket.shared_prefix, ticket.queued
@@ -331,48 +308,27 @@ class Executor:
         )
 
     @property
-    def _fifo_by_app(self) -> bool:  # else calls rank by their own arrival
-        return self.app_fifo and self.scheduler.policy not in _REQUEST_LEVEL_POLICIES
+    def _request_level(self) -> bool:  # a request-level baseline: no sharing but a system prompt
+        return self.scheduler.policy in REQUEST_LEVEL_POLICIES
 
-    def _queued(self, ticket: _Ticket) -> QueuedCall | None:
-        """What the scheduler sees of a queued call this round (reused while nothing changed);
+    @property
+    def _fifo_by_app(self) -> bool:  # else calls rank by their own arrival
+        return self.app_fifo and not self._request_level
+
+    def _queued(self, ticket: Ticket) -> QueuedCall | None:
+        """What the scheduler sees of a queued call this round (:meth:`QueueEntries.entry`);
         None while its prompt is being tokenized off the loop (it waits for a later round)."""
-        call = ticket.call
         if ticket.tokenizing is not None:
             return None
         try:
-            tokens = self._estimate(ticket)
+            return self.entries.entry(
+                ticket, fifo_by_app=self._fifo_by_app, request_level=self._request_level
+            )
         except NeedsTokenizing:
             self._tokenize_ahead(ticket)
             return None
-        objective = self.objectives.of(call)
-        call.objective, call.task_group = objective.kind, objective.task_group
-        rank = self.order.rank(call, ticket.arrival, self._fifo_by_app)
-        shared, shared_tokens = ticket.shared_prefix, 0
-        if shared is not None and not self.loads.prefix_running(shared[0]):
-            shared_tokens = shared[1]  # no engine holds its shared prefix yet: placing it brings it
-            tokens += shared_tokens
-        queued = ticket.queued
-        if (
-            queued is None
-            or queued.objective is not objective
-            or queued.tokens != tokens
-            or queued.topo_rank != rank
-        ):
-            new_tokens = sum(o.sampling.max_tokens for o in call.outputs.values())
-            queued = ticket.queued = QueuedCall(
-                call.call_id,
-                call.model,
-                objective,
-                ticket.affinity_keys,
-                tokens,
-                rank,
-                new_tokens,
-                shared_tokens,
-            )
-        return queued
 
-    def _fail_queued(self, ticket: _Ticket, exc: Exception) -> None:
+    def _fail_queued(self, ticket: Ticket, exc: Exception) -> None:
         """Take a call out of the queue and fail it: with ``exc`` itself if it is a
         ParrotError (a call that cannot be served), else with a CallFailed naming the
         call and the unexpected exception (a bug, logged with its traceback)."""
@@ -388,60 +344,7 @@ class Executor:
             )
         fail_call(call, error)
 
-    # ------------------------------------------------------ estimates
-    def _estimate(self, ticket: _Ticket) -> int:
-        if ticket.tokens is None:
-            call = ticket.call
-            new_tokens = sum(o.sampling.max_tokens for o in call.outputs.values())
-            if call.rendered is not None:  # rendered at submit for the longest-context engine
-                rendered, max_len = call.rendered.rendered, call.rendered.max_seq_len
-            else:
-                longest = self.pool.longest_context(call.model)
-                if longest is None:
-                    return 1  # no engine yet: unservable() says so
-                rendered, max_len = self._rendered(ticket, longest), longest.max_seq_len
-            constant = rendered.constant_prefix
-            if self.scheduler.policy in _REQUEST_LEVEL_POLICIES:
-                # the request-level baselines model servers without prefix sharing: each
-                # request holds its own copy of everything but a system prompt
-                if constant is not None and constant[1] >= self.min_prefix_tokens:
-                    ticket.shared_prefix = constant
-            else:
-                ticket.shared_prefix = self.shared_starts.prefix(
-                    ticket.key_shares, rendered.first_fill_tokens, constant
-                )
-            ticket.affinity_keys = self._affinity_keys(ticket, rendered.first_fill_tokens, constant)
-            shared = ticket.shared_prefix[1] if ticket.shared_prefix else 0
-            # engines stop generating at their context: a call never holds more than that
-            # forks (n samples) share the prompt and add their own tokens; the scheduler
-            # measures a call against one context's length, so the estimate stops there and
-            # the engine's own admission paces forks that would hold more
-            forks = sum(f.sampling.max_tokens for o in call.outputs.values() for f in o.forks)
-            total = min(rendered.prompt_tokens + new_tokens + forks, max_len)
-            ticket.tokens = max(1, total - shared)
-        return ticket.tokens
-
-    def _affinity_keys(
-        self, ticket: _Ticket, prompt_tokens: int, constant: tuple[str, int] | None
-    ) -> tuple[str, ...]:
-        """The prefix keys that place ``ticket``'s call: those with at least
-        ``min_prefix_tokens`` tokens of the prompt before them (``prompt_tokens``: its
-        tokens before its first output; ``constant``: (key, exact tokens) of its leading
-        constant text).  Sharing a start shorter than that saves a few tokens of prompt
-        work once per engine; placing every call that shares it (a one-line instruction
-        at the head of each map of every map-reduce app) on the engine that holds it
-        piles them all onto that engine while others idle.  Without shares (a prompt
-        whose keys could not be measured), every key places it, as before."""
-        if not ticket.key_shares:
-            return ticket.prefix_keys
-        exact = dict([constant]) if constant is not None else {}
-        return tuple(
-            key
-            for key, share in ticket.key_shares
-            if exact.get(key, round(prompt_tokens * share)) >= self.min_prefix_tokens
-        )
-
-    def _tokenize_ahead(self, ticket: _Ticket) -> None:
+    def _tokenize_ahead(self, ticket: Ticket) -> None:
         """Tokenize the long text a round found in a call's prompt, off the loop; a
         round runs when it is done, and renders the call from those tokens."""
         ticket.tokenizing = task = asyncio.get_running_loop().create_task(
@@ -450,7 +353,7 @@ class Executor:
         self._tokenizing.add(task)
         task.add_done_callback(self._tokenizing.discard)
 
-    async def _tokenize(self, ticket: _Ticket) -> None:
+    async def _tokenize(self, ticket: Ticket) -> None:
         try:
             assert ticket.token_source is not None
             await ticket.token_source.resolve()
@@ -462,40 +365,8 @@ class Executor:
             ticket.tokenizing = None
             self.kick()
 
-    async def _render_on(self, ticket: _Ticket, handle: EngineHandle) -> Rendered:
-        """:meth:`_rendered`, tokenizing long text off the loop first if need be (a call
-        placed on an engine of another model than the one its round rendered it for)."""
-        while True:
-            try:
-                return self._rendered(ticket, handle)
-            except NeedsTokenizing:
-                assert ticket.token_source is not None
-                await ticket.token_source.resolve()
-
-    def _rendered(self, ticket: _Ticket, handle: EngineHandle) -> Rendered:
-        """The call's engine steps for ``handle``'s model, rendered once per model; raises
-        NeedsTokenizing when long text of its prompt must first be tokenized off the loop
-        (recorded in ``ticket.token_source``)."""
-        pre = ticket.call.rendered  # done at submit, when the inputs were already known
-        if pre is not None and pre.model == handle.model and handle.model not in ticket.rendered:
-            ticket.rendered[handle.model] = pre.rendered
-        cached = ticket.rendered.get(handle.model)  # one model, one tokenizer: the same tokens
-        if cached is None:
-            if ticket.token_source is None:
-                ticket.token_source = TokenSource(self.inline_tokenize_bytes)
-            ticket.token_source.start_pass()
-            cached = render(ticket.call, handle.api.tokenizer, handle.max_seq_len, ticket.token_source)
-            ticket.rendered[handle.model] = cached
-            ticket.token_source = None  # its tokens are in the steps now
-        elif cached.prompt_tokens >= handle.max_seq_len:
-            raise ContextTooLong(
-                f"the rendered prompt has {cached.prompt_tokens} tokens; "
-                f"the model's context is {handle.max_seq_len}"
-            )
-        return cached
-
     # ------------------------------------------------------------ running
-    def _start(self, ticket: _Ticket) -> None:
+    def _start(self, ticket: Ticket) -> None:
         call = ticket.call
         ticket.started = False
         self._placed[call.call_id] = ticket
@@ -508,7 +379,7 @@ class Executor:
             self._run(ticket), name=f"call {call.call_id}"
         )
 
-    async def _run(self, ticket: _Ticket) -> None:
+    async def _run(self, ticket: Ticket) -> None:
         ticket.started = True
         ticket.attempts += 1
         lost = None
@@ -517,7 +388,7 @@ class Executor:
         finally:
             self._finish(ticket, lost)
 
-    def _finish(self, ticket: _Ticket, lost: str | None, kick: bool = True) -> None:
+    def _finish(self, ticket: Ticket, lost: str | None, kick: bool = True) -> None:
         """A placed call's run ended (``lost``: why its engine was lost, to re-run it)."""
         call = ticket.call
         self._tasks.pop(call.call_id, None)
@@ -535,7 +406,7 @@ class Executor:
         if kick:
             self.kick()
 
-    def _requeue(self, ticket: _Ticket, lost: str) -> bool:
+    def _requeue(self, ticket: Ticket, lost: str) -> bool:
         """The call's engine was lost: queue it again (True), unless it cannot be re-run."""
         call = ticket.call
         if ticket.attempts >= self.max_attempts or any(o.var.state != "pending" for o in call.all_outputs()):
@@ -552,14 +423,14 @@ class Executor:
         self._queue[call.call_id] = ticket
         return True
 
-    async def _attempt(self, ticket: _Ticket) -> str | None:
+    async def _attempt(self, ticket: Ticket) -> str | None:
         """One try on the placed engine.  Returns None when the call ended (done
         or failed), or why its engine was lost."""
         call, handle = ticket.call, ticket.engine
         assert handle is not None
         try:
             call.engine_id, call.generated_tokens = handle.engine_id, 0
-            rendered = await self._render_on(ticket, handle)
+            rendered = await self.entries.render_on(ticket, handle)
             call.prompt_tokens = rendered.prompt_tokens
             call.state = "running"
             call.started_at, call.first_token_at = clock.wall(), None
