@@ -3,142 +3,27 @@
 ``schedule(queue, engines, config)`` decides, for one scheduling round, which
 queued calls go to which engine.  It reads plain snapshots and returns
 placements; calls it does not place stay queued.  No I/O, no asyncio, no
-engine imports, so a simulator can reuse it unchanged.
+engine imports, so the manager and the simulator run the same decisions.
+:class:`Scheduler` is the same round over engine state kept between rounds,
+so a busy manager pays only for the engines that changed.
 
-Caps.  ``cap_L(e) = min(L(e), e.token_capacity)`` bounds latency and
-throughput work sharing an engine.  ``L(e)`` is the engine's own latency cap,
-``e.latency_cap_tokens``: the token load at which its measured per-token
-latency reaches its target (:mod:`parrot.engine.latency_probe`), so it
-differs from engine to engine; an operator's ``config.latency_cap_tokens``
-replaces it for every engine.  ``cap_T(e) = e.token_capacity`` (or
-``min(throughput_cap, e.token_capacity)``) bounds one that runs only
-throughput work.  Under ``parrot`` the cap that applies when placing call
-``c`` on ``e`` depends on whether the two kinds of work would meet there
-(``config.latency_cap_scope``):
+Invariants:
 
-* ``"all"`` (the default, the paper's rule): ``cap_L`` if ``c`` is
-  latency-sensitive *or* ``e`` runs latency work, else ``cap_T``.  Under
-  saturation this serves latency calls nearly in order (with app-FIFO, one
-  application after another), which gives a lower mean latency than sharing
-  every step among all of them (``docs/scheduling.md``, "Latency batching");
-* ``"mixed"``: the latency cap bounds throughput work that
-  meets latency work.  A throughput call joins an engine running latency work
-  (mode ``"latency"``) while ``e.load + c.tokens <= cap_L``; a
-  latency-sensitive call joins one running only throughput work (mode
-  ``"throughput"``) while that work is within the cap, ``e.load <= cap_L``
-  (and ``e.load + c.tokens <= e.token_capacity``).  Otherwise a latency call is
-  bounded by ``e.token_capacity``, as a continuous-batching server admits
-  requests, and a throughput call by ``cap_T``: latency calls batch with
-  each other, which on this CPU made chains slower (every admitted prompt's
-  prefill delays the running calls' decode steps).
+- a call goes only to a live engine that serves its model and takes its
+  length, and only where it has room under the policy's cap or the engine is
+  idle (a call larger than the cap runs alone: it is never starved);
+- each placement is seen by the round's later decisions; the round's own
+  bookkeeping is undone when it ends (placements are not remembered: the
+  caller reports each engine's new load in its next snapshot);
+- the result depends only on the queue, the snapshots and the configuration,
+  not on the order of the engines (ties: least load, then the engine given
+  work least recently, then the smallest id);
+- ``Scheduler(config)`` after any sequence of updates returns what
+  ``schedule(queue, <its current snapshots>, config)`` returns: it is the
+  same code, and :func:`schedule` is a fresh ``Scheduler`` used once.
 
-With ``config.saturation_batching`` (off in :class:`SchedulerConfig`, the paper's
-Algorithm 1; on in the manager's configuration), a latency call that
-the cap would keep waiting may still join an engine not in throughput mode
-while the latency calls running there (and placed there this round) number
-fewer than ``k*``, the batch that finishes the calls competing for the engines
-soonest on average (:func:`parrot.manager.sched.saturation.batch_calls`; the calls
-competing are those running plus those queued, per live engine), and
-``e.load + c.tokens <= e.token_capacity``.  It never overtakes: once a latency
-call of the round waits, later ones get only the cap.  With few calls
-competing ``k*`` is below what the cap admits and nothing changes.  A queued
-member of a task group counts among the calls competing and may join as a
-latency call may (past the cap while fewer than ``k*`` latency calls run
-there, within the token capacity; its waiting closes the rule), but takes no
-place of the ``k*`` from latency calls: a task group exists only because a
-latency-sensitive call waits for all of it, so its members are that call's
-critical path, and they finish only together.  Held to the cap instead, a map-reduce's maps waited behind the
-steady stream of latency calls that the rule let past them, and its reduce
-with them (``docs/scheduling.md``, "Task groups under load").  On engines
-without latency work members keep the throughput cap.
-
-The baselines apply one cap to everything.  A call *fits* ``e`` when ``e``
-is alive, serves the call's model, ``c.tokens <= e.max_seq_len``, and either
-the rule above admits it or ``e`` is idle (load 0).  The idle clause is
-the *big-call rule*: a call larger than the cap runs alone on an idle engine
-(nothing else fits next to it, because the engine is then over its cap) —
-never starve a big call.
-
-Algorithm (policy ``parrot``).  Sort the queue by ``topo_rank`` (stable:
-producers first, then arrival).  For each call ``c``:
-
-1. *task group* — if ``c`` is in a task group and engines run (or were given
-   this round) members of it: the least-loaded of them that ``c`` fits.  With
-   ``config.affinity_spill`` (off by default: ``docs/scheduling.md``, "Affinity
-   spill") instead: ``g``, the *most* loaded of
-   them that ``c`` fits (the group's home), unless the least-loaded engine
-   ``f`` that ``c`` fits, in any mode, has ``f.load + c.tokens <= g.load``
-   and, for throughput ``c``, ``<= L(f)``: then ``f`` (``task-group-spill``
-   if it ran no member yet).  The bound ``L(f)`` keeps throughput work spread
-   off the home within ``f``'s latency cap, so latency calls can still join
-   ``f``; latency calls need no such bound, as they batch with each other.  A
-   group fills its home and spreads only where that finishes it sooner;
-2. *prefix* — for each of ``c``'s prefix hashes, longest first: the engines
-   that hold that prefix (earlier calls with it ran there, so its KV is likely
-   in the engine's prefix cache, ``prefix-engine``; or a call with it was placed
-   there this round, ``prefix-queued``); the least-loaded that ``c`` fits
-   (with ``affinity_spill``: the most loaded, ``g``, spilling to ``f`` as in
-   step 1; ``prefix-spill`` if ``f`` does not hold the prefix, which it then
-   computes once);
-3. *FindEngine* — latency-sensitive ``c``: the least-loaded fitting engine in
-   latency mode or idle (mode None); only if none fits, a fitting engine in
-   throughput mode (``find-engine-mixed``; its cap drops to ``cap_L``).  With
-   ``config.pack_latency`` a latency call goes to the *most* loaded engine in
-   latency mode that it fits (best fit), and to an idle engine only when none
-   fits: latency work fills as few engines as its cap allows, a lightly loaded
-   one drains back to idle, and the idle ones stay free for throughput work,
-   which would otherwise find every engine holding some latency work and its
-   cap.
-   Throughput ``c``: the least-loaded fitting engine in throughput mode or
-   idle; only if none fits, one in latency mode (under ``cap_L``).
-
-Each placement updates a working copy of its engine (load += tokens; mode
-becomes ``"latency"`` with latency work, ``"throughput"`` if it was idle; the
-call's task group and prefix hashes are recorded), so later decisions in the
-round see it.  An engine reporting load 0 is treated as idle (mode None).
-
-Ties.  "Least-loaded" compares ``(load, recency, engine_id)``.  Among engines
-of equal load the one given work least recently wins: its snapshot's
-``last_assigned``, which the caller stamps from a monotone clock when it
-places a call there; a placement of the running round counts as more recent
-than any stamp, and a later one of the round as more recent still.  Then the
-smallest id.  So a stream of calls over idle engines spreads over them
-instead of piling onto the lowest id, and results do not depend on the order
-of ``engines``.
-
-Drain reservation (``parrot`` and the ablations).  A call that is not placed
-and is larger than the cap of *every* engine that could ever run it can only
-run on an idle engine; it reserves the least-loaded such engine (ties as
-above), which then takes no new work for the rest of the round, so it drains
-and the big call gets it in a later round.
-
-Policies:
-
-- ``parrot``: all of the above;
-- ``no-affinity``: skip steps 1 and 2;
-- ``no-deduction``: every call is latency-sensitive (objective ignored, so no
-  task groups); prefix affinity stays;
-- ``baseline-latency``: request-level FIFO in ``topo_rank`` order to the
-  least-loaded engine (fewest tokens), ``cap_L`` for everything, no modes, no
-  affinity.  FIFO means no overtaking: a call that does not fit blocks every
-  engine it could run on for the rest of the round (as an engine's FCFS queue
-  would);
-- ``baseline-throughput``: the same with ``cap_T`` for everything.
-
-Cost: O(Q log Q) for the sort plus, per call, O(H + log E) where H is the
-number of (model, mode, capacity, max_seq_len, latency cap) classes of
-engines (a handful) — engines of one class share a cap, so a heap ordered by
-(load, recency, id) answers "least loaded that fits" from its top.  Affinity
-look-ups are dict hits.  No O(Q²).  Building those heaps and indexes costs
-O(E log E + affinity keys) per call of ``schedule``; :class:`Scheduler`
-keeps them between rounds and is told which engines changed, so a round of
-a busy manager (few calls, a few changed engines, many engines) costs
-O(changed engines · log E) before its first decision.  It runs the same code
-and returns the same placements.
-
-Length: this module is one algorithm, the pure function and the class that keeps
-its state between rounds (property tests hold them to each other); its
-vocabulary lives in :mod:`parrot.manager.sched.scheduler_types`.
+The algorithm, its caps and options, and why: docs/scheduling.md, "The
+algorithm".  The vocabulary lives in :mod:`parrot.manager.sched.scheduler_types`.
 """
 
 from __future__ import annotations
@@ -253,7 +138,7 @@ def unservable(queue: Sequence[QueuedCall], engines: Sequence[EngineSnapshot]) -
 def schedule(
     queue: Sequence[QueuedCall], engines: Sequence[EngineSnapshot], config: SchedulerConfig | None = None
 ) -> list[Placement]:
-    """One scheduling round; see the module docstring for the algorithm.
+    """One scheduling round (docs/scheduling.md, "The algorithm").
 
     Returns placements in decision order.  Raises ValueError on duplicate
     call or engine ids.
@@ -609,7 +494,7 @@ class Scheduler:
 
     # -- the round
     def schedule(self, queue: Sequence[QueuedCall]) -> list[Placement]:
-        """One round over the current snapshots; see the module docstring.
+        """One round over the current snapshots (docs/scheduling.md, "The algorithm").
 
         Returns placements in decision order and leaves the state as it was
         (the round's placements are not remembered).  Raises ValueError on a
