@@ -1,6 +1,7 @@
 """The scheduler's vocabulary: what it reads (engine snapshots, queued calls, its
 configuration) and what it decides (placements).  Plain frozen data, checked on
-construction; see :mod:`parrot.manager.sched.scheduler` for the algorithm."""
+construction; see :mod:`parrot.manager.sched.scheduler` for the round and
+:mod:`parrot.manager.sched.policies` for what each policy decides."""
 
 from __future__ import annotations
 
@@ -134,22 +135,25 @@ class QueuedCall:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    """``latency_cap_tokens``: the operator's latency cap for every engine (None: each
-    engine's own, ``EngineSnapshot.latency_cap_tokens``); ``throughput_cap``: the same
-    for throughput work (None: each engine's token capacity).  ``latency_cap_scope``:
-    what the latency cap bounds under the non-baseline policies, ``"all"`` (every engine
-    running latency work: the paper's rule, the default) or ``"mixed"`` (only latency and
-    throughput work meeting on an engine).  ``affinity_spill``: a task group or the sharers
-    of a prefix may spread to a less loaded engine (steps 1 and 2 of the module docstring).
-    ``pack_latency``: a latency-sensitive call goes to the most loaded engine running latency
-    work that has room for it under the latency cap, and to an idle engine only when none has,
-    so latency work fills as few engines as its cap allows and the others stay free for
-    throughput work (step 3 of the module docstring).  ``saturation_batching``: while latency
-    calls queue, an engine running latency work takes them up to the batch that finishes them
-    soonest on average (:mod:`parrot.manager.sched.saturation`), which may exceed the latency cap;
-    ``prefill_tokens_per_step``: how many prompt tokens cost one unloaded decode step on
-    every engine, the figure that batch size rests on (None: each engine's own,
-    ``EngineSnapshot.prefill_tokens_per_step``, else :data:`DEFAULT_PREFILL_TOKENS_PER_STEP`)."""
+    """``policy``: which policy object decides (:mod:`parrot.manager.sched.policies`,
+    built once per scheduler).  ``latency_cap_tokens``: the operator's latency cap for
+    every engine (None: each engine's own, ``EngineSnapshot.latency_cap_tokens``);
+    ``throughput_cap``: the same for throughput work (None: each engine's token capacity).
+    ``latency_cap_scope``: what the latency cap bounds under the non-baseline policies,
+    ``"all"`` (every engine running latency work: the paper's rule, the default) or
+    ``"mixed"`` (only latency and throughput work meeting on an engine).
+    ``affinity_spill``: a task group or the sharers of a prefix may spread to a less loaded
+    engine (steps 1 and 2 of docs/scheduling.md, "The algorithm").  ``pack_latency``: a
+    latency-sensitive call goes to the most loaded engine running latency work that has
+    room for it under the latency cap, and to an idle engine only when none has, so
+    latency work fills as few engines as its cap allows and the others stay free for
+    throughput work (step 3 there).  ``saturation_batching`` (under the scope ``"all"``
+    only): while latency calls queue, an engine running latency work takes them up to the
+    batch that finishes them soonest on average (:mod:`parrot.manager.sched.saturation`),
+    which may exceed the latency cap; ``prefill_tokens_per_step``: how many prompt tokens
+    cost one unloaded decode step on every engine, the figure that batch size rests on
+    (None: each engine's own, ``EngineSnapshot.prefill_tokens_per_step``, else
+    :data:`DEFAULT_PREFILL_TOKENS_PER_STEP`)."""
 
     policy: Policy = "parrot"
     latency_cap_tokens: int | None = None
