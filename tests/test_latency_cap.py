@@ -8,10 +8,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import itertools
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import httpx
 import pytest
@@ -365,29 +364,29 @@ def test_without_a_probe_the_cap_is_unknown(tiny_model: LoadedModel):
         engine.close()
 
 
-def _slowed(runner: EngineRunner, monkeypatch, delay: Callable[[int], float]) -> None:
-    """Make the ``k``-th forward step of ``runner`` take ``delay(k)`` seconds longer (inside
-    the span the runner times: its logits)."""
-    logits, count = runner.model.compute_logits, itertools.count()
+class _FlatStepClock:
+    """A step clock that reads the same time for every step, whatever its load: as if
+    something else dominated every step (a busy machine).  Injected in place of
+    :class:`~parrot.engine.latency_probe.StepClock`, so the timings are exactly flat (a
+    busy-wait added to the real step would leave the real step's own growth with load in
+    them, which on some machines passes ``MIN_GROWTH``)."""
 
-    def slow(hidden):
-        until = time.perf_counter() + delay(next(count))
-        while time.perf_counter() < until:  # the engine thread's own time (a sleep is not: see step_seconds)
-            pass
-        return logits(hidden)
+    def __init__(self, device: str) -> None:
+        self.device = device
 
-    monkeypatch.setattr(runner.model, "compute_logits", slow)
+    def seconds(self) -> float:
+        return 0.15
 
 
 @pytest.mark.timing
 def test_probe_leaves_the_cap_unknown_when_steps_do_not_grow_with_load(
     tiny_model: LoadedModel, one_thread, monkeypatch
 ):
-    # every step dominated by something else (a busy machine): flat in load
     runner = EngineRunner(tiny_model, kv_cache_tokens=16_384)
-    _slowed(runner, monkeypatch, lambda k: 0.15)
+    monkeypatch.setattr(lp, "StepClock", _FlatStepClock)
     runner.probe_latency()
     assert runner.latency.fit is None and runner.latency.cap(runner.token_capacity) == 0
+    assert runner.latency.probe_s is not None  # it ran, and timed its steps with the flat clock
     assert runner.contexts.all_ids() == [] and runner.pool.num_used == 0
     monkeypatch.undo()
     torch.set_num_threads(1)  # (undone too)
