@@ -213,8 +213,8 @@ def test_cpu_steps_are_timed_on_the_engine_threads_own_clock():
     time.sleep(0.05)
     assert lp.step_seconds(started, "cpu") < 0.02
     started = lp.step_start("cpu")
-    until = time.perf_counter() + 0.05
-    while time.perf_counter() < until:
+    until = time.perf_counter() + 0.2  # computing for 0.2 s of wall time: counted, at least in
+    while time.perf_counter() < until:  # part even with other processes on every core
         pass
     assert lp.step_seconds(started, "cpu") > 0.02
 
