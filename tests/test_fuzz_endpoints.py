@@ -53,6 +53,7 @@ from parrot.manager.service import Manager, ManagerConfig
 from parrot.protocol.asgi import install_error_handlers
 from parrot.protocol.cluster import CLUSTER_SECRET_HEADER
 from parrot.protocol.schemas import EngineStats, StrictBody
+from tests.api_client import frozen_heap
 from tests.conftest import LiveServer, serve_asgi
 from tests.procs import OPERATOR, TEST_CLUSTER_SECRET, free_port
 
@@ -621,10 +622,15 @@ def fuzz_route(target: Target, route: Route, http: httpx.Client, error_log: Erro
 
 
 def fuzz(target: Target, error_log: ErrorLog) -> None:
-    """Fuzz every route of ``target``; meanwhile /healthz answers every time, and fast."""
+    """Fuzz every route of ``target``; meanwhile /healthz answers every time, and fast
+    (the test process's heap frozen out of the collector: :func:`frozen_heap`)."""
     # a connection per request: one a request broke cannot fail the next
     fresh = httpx.Limits(max_keepalive_connections=0)
-    with HealthProbe(target.live.url) as probe, httpx.Client(timeout=REQUEST_TIMEOUT_S, limits=fresh) as http:
+    with (
+        frozen_heap(),
+        HealthProbe(target.live.url) as probe,
+        httpx.Client(timeout=REQUEST_TIMEOUT_S, limits=fresh) as http,
+    ):
         for route in target.routes:
             fuzz_route(target, route, http, error_log)
     assert probe.answers > 0 and not probe.failures, probe.failures[:5]
