@@ -87,7 +87,9 @@ def test_an_app_and_a_completion_move_the_counters_by_what_they_did(live: LiveSe
         sid = s.session_id
         during = scrape(http)  # the session is open: its calls are counted by state
         calls = list(live.manager.sessions[sid].calls.values())
-    done = http.post("/v1/completions", json={"model": "tiny", "prompt": "one two three", "max_tokens": 4})
+    # exactly 4 tokens (a sampled end of text after one token would leave no time per output token)
+    completion = {"model": "tiny", "prompt": "one two three", "max_tokens": 4, "ignore_eos": True}
+    done = http.post("/v1/completions", json=completion)
     assert done.status_code == 200, done.text
     usage = done.json()["usage"]
     after = scrape(http)
