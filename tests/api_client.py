@@ -5,7 +5,6 @@ complete after the bad requests of a test (nothing else lost or disturbed)."""
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from typing import Any
 import httpx
 
 import parrot as P
+from parrot.protocol.asgi import startup_objects_frozen
 
 WAIT = 10.0  # seconds: the most any single wait of these tests may take
 
@@ -205,21 +205,15 @@ hundred.  The stalls these tests guard against (parsing, scanning, tokenizing or
 large body on the event loop) held it for seconds to a minute."""
 
 
-@contextlib.contextmanager
-def frozen_heap() -> Iterator[None]:
-    """Keep the objects that exist now out of the garbage collector while the block runs.
+def frozen_heap() -> contextlib.AbstractContextManager[None]:
+    """Keep the objects that exist now out of the garbage collector while the block runs
+    (:func:`parrot.protocol.asgi.startup_objects_frozen`, what a served process does).
 
     A server under test runs in the test process, whose heap holds the models,
     hypothesis's state and what earlier tests left: a full collection of it stops every
     thread, the server's too, for 0.2-0.3 s on an idle 2-core machine and over a second
-    on a loaded one.  That pause is the harness's, not the server's; frozen
-    (``gc.freeze``), a collection scans only what the block allocates."""
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
+    on a loaded one.  That pause is the harness's, not the server's."""
+    return startup_objects_frozen()
 
 
 _PROBER = r"""
