@@ -85,21 +85,34 @@ class Variable:
             if not w.done():
                 w.set_result(None)
 
-    async def wait_change(self, timeout: float) -> None:
-        """Wait until the variable changes (state or partial text) or ``timeout`` passes."""
+    def change_future(self) -> asyncio.Future[None]:
+        """A future that the next change (state or partial text) completes, registered now.
+
+        Registering synchronously is the point: a waiter registered later (in a task that has
+        not started yet) misses a change made in between and waits for the one after it.
+        Pair with ``forget`` when giving up on it."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if self._waiters is None:
             self._waiters = [fut]
         else:
             self._waiters.append(fut)
+        return fut
+
+    def forget(self, fut: asyncio.Future[None]) -> None:
+        """Drop a ``change_future`` nobody waits on any more."""
+        waiters = self._waiters
+        if waiters is not None and fut in waiters:
+            waiters.remove(fut)
+
+    async def wait_change(self, timeout: float) -> None:
+        """Wait until the variable changes (state or partial text) or ``timeout`` passes."""
+        fut = self.change_future()
         try:
             await asyncio.wait_for(fut, timeout)
         except TimeoutError:
             pass
         finally:
-            waiters = self._waiters
-            if waiters is not None and fut in waiters:
-                waiters.remove(fut)
+            self.forget(fut)
 
 
 @dataclass(eq=False)

@@ -331,17 +331,17 @@ async def _client_gone(request: Request) -> None:
 
 
 async def _wait_any(vars_: list[Variable], timeout: float) -> None:
-    """Wait until one of ``vars_`` changes (state or partial text) or ``timeout`` passes."""
-    if len(vars_) == 1:
-        await vars_[0].wait_change(timeout)
-        return
-    waits = [asyncio.ensure_future(v.wait_change(timeout)) for v in vars_]
+    """Wait until one of ``vars_`` changes (state or partial text) or ``timeout`` passes.
+
+    The waits are registered before the first ``await``: the caller has just read the
+    variables, so a change made after that read must end this wait."""
+    futures = [v.change_future() for v in vars_]
     try:
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(futures, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for w in waits:
-            w.cancel()
-        await asyncio.gather(*waits, return_exceptions=True)
+        for v, fut in zip(vars_, futures, strict=True):
+            fut.cancel()
+            v.forget(fut)
 
 
 _DIVERGED = "the call was re-run on another engine and its output changed"
