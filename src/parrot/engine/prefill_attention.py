@@ -34,7 +34,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.bias import causal_lower_right
 
 from parrot.engine.kernels.attention.torch_impl import cpu_flash_attention
 
@@ -74,6 +73,10 @@ def sdpa_prefill_attention(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tenso
     if start == 0:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
     else:
+        # Imported here: torch.nn.attention.bias imports torch._dynamo, 1.3 s at the start of
+        # every engine process, and only this path (SDPA with a past) needs it.
+        from torch.nn.attention.bias import causal_lower_right
+
         bias = causal_lower_right(n, total)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, enable_gqa=True)
     return out[0].transpose(0, 1)  # [n, H, D]
