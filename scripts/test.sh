@@ -28,8 +28,13 @@ fi
 unset PYTHONDONTWRITEBYTECODE
 ruff check src tests examples
 # Two workers (pytest-xdist), a test file each at a time (a module's fixtures, such as its
-# model or server, are built once); tests marked ``timing`` run with no other test beside
-# them (tests/xdist_timing.py).  PARROT_TEST_WORKERS=0 runs in this process, one at a time.
-python -m pytest -n "${PARROT_TEST_WORKERS:-2}" --dist loadfile "$@"
+# model or server, are built once), the longest files first (tests/xdist_order.py); tests
+# marked ``timing`` run with no other test beside them (tests/xdist_timing.py).
+# PARROT_TEST_WORKERS=0 runs in this process, one at a time.
+if [ "${PARROT_TEST_WORKERS:-2}" = 0 ]; then
+    python -m pytest "$@"
+else
+    python -m pytest -n "${PARROT_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
+fi
 # (Both builds of the C ops, native and portable, are exercised inside the tests
 # themselves: the kernel tests parametrize over them, on every CPU.)
