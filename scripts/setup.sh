@@ -4,10 +4,11 @@
 #
 # The installer is uv (itself a 20 MB wheel from PyPI) where it can find every pinned
 # package: it unpacks wheels and compiles their bytecode in parallel, so a fresh venv takes
-# about 25 s rather than 70 s.  (The bytecode is compiled at install time because machines
-# that set PYTHONDONTWRITEBYTECODE would otherwise compile torch again in every process.)  Where uv cannot be installed, or cannot find the CPU
-# build of torch (it reads neither pip's configuration nor its constraints), the same
-# packages are installed by pip.
+# about 25 s rather than 70 s.  The bytecode is compiled at install time because a machine
+# that sets PYTHONDONTWRITEBYTECODE would otherwise compile torch again in every process.
+# Where uv cannot be installed, or cannot find the CPU build of torch (it reads neither
+# pip's configuration nor its constraints), pip installs the same packages;
+# PARROT_SETUP_WITH_PIP=1 asks for pip from the start.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -58,7 +59,9 @@ install_with_pip() {
 }
 
 if [ ! -f "$stamp" ]; then
-  if ! install_with_uv; then
+  if [ "${PARROT_SETUP_WITH_PIP:-}" = 1 ]; then
+    install_with_pip
+  elif ! install_with_uv; then
     echo "scripts/setup.sh: uv could not install the packages; installing them with pip" >&2
     install_with_pip
   fi
