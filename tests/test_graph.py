@@ -80,27 +80,6 @@ def test_failure_propagates_downstream_and_wakes_nobody_forever():
     assert d.error.detail["origin_call"] == "c1"  # the root cause, not the nearest failure
 
 
-def test_a_change_right_after_a_stream_reads_its_choices_ends_its_wait():
-    """The stream of several choices reads them, then waits for any to change: a change
-    made before the wait's first step (another task finishing a choice) must end the wait,
-    not leave it for its timeout (a streamed completion of four choices stalled 30 s that way)."""
-    from parrot.manager.openai.response import _wait_any
-
-    async def main() -> tuple[float, int]:
-        a, b = var("a"), var("b")
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        waiting = asyncio.ensure_future(_wait_any([a, b], 20.0))
-        await asyncio.sleep(0)  # the wait has taken its first step, and no more
-        b.notify()
-        await asyncio.wait_for(waiting, 5.0)
-        return loop.time() - start, len(a._waiters or []) + len(b._waiters or [])
-
-    took, left = asyncio.run(main())
-    assert took < 5.0
-    assert left == 0  # the wait leaves no future behind on either variable
-
-
 def test_wait_change_times_out_and_forgets_its_future():
     async def main() -> list:
         v = var("v")

@@ -385,6 +385,10 @@ async def _stream(comp: Completion, include_usage: bool) -> AsyncIterator[bytes]
         open_ = list(comp.choices)  # choices not ended yet
         failed: ParrotError | None = None
         while open_ and failed is None:
+            # A pass that sends or awaits anything lets other tasks run, and a choice read
+            # before that may have changed since: only a pass that did neither waits, so the
+            # wait is registered right after the reads it depends on.
+            idle = True
             for c in list(open_):
                 text = (c.var.value if c.var.state == "ready" else "".join(c.var.partial)) or ""
                 done = sent[c.index]
@@ -392,6 +396,7 @@ async def _stream(comp: Completion, include_usage: bool) -> AsyncIterator[bytes]
                     if len(text) > len(done.text):
                         piece = text[len(done.text) :]
                         done.text = text
+                        idle = False
                         yield _sse(comp.chunk(c.index, piece, None, logprobs=done.take(comp, c)))
                 elif not done.text.startswith(text) or c.var.state == "ready":
                     failed = EngineError(_DIVERGED)  # a re-run diverged from what the client has
@@ -400,10 +405,11 @@ async def _stream(comp: Completion, include_usage: bool) -> AsyncIterator[bytes]
                     failed = comp.error()
                     break
                 if c.var.state == "ready":
+                    idle = False
                     await comp.wait_call([c.call])
                     yield _sse(comp.chunk(c.index, "", comp.finish_reason(c), logprobs=done.take(comp, c)))
                     open_.remove(c)
-            if open_ and failed is None:
+            if open_ and failed is None and idle:
                 await _wait_any([c.var for c in open_], 30.0)
         await comp.wait_call()
         if failed is None and include_usage:
