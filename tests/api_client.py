@@ -199,21 +199,12 @@ STALL_LIMIT_S = 1.0
 """The longest a ``/healthz`` answer may take while a test's heavy request runs
 (:func:`healthz_stalls`).  Measured from another process, so the test process's own threads
 (GIL hand-offs with the server's loop) add nothing, with the test process's heap frozen out
-of the garbage collector (:func:`frozen_heap`); what is left is the machine's scheduling,
+of the garbage collector as a served process's is (``startup_objects_frozen``: a full
+collection of a heap holding the models and hypothesis's state stopped every thread, the
+server's too, for 0.2-0.3 s on an idle 2-core machine); what is left is the machine's scheduling,
 which on a loaded 2-core machine delays an answer by tens of milliseconds, rarely a few
 hundred.  The stalls these tests guard against (parsing, scanning, tokenizing or compiling a
 large body on the event loop) held it for seconds to a minute."""
-
-
-def frozen_heap() -> contextlib.AbstractContextManager[None]:
-    """Keep the objects that exist now out of the garbage collector while the block runs
-    (:func:`parrot.protocol.asgi.startup_objects_frozen`, what a served process does).
-
-    A server under test runs in the test process, whose heap holds the models,
-    hypothesis's state and what earlier tests left: a full collection of it stops every
-    thread, the server's too, for 0.2-0.3 s on an idle 2-core machine and over a second
-    on a loaded one.  That pause is the harness's, not the server's."""
-    return startup_objects_frozen()
 
 
 _PROBER = r"""
@@ -241,7 +232,7 @@ def healthz_stalls(url: str, every_s: float = 0.02) -> Iterator[list[float]]:
     yields the list of answer times (seconds), complete once the block exits.  Compare
     them with :data:`STALL_LIMIT_S`."""
     took: list[float] = []
-    with frozen_heap():
+    with startup_objects_frozen():
         prober = subprocess.Popen(
             [sys.executable, "-c", _PROBER, url.rstrip("/"), str(every_s)],
             stdin=subprocess.PIPE,

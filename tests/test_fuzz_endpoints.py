@@ -50,10 +50,9 @@ from parrot.engine.loader import LoadedModel
 from parrot.engine.local import LocalEngine
 from parrot.manager.api.app import create_app
 from parrot.manager.service import Manager, ManagerConfig
-from parrot.protocol.asgi import install_error_handlers
+from parrot.protocol.asgi import install_error_handlers, startup_objects_frozen
 from parrot.protocol.cluster import CLUSTER_SECRET_HEADER
 from parrot.protocol.schemas import EngineStats, StrictBody
-from tests.api_client import frozen_heap
 from tests.conftest import LiveServer, serve_asgi
 from tests.procs import OPERATOR, TEST_CLUSTER_SECRET, free_port
 
@@ -623,11 +622,11 @@ def fuzz_route(target: Target, route: Route, http: httpx.Client, error_log: Erro
 
 def fuzz(target: Target, error_log: ErrorLog) -> None:
     """Fuzz every route of ``target``; meanwhile /healthz answers every time, and fast
-    (the test process's heap frozen out of the collector: :func:`frozen_heap`)."""
+    (the test process's heap frozen out of the collector, as a served process's is)."""
     # a connection per request: one a request broke cannot fail the next
     fresh = httpx.Limits(max_keepalive_connections=0)
     with (
-        frozen_heap(),
+        startup_objects_frozen(),
         HealthProbe(target.live.url) as probe,
         httpx.Client(timeout=REQUEST_TIMEOUT_S, limits=fresh) as http,
     ):
