@@ -262,7 +262,7 @@ def test_the_suite_runs_in_simulation_and_parrot_saves_the_round_trips() -> None
     baseline = simulate(workload, "parrot-baseline-latency", COST, tiny)
     assert all(a.error is None for a in parrot.apps + baseline.apps)
     (app,) = workload.apps
-    assert parrot.apps[0].delays == 2 and baseline.apps[0].delays == len(app.calls)
+    assert parrot.apps[0].delays == 1 and baseline.apps[0].delays == len(app.calls)
     assert parrot.apps[0].latency_s < baseline.apps[0].latency_s
     assert len(parrot.apps[0].calls) == len(baseline.apps[0].calls) == len(app.calls)
     assert simulate(workload, "parrot", COST, tiny) == parrot  # deterministic

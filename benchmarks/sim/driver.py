@@ -8,7 +8,9 @@ the same emulated network delays:
 
 * ``parrot``: at its arrival an app pays one delay, then submits all its calls as
   semantic functions in one go (dependencies as variables, its criteria on its
-  outputs), then waits for its outputs, each paying one delay once ready;
+  outputs), then waits for its outputs; its final outputs (those no call of the app
+  reads) come back with the submission's answer for nothing, any other output pays
+  one delay once ready (a ``get``);
 * the request-level baselines: one completion per call, rendered client-side
   (:func:`benchmarks.suite.clients.render_prompt`), sent when its producers'
   text is back, each paying one delay first.
@@ -118,13 +120,16 @@ async def _parrot_app(manager: Manager, app: AppSpec, delay: Delay) -> AppRecord
             session, SubmitCall(template=spec.template, placeholders=placeholders)
         )
 
+    read_inside = {dep for spec in app.calls for dep in spec.deps.values()}
+
     async def fetch(name: str) -> float:
         var = calls[name].outputs[name].var
         while var.state == "pending":
             await manager.wait_variable(var, 60.0)
         if var.state != "ready":
             raise RuntimeError(f"{app.app_id}/{name}: {var.error}")
-        await delay()
+        if name in read_inside:  # not in the submission's answer: a get of its own
+            await delay()
         return loop.time()
 
     try:

@@ -10,15 +10,17 @@ every HTTP request on an application's critical path pays one :class:`Delay`
 (uniform 200-300 ms by default, seeded per app, so every system draws the same
 sequence) in full, and nothing else does:
 
-* Parrot (:func:`run_parrot_app`): one delay for opening the session and
-  submitting the whole app, which is one request (``POST /v1/sessions``
-  carrying the app as a batch: ``P.aconnect(url, defer_open=True)``), slept
-  before it is sent (its answer, the session and variable ids, travels back
-  while the calls run, off the critical path), and one per final ``get`` of
-  ``app.outputs``, slept *after* the value arrived (the answer is in flight),
-  so no delay overlaps with execution.  Values flowing between dependent
-  calls stay inside the server and pay nothing.  An app of ``k`` outputs pays
-  ``1 + k`` delays, as in the paper (submit, then each ``get``).
+* Parrot (:func:`run_parrot_app`): one delay for the one request that opens
+  the session, submits the whole app and fetches its outputs
+  (``POST /v1/sessions`` carrying the app as a batch whose answer waits for
+  the final outputs: ``P.aconnect(url, defer_open=True)`` and
+  ``session.batch(fetch_outputs=True)``), slept before it is sent; its answer
+  comes back as the baseline's streamed answers do, for nothing.  An output
+  still pending when the manager's wait (60 s) ends is read with a ``get``,
+  which pays one delay *after* the value arrived (the answer is in flight), so
+  no delay overlaps with execution.  Values flowing between dependent calls
+  stay inside the server and pay nothing.  An app pays 1 delay (the paper's
+  client paid ``1 + k`` for ``k`` outputs: the submission, then each ``get``).
 * Baseline (:func:`run_baseline_app`, LangChain-style): one delay per
   ``/v1/completions`` request, slept before the request is sent; a dependent
   call starts only after its producers' answers came back.  An app of ``n``
@@ -163,7 +165,9 @@ def _semantic_function(call: CallSpec, criteria: str | None) -> P.SemanticFuncti
 
 async def _submit_app(session: P.AsyncSession, app: AppSpec) -> dict[str, P.SemanticVariable]:
     """Submit the whole of ``app`` on ``session`` in one batch request
-    (dependencies as variables); returns the outputs by call, ids known.
+    (dependencies as variables) whose answer brings the final outputs' values
+    (``fetch_outputs``: it returns once they are in); returns the outputs by
+    call, ids known.
 
     The batch creates every constant input as an empty variable, then submits
     every call, then sets the constant inputs.  The manager applies a batch as
@@ -174,7 +178,7 @@ async def _submit_app(session: P.AsyncSession, app: AppSpec) -> dict[str, P.Sema
     criteria = _criteria(app)
     variables: dict[str, P.SemanticVariable] = {}
     constants: list[tuple[P.SemanticVariable, str]] = []
-    async with session.batch():
+    async with session.batch(fetch_outputs=True):
         for call in app.calls:
             inputs: dict[str, Any] = {}
             for ph, value in call.consts.items():
@@ -250,7 +254,10 @@ async def _graph_records(session: P.AsyncSession, app: AppSpec, t0: float) -> li
 
 
 async def _fetch(var: P.SemanticVariable, criteria: str, delay: Delay, t0: float) -> float:
-    """One final ``get``: wait for the value, then pay the delay of the answer's trip; returns end time."""
+    """One final output: its value when the submission's answer brought it, else a ``get``
+    that waits for the value, then pays the delay of the answer's trip; returns end time."""
+    if var.is_ready:
+        return _rel(t0)
     await var.aget(criteria)
     await delay()
     return _rel(t0)
@@ -263,8 +270,9 @@ async def run_parrot_app(url: str, app: AppSpec, t0: float, delay: Delay) -> App
     with the whole app as its first batch, in one request: every call as a semantic
     function (dependencies as semantic variables, ``app.criteria`` on the
     outputs so the manager deduces objectives at submit), the constant inputs
-    set last (see :func:`_submit_app`); then fetches
-    ``app.outputs`` concurrently, each paying one delay once its value is in.
+    set last (see :func:`_submit_app`), the answer waiting for the final
+    outputs; an output it did not bring is read with a ``get`` that pays one
+    delay once its value is in.
     ``calls`` holds one record per call from the session graph (server-side
     times and token counts), or, if the graph is unavailable, one per fetched
     output with client-side times and no token counts.

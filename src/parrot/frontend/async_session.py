@@ -116,7 +116,8 @@ class AsyncSession(SessionBase):
     async def _create(self, batch: RecordedBatch | None = None) -> None:
         """``POST /v1/sessions`` (carrying ``batch``, whose ids it settles)."""
         body = None if batch is None else {"batch": batch.body()}
-        data = await self._request("POST", "/v1/sessions", json=body)
+        read = None if batch is None else batch.read_timeout(self.timeout)
+        data = await self._request("POST", "/v1/sessions", json=body, read=read)
         created = parse_as(SessionCreated, data, "session creation")
         if batch is not None:
             if created.batch is None:
@@ -280,7 +281,7 @@ class AsyncSession(SessionBase):
 
     # ----------------------------------------------------------- user API
     @contextlib.asynccontextmanager
-    async def batch(self) -> AsyncIterator[None]:
+    async def batch(self, *, fetch_outputs: bool = False) -> AsyncIterator[None]:
         """Record the block's calls, :meth:`variable` creations and ``await var.aset()``
         and send them at its end as one request (queued after everything
         submitted before), applied all or none; the exit waits for the answer.
@@ -291,9 +292,17 @@ class AsyncSession(SessionBase):
         variable it created; if the block raises, nothing is sent.  While the
         block records, every operation on this session, from any task, goes
         into the batch.
+
+        With ``fetch_outputs`` the request also waits (up to 60 s) for the values of
+        the block's final outputs, the outputs no call of the block reads, and they
+        come back with its answer: their ``aget`` sends nothing, so a whole app
+        (with ``defer_open``, its session too) is one round trip.  Every input they
+        depend on must then be set in the block or earlier (else the batch is
+        rejected with ``wait_needs_input``), and the session's later requests queue
+        behind the answer.
         """
         job = QueuedRequest()
-        batch = self._start_batch(job)
+        batch = self._start_batch(job, fetch_outputs)
         try:
             yield
         except BaseException:
@@ -324,7 +333,9 @@ class AsyncSession(SessionBase):
             if self.session_id is None:  # a deferred open: the session comes with the batch
                 await self._create(batch)
                 return
-            batch.settle(await self._request("POST", f"{self._sp}/batch", json=batch.body()))
+            body = batch.body()
+            read = batch.read_timeout(self.timeout)
+            batch.settle(await self._request("POST", f"{self._sp}/batch", json=body, read=read))
         except ParrotError as error:
             batch.fail(error)
             raise

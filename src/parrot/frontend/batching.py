@@ -6,9 +6,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from parrot.frontend.variable import SemanticVariable
-from parrot.frontend.wire import parse_as
+from parrot.frontend.wire import error_from_info, parse_as
 from parrot.protocol.errors import BadRequest, ParrotError
-from parrot.protocol.schemas import MAX_BATCH_OPS, BatchRequest, BatchResult
+from parrot.protocol.schemas import MAX_BATCH_OPS, MAX_BATCH_WAIT_S, BatchRequest, BatchResult
 
 if TYPE_CHECKING:
     from parrot.frontend.async_session import QueuedRequest
@@ -28,13 +28,22 @@ class RecordedBatch:
     id, which must be known when :meth:`body` runs (``outside`` lists them).
     Values given to ``set`` are cached on their variables only by
     :meth:`settle`, once the manager accepted the whole batch.
+
+    With ``fetch_outputs`` the request also asks for the values of the batch's final
+    outputs (the outputs of its calls that no call of the batch reads): the manager
+    answers once they are in (at most :data:`MAX_BATCH_WAIT_S` later), and :meth:`settle`
+    caches them, so reading them costs no request.  One still pending then is read as
+    usual.
     """
 
-    def __init__(self, job: QueuedRequest | None):
+    def __init__(self, job: QueuedRequest | None, *, fetch_outputs: bool = False):
         self.job = job
+        self.fetch_outputs = fetch_outputs
         self.refs: dict[SemanticVariable, str] = {}
         self.outside: list[SemanticVariable] = []
         self.sets: list[tuple[SemanticVariable, str]] = []
+        self.outputs: list[SemanticVariable] = []  # of the batch's calls, in op order
+        self.read_inside: set[SemanticVariable] = set()  # inputs of the batch's calls
         self._ops: list[Callable[[], dict[str, Any]]] = []  # built at send time: outside ids are known then
 
     def __len__(self) -> int:
@@ -51,7 +60,9 @@ class RecordedBatch:
         for value in inputs.values():
             if isinstance(value, SemanticVariable):
                 self._use(value)
+                self.read_inside.add(value)
         output_refs = {str(var.name): self._new_ref(var) for var in outputs}
+        self.outputs.extend(outputs)
         self._ops.append(lambda: fn.batch_op(inputs, self.refs.get, output_refs))
 
     def set(self, var: SemanticVariable, value: str) -> None:
@@ -82,11 +93,23 @@ class RecordedBatch:
         return {"var_id": var.id}
 
     # ------------------------------------------------------------ sending
+    def final_outputs(self) -> list[SemanticVariable]:
+        """The outputs of the batch's calls that no call of the batch reads."""
+        return [var for var in self.outputs if var not in self.read_inside]
+
     def body(self) -> dict[str, Any]:
         """The ``BatchRequest`` JSON body, checked against the wire schema."""
-        body = {"ops": [op() for op in self._ops]}
+        body: dict[str, Any] = {"ops": [op() for op in self._ops]}
+        finals = self.final_outputs() if self.fetch_outputs else []
+        if finals:
+            body["wait"] = {"refs": [self.refs[var] for var in finals], "wait_s": MAX_BATCH_WAIT_S}
         BatchRequest.model_validate(body)
         return body
+
+    def read_timeout(self, timeout: float) -> float:
+        """How long the client waits for the batch's answer: ``timeout``, plus the
+        manager's wait when the batch fetches outputs."""
+        return timeout + MAX_BATCH_WAIT_S if self.fetch_outputs and self.final_outputs() else timeout
 
     def settle(self, data: Any) -> None:
         """Take the manager's ``BatchResult``: ids of created variables, values of set ones."""
@@ -98,6 +121,18 @@ class RecordedBatch:
             var._id = result.refs[ref]
         for var, value in self.sets:
             var._resolve(value)
+        by_ref = {ref: var for var, ref in self.refs.items()}
+        for ref, info in result.values.items():
+            var = by_ref.get(ref)
+            if var is None:
+                raise ParrotError(
+                    f"the manager's answer to a batch has a value for unknown ref {ref!r}",
+                    code="bad_response",
+                )
+            if info.state == "ready" and info.value is not None:
+                var._resolve(info.value)
+            elif info.state == "failed":
+                var._fail(error_from_info(info.error, f"variable {var.name or var.id}"))
 
     def fail(self, error: ParrotError) -> None:
         """The batch was not applied: its variables carry ``error`` for ever."""

@@ -108,11 +108,11 @@ class SessionBase:
         if self.session_id is None:
             raise NoSession(f"session to {self.url} is not open; use it in a with/async with block")
 
-    def _start_batch(self, job: QueuedRequest | None) -> RecordedBatch:
+    def _start_batch(self, job: QueuedRequest | None, fetch_outputs: bool = False) -> RecordedBatch:
         self._require_open()
         if self._batch is not None:
             raise BadRequest("session.batch() blocks do not nest")
-        self._batch = RecordedBatch(job)
+        self._batch = RecordedBatch(job, fetch_outputs=fetch_outputs)
         return self._batch
 
     def _check_sent(self, var: SemanticVariable) -> None:

@@ -135,16 +135,20 @@ class Session(SessionBase):
 
     # ----------------------------------------------------------- user API
     @contextlib.contextmanager
-    def batch(self) -> Iterator[None]:
+    def batch(self, *, fetch_outputs: bool = False) -> Iterator[None]:
         """Record the block's calls, :meth:`variable` creations and ``var.set()``
         and send them at its end as one request, applied all or none.
 
         Variables created in the block get their ids at its end; reading one
         inside the block raises :class:`BadRequest`.  A rejected batch raises
         here (its message names the op) and fails every variable it created;
-        if the block raises, nothing is sent.
+        if the block raises, nothing is sent.  With ``fetch_outputs`` the block's
+        end also waits (up to 60 s) for the values of its final outputs, the outputs
+        no call of the block reads, which come back with the answer: their ``get``
+        sends nothing.  Every input they depend on must then be set by the block or
+        earlier (else the batch is rejected with ``wait_needs_input``).
         """
-        batch = self._start_batch(None)
+        batch = self._start_batch(None, fetch_outputs)
         try:
             yield
         except BaseException:
@@ -155,7 +159,10 @@ class Session(SessionBase):
         if not len(batch):
             return
         try:
-            batch.settle(self._request("POST", f"{self._sp}/batch", json=batch.body()))
+            body = batch.body()
+            batch.settle(
+                self._request("POST", f"{self._sp}/batch", json=body, read=batch.read_timeout(self.timeout))
+            )
         except ParrotError as error:
             batch.fail(error)
             raise

@@ -179,6 +179,29 @@ class BatchRequest(StrictBody):
     """
 
     ops: list[BatchOp] = Field(max_length=MAX_BATCH_OPS)
+    wait: BatchWait | None = Field(
+        default=None,
+        description="Outputs whose values the answer carries: it comes once they are in "
+        "(or after wait_s), so an app's submission and its results take one round trip.",
+    )
+
+
+MAX_BATCH_WAIT_S = 60.0
+"""The longest a batch's answer waits for its ``wait`` outputs: the long-poll bound of a
+variable read (``GET .../variables/{vid}?wait=``)."""
+
+
+class BatchWait(StrictBody):
+    """Refs defined by the batch whose values its answer carries (in ``BatchResult.values``).
+
+    Every ref must be able to get its value without another request: each input upstream
+    of it has a value, is set by the batch, or is produced by a call whose inputs are so
+    (else 400 ``wait_needs_input``: the request would wait for a value only a later
+    request of the same client could give).  A ref still pending after ``wait_s`` seconds
+    comes back pending; read it later with ``GET .../variables/{vid}?wait=``."""
+
+    refs: list[str] = Field(min_length=1, max_length=MAX_BATCH_OPS)
+    wait_s: float = Field(default=MAX_BATCH_WAIT_S, ge=0, le=MAX_BATCH_WAIT_S)
 
 
 class BatchOpResult(BaseModel):
@@ -195,6 +218,9 @@ class BatchResult(BaseModel):
     refs: dict[str, str] = Field(
         default_factory=dict, description="Every ref the batch defined -> variable id."
     )
+    values: dict[str, VariableInfo] = Field(
+        default_factory=dict, description="Each ref of the request's wait -> its variable after the wait."
+    )
 
 
 class CreateSession(StrictBody):
@@ -204,6 +230,7 @@ class CreateSession(StrictBody):
     batch: BatchRequest | None = None
 
 
+BatchRequest.model_rebuild()
 SessionCreated.model_rebuild()
 
 

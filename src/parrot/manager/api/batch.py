@@ -10,10 +10,13 @@ with ``detail["op"] = i``.  Why and how: docs/manager.md, "Batches: all or none"
 
 from __future__ import annotations
 
+import asyncio
+
 from parrot.manager.dag.graph import Call, Session, Variable, link_call, unlink_call
 from parrot.manager.service import Manager
 from parrot.manager.staging import StagedCall, inline_bytes, value_bytes
-from parrot.protocol.errors import BindingError, Conflict, ParrotError
+from parrot.manager.views import var_info
+from parrot.protocol.errors import BadRequest, BindingError, Conflict, ParrotError
 from parrot.protocol.schemas import (
     BatchBinding,
     BatchOp,
@@ -42,6 +45,8 @@ def apply_batch(manager: Manager, session: Session, req: BatchRequest) -> BatchR
             plan.rollback()
             raise
     try:
+        if req.wait is not None:
+            plan.check_wait(req.wait.refs)
         manager.settle_tokens()  # a check put off for long text: run again once it is tokenized
         plan.check_quota()
     except BaseException:
@@ -49,6 +54,17 @@ def apply_batch(manager: Manager, session: Session, req: BatchRequest) -> BatchR
         raise
     plan.commit()
     return BatchResult(results=plan.results, refs={ref: var.var_id for ref, var in plan.refs.items()})
+
+
+async def wait_for_values(manager: Manager, session: Session, req: BatchRequest, result: BatchResult) -> None:
+    """Wait (up to ``req.wait.wait_s``) until every ref of the applied batch's ``wait`` is
+    no longer pending, then put each one's variable into ``result.values``."""
+    if req.wait is None:
+        return
+    refs = list(dict.fromkeys(req.wait.refs))
+    variables = [manager.variable(session, result.refs[ref]) for ref in refs]
+    await asyncio.gather(*(manager.wait_variable(var, req.wait.wait_s) for var in variables))
+    result.values = {ref: var_info(var) for ref, var in zip(refs, variables, strict=True)}
 
 
 def _first_definitions(ops: list[BatchOp]) -> dict[str, int]:
@@ -162,6 +178,43 @@ class _Plan:
                 f"ref {ref!r} is used before op {self.first_definitions[ref]} defines it", code="unknown_ref"
             )
         raise BindingError(f"ref {ref!r} is not defined in this batch", code="unknown_ref")
+
+    # --------------------------------------------------------------- wait
+    def check_wait(self, refs: list[str]) -> None:
+        """Raise unless every ref is defined by the batch and can get its value without a
+        later request: the answer would otherwise wait for what only the waiting client
+        could send (a set it queued behind this batch)."""
+        walked: set[Variable] = set()
+        for ref in refs:
+            var = self.refs.get(ref)
+            if var is None:
+                raise BindingError(f"wait: ref {ref!r} is not defined in this batch", code="unknown_ref")
+            blocker = self._unset_upstream(var, walked)
+            if blocker is not None:
+                raise BadRequest(
+                    f"wait: ref {ref!r} depends on variable {blocker.var_id}"
+                    f"{f' ({blocker.name!r})' if blocker.name else ''}, which has no value, no producer "
+                    "and is not set by this batch; its value could only come from a later request",
+                    code="wait_needs_input",
+                    detail={"ref": ref, "var_id": blocker.var_id},
+                )
+
+    def _unset_upstream(self, var: Variable, walked: set[Variable]) -> Variable | None:
+        """A variable upstream of ``var`` (itself included) with no value, no producer and
+        no set in this batch, if any.  ``walked`` holds the variables already cleared by
+        earlier walks (iterative: a session's chains may be deeper than Python's recursion)."""
+        stack = [var]
+        while stack:
+            node = stack.pop()
+            if node in walked:
+                continue
+            walked.add(node)
+            if node.state != "pending" or node in self.sets:
+                continue
+            if node.producer is None:
+                return node
+            stack.extend(node.producer.input_vars())
+        return None
 
     # ----------------------------------------------------- end of the plan
     def rollback(self) -> None:

@@ -14,7 +14,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query, Response
 from fastapi.responses import StreamingResponse
 
-from parrot.manager.api.batch import apply_batch
+from parrot.manager.api.batch import apply_batch, wait_for_values
 from parrot.manager.api.output_constraints import check_batch, check_outputs
 from parrot.manager.service import Manager
 from parrot.manager.var_stream import variable_events
@@ -71,12 +71,14 @@ def _session_routes(router: APIRouter, manager: Manager) -> None:
         if body is not None and body.batch is not None:
             batch = body.batch
             try:
+                await check_batch(batch)
                 result = await manager.run_tokenized(
                     lambda: apply_batch(manager, manager.authorize(session.session_id, token), batch)
                 )
             except BaseException:
                 manager.close_session(session)
                 raise
+            await wait_for_values(manager, session, batch, result)
         return SessionCreated(session_id=session.session_id, token=token, batch=result)
 
     @router.delete("/v1/sessions/{session_id}", status_code=204)
@@ -173,9 +175,11 @@ def _call_routes(router: APIRouter, manager: Manager) -> None:
         token = bearer_token(authorization)
         manager.authorize(session_id, token)
         await check_batch(body)
-        return await manager.run_tokenized(
+        result = await manager.run_tokenized(
             lambda: apply_batch(manager, manager.authorize(session_id, token), body)
         )
+        await wait_for_values(manager, manager.authorize(session_id, token), body, result)
+        return result
 
     @router.get("/v1/sessions/{session_id}/calls/{call_id}", response_model=CallInfo)
     async def get_call(session_id: str, call_id: str, authorization: Auth = None) -> CallInfo:
