@@ -20,6 +20,7 @@ from parrot.engine.kernels import bf16_linear, native
 from parrot.engine.kernels.kernel_set import for_options
 from parrot.engine.kernels.options import KernelOptions
 from parrot.engine.kernels.packed_linear import PackedLinear
+from tests.cpu_features import needs_bf16_packing
 
 
 @pytest.fixture(scope="module", params=["native", "portable"])
@@ -169,6 +170,7 @@ def test_the_portable_build_computes_but_is_not_offered_to_the_engine() -> None:
     )  # the two differ at most by bf16 output rounding of their fp32 sums
 
 
+@needs_bf16_packing
 def test_packed_linear_sends_decode_sizes_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 PackedLinear: calls of at most MAX_ROWS rows go to the bf16 kernel on the
     kernel set's backend, larger ones to oneDNN; both give the bf16 product."""
@@ -195,6 +197,7 @@ def test_packed_linear_sends_decode_sizes_to_the_kernel(monkeypatch: pytest.Monk
     assert calls == ([(bf16_linear.MAX_ROWS, best)] if layer.bf16 is not None else [])
 
 
+@needs_bf16_packing
 def test_the_options_narrow_the_backend() -> None:
     """``bf16_linear=False`` keeps bf16 projections on oneDNN; ``amx=False`` keeps the
     kernel off the AMX tiles (AVX-512 BF16 where the CPU has it)."""

@@ -25,6 +25,7 @@ from parrot.engine.paged import PagedStepAttention
 from parrot.engine.runner import EngineRunner, Job
 from parrot.protocol.sampling import SamplingParams
 from parrot.protocol.tokenizer import TINY_VOCAB_SIZE, TextTokenizer
+from tests.cpu_features import bf16_weights
 
 CONFIG = ModelConfig(
     vocab_size=TINY_VOCAB_SIZE,
@@ -159,7 +160,7 @@ def test_it_declines_steps_it_does_not_cover(monkeypatch: pytest.MonkeyPatch) ->
 
 @pytest.mark.parametrize(
     ("weight_dtype", "kv_dtype"),
-    [(None, torch.bfloat16), (torch.bfloat16, None), (torch.bfloat16, torch.bfloat16)],
+    [(None, torch.bfloat16), bf16_weights(None), bf16_weights(torch.bfloat16)],
 )
 def test_bf16_weights_and_caches_give_the_python_paths_bits(
     monkeypatch: pytest.MonkeyPatch, weight_dtype: torch.dtype | None, kv_dtype: torch.dtype | None

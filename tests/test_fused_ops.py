@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from parrot.engine.kernels import fused, native
 from parrot.engine.model import LlamaModel, ModelConfig, apply_rope, random_init, rope_cos_sin, rope_inv_freq
 from parrot.protocol.tokenizer import TINY_VOCAB_SIZE
+from tests.cpu_features import bf16_weights
 
 
 @pytest.fixture(autouse=True, params=["native", "portable"])
@@ -124,7 +125,7 @@ class _Causal:
         return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
 
 
-@pytest.mark.parametrize("weight_dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("weight_dtype", [None, bf16_weights()])
 def test_a_packed_model_forward_with_fused_ops_equals_the_plain_one(
     weight_dtype: torch.dtype | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

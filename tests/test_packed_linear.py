@@ -7,6 +7,9 @@ import pytest
 import torch
 from torch import nn
 
+from parrot.engine.config import EngineConfig
+from parrot.engine.device import placement
+from parrot.engine.kernels import packed_linear
 from parrot.engine.kernels.packed_linear import (
     PackedLinear,
     Projection,
@@ -14,6 +17,7 @@ from parrot.engine.kernels.packed_linear import (
     prepack_linears,
 )
 from parrot.engine.model import LlamaModel, ModelConfig
+from tests.cpu_features import needs_bf16_packing
 
 pytestmark = pytest.mark.skipif(
     not packed_linear_available(torch.empty(2, 2)), reason="this torch build has no oneDNN CPU ops"
@@ -77,6 +81,7 @@ def test_prepack_is_skipped_where_it_cannot_apply() -> None:
     assert not packed_linear_available(torch.empty(2, 2, 2))
 
 
+@needs_bf16_packing
 def test_bf16_packed_weights_keep_fp32_activations() -> None:
     gen = torch.Generator().manual_seed(5)
     weight, x = torch.randn(64, 32, generator=gen), torch.randn(7, 32, generator=gen)
@@ -89,6 +94,7 @@ def test_bf16_packed_weights_keep_fp32_activations() -> None:
         PackedLinear(weight, dtype=torch.float16)
 
 
+@needs_bf16_packing
 def test_a_model_repacks_when_asked_for_another_dtype() -> None:
     model = LlamaModel.random_init(ModelConfig.tiny(), 1)
     assert model.prepack() and model.prepack(torch.bfloat16)
@@ -144,6 +150,7 @@ def test_fused_qkv_and_gate_up_match_the_separate_projections(bias: bool) -> Non
     assert rel_err(b, a) < 1e-5 and torch.equal(a.argmax(-1), b.argmax(-1))
 
 
+@needs_bf16_packing
 def test_bf16_packed_model_keeps_an_fp32_residual_stream() -> None:
     config = ModelConfig.tiny()
     plain, packed = LlamaModel.random_init(config, 6), LlamaModel.random_init(config, 6)
@@ -156,3 +163,27 @@ def test_bf16_packed_model_keeps_an_fp32_residual_stream() -> None:
     assert hidden.dtype == torch.float32 and logits.dtype == torch.float32
     assert 1e-5 < rel_err(hidden, exact) < 5e-2  # bf16 rounding: visible, and small
     assert not torch.isnan(logits).any()
+
+
+def test_the_bf16_probe_answers_as_onednn_does() -> None:
+    """bf16 packing needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT: the probe says whether
+    oneDNN packs bf16 here, and bf16 is offered only then (an AVX2-only CPU raises)."""
+    w = torch.randn(32, 48)
+    if packed_linear.bf16_packing_supported():
+        assert packed_linear_available(w, torch.bfloat16)
+        assert PackedLinear(w, dtype=torch.bfloat16).dtype == torch.bfloat16
+    else:
+        assert not packed_linear_available(w, torch.bfloat16)
+        with pytest.raises(RuntimeError, match="bf16"):
+            torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16), 16)
+    assert packed_linear_available(w)  # fp32 packs on every CPU with oneDNN
+
+
+def test_bf16_weights_on_a_cpu_without_bf16_packing_are_refused_before_a_model_loads(monkeypatch) -> None:
+    monkeypatch.setattr(packed_linear, "bf16_packing_supported", lambda: False)
+    with pytest.raises(ValueError, match=r"--weight-dtype bfloat16 needs a CPU .* leave --weight-dtype out"):
+        placement(EngineConfig(weight_dtype=torch.bfloat16))
+    assert placement(EngineConfig()).prepack  # fp32 weights still pack
+    model = LlamaModel.random_init(ModelConfig.tiny(), seed=0)
+    assert not model.prepack(torch.bfloat16)  # the library path declines rather than crashing
+    assert prepack_linears(model, torch.bfloat16) == 0

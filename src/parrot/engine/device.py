@@ -124,12 +124,27 @@ def placement(config: EngineConfig) -> Placement:
     device = resolve_device(config.device)
     dtype = model_dtype(device, config.dtype)
     if device == "cpu":
+        _check_cpu_weight_dtype(config.weight_dtype)
         return Placement(device, dtype, config.kernels, config.prepack)
     if config.weight_dtype is not None:
         raise ValueError("weight_dtype packs CPU projections; on CUDA set the model's dtype instead")
     if config.kv_dtype is not None and config.kv_dtype != dtype:
         raise ValueError(f"on CUDA the KV cache is in the model's dtype ({dtype}), not {config.kv_dtype}")
     return Placement(device, dtype, CUDA_KERNELS, prepack=False)
+
+
+def _check_cpu_weight_dtype(weight_dtype: torch.dtype | None) -> None:
+    """ValueError before any model loads when this CPU cannot pack ``weight_dtype``."""
+    import torch
+
+    from parrot.engine.kernels.packed_linear import bf16_packing_supported
+
+    if weight_dtype == torch.bfloat16 and not bf16_packing_supported():
+        raise ValueError(
+            "--weight-dtype bfloat16 needs a CPU on which oneDNN packs bf16 weights (AVX-512 BW/VL/DQ "
+            f"or AVX-NE-CONVERT); this one offers {torch.backends.cpu.get_cpu_capability()}: "
+            "leave --weight-dtype out to run fp32 weights"
+        )
 
 
 def place_model(model: LlamaModel, device: str, dtype: torch.dtype) -> LlamaModel:

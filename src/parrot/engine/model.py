@@ -318,9 +318,9 @@ class LlamaModel(nn.Module):
         (one GEMM each per layer); ``o_proj`` and ``down_proj`` alone.  Idempotent for one
         ``dtype``; returns whether the model now runs packed."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if not packed_linear_available(weight):
-            return False
         want = weight.dtype if dtype is None else dtype
+        if not packed_linear_available(weight, want):
+            return False
         kernels = for_options() if kernels is None else kernels
         fused: list[nn.Module] = []
         for layer in self.model.layers:

@@ -153,7 +153,10 @@ class EngineRunner(Worker):
         weight_dtype = cfg.weight_dtype
         self.packed = self.model.prepack(weight_dtype, self.kernels) if place.prepack else False
         if weight_dtype is not None and not self.packed:
-            raise ValueError(f"cannot pack weights as {weight_dtype} here (needs CPU oneDNN)")
+            raise ValueError(
+                f"cannot pack weights as {weight_dtype} here "
+                "(needs CPU oneDNN; bf16 needs AVX-512 or AVX-NE-CONVERT)"
+            )
 
     def submit(self, job: Job) -> None:
         """Queue ``job`` (any thread); it is admitted at a step of the worker thread."""

@@ -29,6 +29,7 @@ build of the C ops, is the engine's
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -38,22 +39,52 @@ from torch import Tensor, nn
 from parrot.engine.kernels import bf16_linear, f32_linear
 from parrot.engine.kernels.kernel_set import KernelSet, for_options
 
-__all__ = ["PackedLinear", "Projection", "packed_linear_available", "prepack_linears"]
+__all__ = [
+    "PackedLinear",
+    "Projection",
+    "bf16_packing_supported",
+    "packed_linear_available",
+    "prepack_linears",
+]
 
 # The batch size oneDNN tunes the packed layout for; measured on this machine, a
 # hint of 16 is as fast as the exact size from 4 to 512 rows (1 row: the same).
 _BATCH_HINT = 16
 
 
-def packed_linear_available(weight: Tensor) -> bool:
-    """True when ``weight`` can be prepacked here (CPU, fp32/bf16, oneDNN ops present)."""
+def _onednn_linear_ops() -> bool:
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+@functools.cache
+def bf16_packing_supported() -> bool:
+    """Whether oneDNN packs bf16 weights on this CPU.  Its bf16 reorder needs AVX-512
+    (BW, VL, DQ) or AVX-NE-CONVERT and raises RuntimeError on a CPU without them (an
+    AVX2-only AMD EPYC Milan, say), so it is tried once on a small weight."""
+    if not _onednn_linear_ops():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), _BATCH_HINT)
+    except RuntimeError:
+        return False
+    return True
+
+
+def packed_linear_available(weight: Tensor, dtype: torch.dtype | None = None) -> bool:
+    """True when ``weight`` can be prepacked here as ``dtype`` (default: its own): CPU,
+    fp32/bf16, oneDNN ops present, and for bf16 a CPU whose oneDNN packs bf16."""
+    want = weight.dtype if dtype is None else dtype
     return (
         weight.device.type == "cpu"
         and weight.dtype in (torch.float32, torch.bfloat16)
+        and want in (torch.float32, torch.bfloat16)
         and weight.dim() == 2
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and _onednn_linear_ops()
+        and (want != torch.bfloat16 or bf16_packing_supported())
     )
 
 
@@ -160,9 +191,9 @@ def prepack_linears(
         if id(module) in skip:
             module.packed = None
             continue
-        if not packed_linear_available(module.weight):
-            continue
         want = module.weight.dtype if dtype is None else dtype
+        if not packed_linear_available(module.weight, want):
+            continue
         current = module.packed
         if current is None or current.dtype != want or current.key != kernels.linear_key():
             module.packed = PackedLinear(module.weight, module.bias, dtype=want, kernels=kernels)
