@@ -173,12 +173,12 @@ def _call_routes(router: APIRouter, manager: Manager) -> None:
         """Create variables, submit calls and set variables in one request, all or none
         (see :mod:`parrot.manager.api.batch`)."""
         token = bearer_token(authorization)
-        manager.authorize(session_id, token)
+        session = manager.authorize(session_id, token)
         await check_batch(body)
         result = await manager.run_tokenized(
             lambda: apply_batch(manager, manager.authorize(session_id, token), body)
         )
-        await wait_for_values(manager, manager.authorize(session_id, token), body, result)
+        await wait_for_values(manager, session, body, result)
         return result
 
     @router.get("/v1/sessions/{session_id}/calls/{call_id}", response_model=CallInfo)
