@@ -116,7 +116,7 @@ class AsyncSession(SessionBase):
     async def _create(self, batch: RecordedBatch | None = None) -> None:
         """``POST /v1/sessions`` (carrying ``batch``, whose ids it settles)."""
         body = None if batch is None else {"batch": batch.body()}
-        read = None if batch is None else batch.read_timeout(self.timeout)
+        read = None if body is None else RecordedBatch.read_timeout(self.timeout, body["batch"])
         data = await self._request("POST", "/v1/sessions", json=body, read=read)
         created = parse_as(SessionCreated, data, "session creation")
         if batch is not None:
@@ -334,7 +334,7 @@ class AsyncSession(SessionBase):
                 await self._create(batch)
                 return
             body = batch.body()
-            read = batch.read_timeout(self.timeout)
+            read = batch.read_timeout(self.timeout, body)
             batch.settle(await self._request("POST", f"{self._sp}/batch", json=body, read=read))
         except ParrotError as error:
             batch.fail(error)

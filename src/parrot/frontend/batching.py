@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from parrot.frontend.variable import SemanticVariable
-from parrot.frontend.wire import error_from_info, parse_as
+from parrot.frontend.wire import parse_as, record_info
 from parrot.protocol.errors import BadRequest, ParrotError
 from parrot.protocol.schemas import MAX_BATCH_OPS, MAX_BATCH_WAIT_S, BatchRequest, BatchResult
 
@@ -106,10 +106,11 @@ class RecordedBatch:
         BatchRequest.model_validate(body)
         return body
 
-    def read_timeout(self, timeout: float) -> float:
-        """How long the client waits for the batch's answer: ``timeout``, plus the
-        manager's wait when the batch fetches outputs."""
-        return timeout + MAX_BATCH_WAIT_S if self.fetch_outputs and self.final_outputs() else timeout
+    @staticmethod
+    def read_timeout(timeout: float, body: dict[str, Any]) -> float:
+        """How long the client waits for the answer to ``body``: ``timeout``, plus the
+        manager's wait when it fetches outputs."""
+        return timeout + MAX_BATCH_WAIT_S if "wait" in body else timeout
 
     def settle(self, data: Any) -> None:
         """Take the manager's ``BatchResult``: ids of created variables, values of set ones."""
@@ -129,10 +130,7 @@ class RecordedBatch:
                     f"the manager's answer to a batch has a value for unknown ref {ref!r}",
                     code="bad_response",
                 )
-            if info.state == "ready" and info.value is not None:
-                var._resolve(info.value)
-            elif info.state == "failed":
-                var._fail(error_from_info(info.error, f"variable {var.name or var.id}"))
+            record_info(var, info)
 
     def fail(self, error: ParrotError) -> None:
         """The batch was not applied: its variables carry ``error`` for ever."""

@@ -21,6 +21,7 @@ from parrot.frontend.wire import (
     error_from_info,
     parse_as,
     quote_part,
+    record_info,
 )
 from parrot.protocol.errors import BadRequest, BindingError, ParrotError, Timeout
 from parrot.protocol.schemas import CallSubmitted, VariableInfo
@@ -153,17 +154,10 @@ class SessionBase:
 
     def _settle(self, var: SemanticVariable, data: Any) -> bool:
         """Record a ``VariableInfo``; True when ready, raises when failed."""
-        info = parse_as(VariableInfo, data, f"variable {var.id}")
-        if info.state == "ready":
-            if info.value is None:
-                raise ParrotError(f"variable {var.id} is ready but has no value", code="bad_response")
-            var._resolve(info.value)
-            return True
-        if info.state == "failed":
-            error = error_from_info(info.error, f"variable {var.name or var.id}")
-            var._fail(error)
-            raise error
-        return False
+        record_info(var, parse_as(VariableInfo, data, f"variable {var.id}"))
+        if var._error is not None:
+            raise var._error
+        return var._has_value
 
     def _stream_event(self, var: SemanticVariable, line: str) -> StreamEvent:
         """One NDJSON line -> its event; raises on a failed end."""

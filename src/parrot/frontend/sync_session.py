@@ -160,9 +160,8 @@ class Session(SessionBase):
             return
         try:
             body = batch.body()
-            batch.settle(
-                self._request("POST", f"{self._sp}/batch", json=body, read=batch.read_timeout(self.timeout))
-            )
+            read = batch.read_timeout(self.timeout, body)
+            batch.settle(self._request("POST", f"{self._sp}/batch", json=body, read=read))
         except ParrotError as error:
             batch.fail(error)
             raise

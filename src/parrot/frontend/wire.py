@@ -15,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from parrot.frontend.variable import SemanticVariable, check_value
 from parrot.protocol.errors import BadRequest, CallFailed, ParrotError, error_from_body
-from parrot.protocol.schemas import ErrorInfo
+from parrot.protocol.schemas import ErrorInfo, VariableInfo
 
 DEFAULT_TIMEOUT = 30.0
 """Seconds allowed for an ordinary request (long polls get their ``wait`` on top)."""
@@ -78,6 +78,17 @@ def error_from_info(info: ErrorInfo | dict[str, Any] | None, what: str) -> Parro
         return CallFailed(f"{what} failed (the manager gave no reason)")
     body = info.model_dump() if isinstance(info, ErrorInfo) else info
     return error_from_body(CallFailed.status, {"error": body})
+
+
+def record_info(var: SemanticVariable, info: VariableInfo) -> None:
+    """Cache what a ``VariableInfo`` says of ``var``: its value when ready, its error when
+    failed (nothing while pending); a ready variable without a value is a bad response."""
+    if info.state == "ready":
+        if info.value is None:
+            raise ParrotError(f"variable {var.id} is ready but has no value", code="bad_response")
+        var._resolve(info.value)
+    elif info.state == "failed":
+        var._fail(error_from_info(info.error, f"variable {var.name or var.id}"))
 
 
 def fmt_wait(seconds: float) -> str:
