@@ -344,6 +344,24 @@ def test_run_workload_honours_arrivals(fake: FakeOpenAI) -> None:
     assert run.extra["system"]["name"] == "fake" and "engine_metrics" not in run.extra
 
 
+def test_an_isolated_run_runs_apps_one_at_a_time_each_on_its_own_clock(fake: FakeOpenAI) -> None:
+    apps = (chain_app("late", 30.0), chain_app("early", 20.0), chain_app("first", 0.0))
+    workload = Workload("figX", "figX/test", {"sweep": "x", "x": 1}, apps)
+    system = SystemHandle("fake", "openai", fake.url, "m", 1, backend="fastchat", ignore_eos=False)
+    started = time.perf_counter()
+    run = asyncio.run(run_workload(system, workload, repeat=0, delay_ms=(0, 0), isolated=True))
+    took = time.perf_counter() - started
+    assert took < 10  # the 30 s arrival was not waited for
+    assert fake.max_in_flight == 1  # no two requests, hence no two apps, ever overlapped
+    assert [a.app_id for a in run.apps] == ["first", "early", "late"]  # arrival order
+    for app in run.apps:
+        assert app.error is None
+        assert app.start_s == pytest.approx(app.arrival_s, abs=0.5)  # started at once, on its own clock
+        assert 0 < app.end_s - app.arrival_s < took
+    assert sum(a.end_s - a.arrival_s for a in run.apps) <= took
+    assert run.extra["isolated"] is True and run.wall_s == pytest.approx(took, abs=1.0)
+
+
 # ------------------------------------------------------------------ Parrot client
 def _parrot_app() -> AppSpec:
     calls = (

@@ -577,9 +577,16 @@ async def run_workload(
     seed: int = 0,
     progress: Callable[[AppRecord], None] | None = None,
     app_timeout_s: float | None = DEFAULT_APP_TIMEOUT_S,
+    isolated: bool = False,
 ) -> RunRecord:
     """Run every app of ``workload`` on ``system`` (each starting at its
     ``arrival_s``, all concurrently) and return the run's record.
+
+    ``isolated``: the apps run one at a time instead, in arrival order, each as
+    soon as the one before it ended; each app's clock is shifted so that its
+    record keeps its own ``arrival_s`` and its latency (``end_s - arrival_s``) is
+    its latency with nothing else on the system: the least any scheduling could
+    give it there (no app of this load shares a prompt with another).
 
     Systems of kind ``"parrot"`` get :func:`run_parrot_app`, kind ``"openai"``
     :func:`run_baseline_app`.  Each app draws its delays from its own
@@ -601,7 +608,7 @@ async def run_workload(
         started_wall = time.time()
         t0 = time.perf_counter()
 
-        async def one(app: AppSpec) -> AppRecord:
+        async def one(app: AppSpec, t0: float) -> AppRecord:
             if system.kind == "parrot":
                 coro = run_parrot_app(system.base_url, app, t0, delay_for(app))
             else:
@@ -612,8 +619,14 @@ async def run_workload(
                 progress(record)
             return record
 
-        apps = await asyncio.gather(*(one(app) for app in workload.apps))
-        wall = max((a.end_s for a in apps), default=time.perf_counter() - t0)
+        if isolated:
+            apps = []
+            for app in sorted(workload.apps, key=lambda a: a.arrival_s):
+                apps.append(await one(app, time.perf_counter() - app.arrival_s))  # starts at once
+            wall = time.perf_counter() - t0
+        else:
+            apps = await asyncio.gather(*(one(app, t0) for app in workload.apps))
+            wall = max((a.end_s for a in apps), default=time.perf_counter() - t0)
         metrics = await sampler.stop()
     extra: dict[str, Any] = {
         "started_at": started_wall,
@@ -622,6 +635,8 @@ async def run_workload(
         "delay_ms": [low, high],
         "seed": seed,
     }
+    if isolated:
+        extra["isolated"] = True
     if metrics:
         extra["engine_metrics"] = metrics
     if len(router.urls) > 1:

@@ -153,6 +153,12 @@ def _parser() -> argparse.ArgumentParser:
         "70-90%% of a baseline's saturation rate",
     )
     p.add_argument(
+        "--isolated",
+        action="store_true",
+        help="run each workload's apps one at a time, each as soon as the one before ended: every "
+        "app's latency alone on the system, the floor that no scheduling can beat under load",
+    )
+    p.add_argument(
         "--step-log",
         action="store_true",
         help="Parrot's engines log every step (parrot --step-log) to logs/<system>/steps-*.jsonl, "
@@ -313,6 +319,7 @@ def collect_header(args: argparse.Namespace) -> dict[str, Any]:
         "fig17_bound_s": args.fig17_bound,
         "kv_cache_tokens": args.kv_cache_tokens,
         "app_load_rates": args.app_load_rates,
+        "isolated": args.isolated,
         "order": "per engine layout, repeat-major; in repeat r the systems rotated by r, each running "
         "the layout's workloads in order; repeat r: seed + r; fig17 stops a system's rates after "
         "the first over the bound",
@@ -643,6 +650,7 @@ def run_turn(
                 seed=args.seed,
                 progress=_on_app(bar, errors),
                 app_timeout_s=args.app_timeout,
+                isolated=args.isolated,
             )
         )
         after = load.sample(handle.pgids, fleet.idle_pgids(turn.system))
@@ -757,6 +765,7 @@ RUN_DEFINING = (
     "fig17_bound_s",
     "kv_cache_tokens",
     "app_load_rates",
+    "isolated",
 )
 
 
