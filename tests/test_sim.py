@@ -363,3 +363,40 @@ def test_a_kv_pool_below_one_token_is_refused(capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit) as exit_:
         sim_cli.main(["--figures", "agents_load", "--kv-cache-tokens", "0"])
     assert exit_.value.code == 2 and "must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_an_isolated_run_gives_each_app_its_latency_alone_at_its_own_arrival() -> None:
+    """``isolated``: each app runs alone, so its latency is what a workload of that app by
+    itself gives, no more than under the load (where apps that overlap slow each other),
+    and its record keeps its arrival."""
+    import dataclasses
+
+    from benchmarks.sim.driver import simulate
+    from benchmarks.suite.workloads import generate
+
+    tiny = TextTokenizer.byte_level_tiny()
+    workload = generate("app_load", 0.3, 0, app_load_rates=[2.0])[0]
+    assert len(workload.apps) >= 4
+    loaded = simulate(workload, "parrot", COST, tiny)
+    alone = simulate(workload, "parrot", COST, tiny, isolated=True)
+    by_id = {a.app_id: a for a in loaded.apps}
+    assert sorted(a.app_id for a in alone.apps) == sorted(by_id)
+    for app in alone.apps:
+        spec = next(s for s in workload.apps if s.app_id == app.app_id)
+        assert app.error is None and app.arrival_s == spec.arrival_s
+        assert all(app.arrival_s <= c.start_s <= c.end_s <= app.end_s + 1e-6 for c in app.calls)
+        by_itself = simulate(dataclasses.replace(workload, apps=(spec,)), "parrot", COST, tiny).apps[0]
+        assert app.latency_s == pytest.approx(by_itself.latency_s)
+        assert app.latency_s <= by_id[app.app_id].latency_s + 1e-9
+    mean = sum(a.latency_s for a in alone.apps) / len(alone.apps)
+    assert mean < sum(a.latency_s for a in loaded.apps) / len(loaded.apps)  # the load costs something
+
+
+def test_isolated_does_not_apply_to_the_paper_runs(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from benchmarks.sim import __main__ as sim_cli
+
+    with pytest.raises(SystemExit) as exit_:
+        sim_cli.main(["--paper", "--isolated", "--out", str(tmp_path)])
+    assert exit_.value.code == 2 and "--isolated" in capsys.readouterr().err

@@ -87,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="RATE",
         help="app_load's arrival rates (apps/s) in place of its default sweep (as the suite's option)",
     )
+    parser.add_argument(
+        "--isolated",
+        action="store_true",
+        help="each app alone on a fresh system (the suite's --isolated): the latency floor under load",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write every run as JSON here")
     parser.add_argument(
         "--compare", type=Path, default=None, metavar="RAW", help="a real run's raw.json to compare against"
@@ -135,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                         latency_cap=args.latency_cap,
                         pack_latency=args.pack_latency,
                         kv_cache_tokens=args.kv_cache_tokens,
+                        isolated=args.isolated,
                     )
                     runs.append(run)
                     repeat_means.append(_app_mean(a.latency_s for a in run.apps if a.error is None))
@@ -168,9 +174,10 @@ def _paper(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list
         "--repeats",
         "--pack-latency",
         "--no-pack-latency",
+        "--isolated",
     }:
         parser.error("--paper sets each figure's cost and latency cap; --cost, --compare, --scale, "
-                     "--latency-cap, --[no-]pack-latency and --repeats do not apply")  # fmt: skip
+                     "--latency-cap, --[no-]pack-latency, --isolated and --repeats do not apply")  # fmt: skip
     figures = list(PAPER_FIGURES) if "all" in args.figures or "--figures" not in given else args.figures
     missing = [f for f in figures if f not in PAPER_FIGURES]
     if missing:

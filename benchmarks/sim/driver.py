@@ -29,6 +29,7 @@ simulated engine samples a fixed token, so outputs are as long as ``max_tokens``
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -261,17 +262,55 @@ def simulate(
     latency_cap: int | None = None,
     kv_cache_tokens: int | None = None,
     pack_latency: bool = True,
+    isolated: bool = False,
 ) -> RunRecord:
     """One workload on one system, in virtual time (deterministic for the arguments).
     ``kv_cache_tokens``: each engine's KV pool (None: the simulated engine's default); its
     token capacity is the pool, as the real engine's default.  ``pack_latency``: the
-    manager's option of that name (``parrot serve --[no-]pack-latency``)."""
+    manager's option of that name (``parrot serve --[no-]pack-latency``).  ``isolated``:
+    each app runs alone, on a fresh manager and engines, its record shifted to its own
+    arrival (the suite's ``--isolated``): its latency with nothing else on the system."""
     spec = SYSTEMS[system]
-    apps = sim_clock.run(
-        _run(workload, spec, cost, tokenizer, seed, delay_ms, latency_cap, kv_cache_tokens, pack_latency)
-    )
+
+    def run(w: Workload) -> list[AppRecord]:
+        return sim_clock.run(
+            _run(w, spec, cost, tokenizer, seed, delay_ms, latency_cap, kv_cache_tokens, pack_latency)
+        )
+
+    if isolated:
+        apps = []
+        for app in sorted(workload.apps, key=lambda a: a.arrival_s):
+            (alone,) = run(dataclasses.replace(workload, apps=(dataclasses.replace(app, arrival_s=0.0),)))
+            apps.append(_shifted(alone, app.arrival_s))
+    else:
+        apps = run(workload)
     wall = max((a.end_s for a in apps), default=0.0)
     return RunRecord(system, workload.name, workload.figure, dict(workload.params), repeat, wall, apps)
+
+
+def _shifted(record: AppRecord, offset_s: float) -> AppRecord:
+    """``record`` (of an app run from time 0) with every time moved on by ``offset_s``."""
+
+    def move(t: float | None) -> float | None:
+        return None if t is None else t + offset_s
+
+    calls = [
+        dataclasses.replace(
+            c,
+            start_s=c.start_s + offset_s,
+            end_s=c.end_s + offset_s,
+            ready_s=move(c.ready_s),
+            first_token_s=move(c.first_token_s),
+        )
+        for c in record.calls
+    ]
+    return dataclasses.replace(
+        record,
+        arrival_s=record.arrival_s + offset_s,
+        start_s=record.start_s + offset_s,
+        end_s=record.end_s + offset_s,
+        calls=calls,
+    )
 
 
 def simulate_on(
@@ -285,6 +324,7 @@ def simulate_on(
     latency_cap: int | None = None,
     pack_latency: bool = True,
     kv_cache_tokens: int | None = None,
+    isolated: bool = False,
 ) -> RunRecord:
     """:func:`simulate` on engines of ``profile`` (its step cost and KV pool, or a pool of
     ``kv_cache_tokens``); the run's ``extra`` names the profile and the wall time the
@@ -300,6 +340,9 @@ def simulate_on(
         latency_cap=latency_cap,
         kv_cache_tokens=profile.kv_cache_tokens if kv_cache_tokens is None else kv_cache_tokens,
         pack_latency=pack_latency,
+        isolated=isolated,
     )
+    if isolated:
+        run.extra["isolated"] = True
     run.extra.update(cost=profile.name, sim_wall_s=time.perf_counter() - started)
     return run
