@@ -734,6 +734,12 @@ def test_resume_refuses_a_run_with_other_arguments_and_hands_on_the_kept_records
     (tmp_path / "raw.json").write_text("[]")
     with pytest.raises(ValueError, match=re.escape("scale 0.5 there, 1.0 now")):
         run.resumed(tmp_path, fresh)
+    (tmp_path / "header.json").write_text(json.dumps(fresh | {"isolated": True, "interrupted_at": "t"}))
+    with pytest.raises(ValueError, match=re.escape("isolated True there, False now")):
+        run.resumed(tmp_path, fresh)  # apps alone are not apps under load
+    before_isolated = {k: v for k, v in fresh.items() if k != "isolated"}  # a run from before the option
+    (tmp_path / "header.json").write_text(json.dumps(before_isolated | {"interrupted_at": "t"}))
+    assert run.resumed(tmp_path, fresh)[0]["resumed"][0]["records_kept"] == 0
     (tmp_path / "header.json").write_text(json.dumps(fresh | {"interrupted_at": "t"}))
     (tmp_path / "raw.json").write_text('[{"system": "parrot"}]')
     with pytest.raises(ValueError, match="not what the suite writes"):

@@ -767,6 +767,8 @@ RUN_DEFINING = (
     "app_load_rates",
     "isolated",
 )
+RUN_DEFINING_DEFAULTS = {"isolated": False}
+"""What a header written before a run-defining field existed meant by its absence."""
 
 
 def resumed(out: Path, fresh: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -783,9 +785,10 @@ def resumed(out: Path, fresh: dict[str, Any]) -> tuple[dict[str, Any], list[dict
         isinstance(r, dict) and keys <= r.keys() for r in raw
     ):
         raise ValueError("header.json or raw.json is not what the suite writes")
-    differ = [k for k in RUN_DEFINING if header.get(k) != fresh[k]]
+    kept = {k: header.get(k, RUN_DEFINING_DEFAULTS.get(k)) for k in RUN_DEFINING}
+    differ = [k for k in RUN_DEFINING if kept[k] != fresh[k]]
     if differ:
-        got = ", ".join(f"{k} {header.get(k)!r} there, {fresh[k]!r} now" for k in differ)
+        got = ", ".join(f"{k} {kept[k]!r} there, {fresh[k]!r} now" for k in differ)
         raise ValueError(f"its arguments differ: {got}")
     header.setdefault("resumed", []).append(
         {
