@@ -585,8 +585,9 @@ async def run_workload(
     ``isolated``: the apps run one at a time instead, in arrival order, each as
     soon as the one before it ended; each app's clock is shifted so that its
     record keeps its own ``arrival_s`` and its latency (``end_s - arrival_s``) is
-    its latency with nothing else on the system: the least any scheduling could
-    give it there (no app of this load shares a prompt with another).
+    its latency with nothing else on the system (the server's caches kept from
+    the apps before it): for a load whose apps share no prompt, the least any
+    scheduling could give it there.
 
     Systems of kind ``"parrot"`` get :func:`run_parrot_app`, kind ``"openai"``
     :func:`run_baseline_app`.  Each app draws its delays from its own
