@@ -390,13 +390,3 @@ def test_an_isolated_run_gives_each_app_its_latency_alone_at_its_own_arrival() -
         assert app.latency_s <= by_id[app.app_id].latency_s + 1e-9
     mean = sum(a.latency_s for a in alone.apps) / len(alone.apps)
     assert mean < sum(a.latency_s for a in loaded.apps) / len(loaded.apps)  # the load costs something
-
-
-def test_isolated_does_not_apply_to_the_paper_runs(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
-) -> None:
-    from benchmarks.sim import __main__ as sim_cli
-
-    with pytest.raises(SystemExit) as exit_:
-        sim_cli.main(["--paper", "--isolated", "--out", str(tmp_path)])
-    assert exit_.value.code == 2 and "--isolated" in capsys.readouterr().err

@@ -115,9 +115,10 @@ def test_fig17_claims_compare_the_highest_sustainable_rates() -> None:
         (["--paper"], "--paper needs --out FOLDER"),
         (
             ["--paper", "--out", "x", "--cost", "llama7b-a6000"],
-            "--cost, --compare, --scale, --latency-cap, --[no-]pack-latency and --repeats",
+            "--cost, --compare, --scale, --latency-cap, --[no-]pack-latency, --isolated and --repeats",
         ),
         (["--paper", "--out", "x", "--repeats", "3"], "--repeats do not apply"),
+        (["--paper", "--out", "x", "--isolated"], "--isolated and --repeats do not apply"),
         (["--paper", "--out", "x", "--figures", "fig12a"], "no paper-size workloads for fig12a"),
     ],
 )
