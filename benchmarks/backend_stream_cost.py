@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import statistics
 import sys
@@ -34,28 +33,12 @@ import time
 from pathlib import Path
 
 import httpx
+from benchmarks.suite.load import group_cpu_s
 from benchmarks.suite.systems import SystemHandle, start_system
 
 import parrot as P
 
 KINDS = ("direct", "parrot")
-_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def group_cpu_s(pgids: list[int]) -> float:
-    """CPU seconds (user + system) used so far by every live process in ``pgids``."""
-    total = 0.0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) in pgids:  # pgrp
-            total += (int(fields[11]) + int(fields[12])) / _TICKS
-    return total
 
 
 def prompts(tag: str, n: int) -> list[str]:
